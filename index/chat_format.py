@@ -1,0 +1,431 @@
+"""The target's chat format: render conversations as the model sees them, parse its tool calls back.
+
+Contract: `ChatFormat.for_tokenizer(tok)` uses the tokenizer's own chat template when it has one
+that mentions `tools`; otherwise Sailfish's built-in Gemma 4 format below. Either way:
+`render_prompt(messages, tools)` is the text before the next assistant turn (generation prompt
+included); `assistant_turns(messages, tools)` gives, per assistant message, (prompt, generated)
+with prompt + generated a prefix of the whole rendered conversation; `turn_token_ids` gives the
+same as token ids; `parse_generated` / `ToolCallStreamParser` turn generated text back into
+content plus OpenAI-shaped tool calls (`{"name", "arguments": JSON string}`).
+
+Built-in Gemma 4 rendering rules (all of them live in this module; `_render` applies them):
+- The text starts with the tokenizer's BOS string (`<bos>`); tokenize rendered text with
+  `add_special_tokens=False` so it is not doubled.
+- System turn, when there is a system message or any tool:
+  `<|turn>system\n` + system text + one `<|tool>declaration:NAME{description:<|"|>D<|"|>,`
+  `parameters:P}<tool|>` per tool + `<turn|>\n`. Several system messages are joined with "\n\n".
+- User turn: `<|turn>user\n` + text + `<turn|>\n`.
+- Model turn: `<|turn>model\n` + content + one `<|tool_call>call:NAME{ARGS}<tool_call|>` per
+  call. Tool results that follow stay inside the same model turn, each as
+  `<|tool_response>response:NAME{RESULT}<tool_response|>`; an assistant message right after
+  them continues the same model turn (no new `<|turn>model\n`). The model turn is closed with
+  `<turn|>\n` before the next user/system message, before an assistant message that follows an
+  assistant message directly, and at the end.
+- Values (schemas, arguments, results) use one syntax: objects `{key:value,...}` with bare
+  keys in their original order, arrays `[a,b]`, strings `<|"|>text<|"|>` (no escaping), numbers,
+  `true`/`false`/`null` bare. A tool result that is not a JSON object becomes
+  `{value:...}` (a non-JSON string as a string); arguments that are not a JSON object likewise.
+- What the model generates for an assistant message is its content and calls plus the marker
+  that ends generation there: `<|tool_response>` when tool results follow, else `<turn|>`.
+  The prompt before a continuation ends right after `<tool_response|>`.
+- Thinking (`<|channel>thought...`) is not rendered: traces carry no target-model thoughts.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"
+TOOL_OPEN, TOOL_CLOSE = "<|tool>", "<tool|>"
+CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
+RESP_OPEN, RESP_CLOSE = "<|tool_response>", "<tool_response|>"
+QUOTE = '<|"|>'
+END_MARKERS = (TURN_CLOSE, RESP_OPEN, "<end_of_turn>", "<eos>")
+
+# ---------------------------------------------------------------- the value syntax
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{format_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return QUOTE + value + QUOTE
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
+
+
+def _as_object(text: str | None) -> dict:
+    """A JSON-object string as a dict; anything else wrapped as {"value": ...}."""
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {"value": text}
+    return parsed if isinstance(parsed, dict) else {"value": parsed}
+
+
+class _ValueParser:
+    """Parses the value syntax at `pos`; raises ValueError on anything malformed or truncated."""
+
+    _BARE_END = re.compile(r"[,}\]]")
+
+    def __init__(self, text: str, pos: int = 0):
+        self.text, self.pos = text, pos
+
+    def value(self) -> Any:
+        t = self.text
+        if t.startswith(QUOTE, self.pos):
+            end = t.find(QUOTE, self.pos + len(QUOTE))
+            if end < 0:
+                raise ValueError("unterminated string")
+            s = t[self.pos + len(QUOTE):end]
+            self.pos = end + len(QUOTE)
+            return s
+        if t.startswith("{", self.pos):
+            return self.obj()
+        if t.startswith("[", self.pos):
+            self.pos += 1
+            out = []
+            if t.startswith("]", self.pos):
+                self.pos += 1
+                return out
+            while True:
+                out.append(self.value())
+                if t.startswith(",", self.pos):
+                    self.pos += 1
+                elif t.startswith("]", self.pos):
+                    self.pos += 1
+                    return out
+                else:
+                    raise ValueError("bad array")
+        m = self._BARE_END.search(t, self.pos)
+        if m is None:
+            raise ValueError("truncated value")
+        raw = t[self.pos:m.start()].strip()
+        self.pos = m.start()
+        if raw in ("true", "false", "null"):
+            return {"true": True, "false": False, "null": None}[raw]
+        try:
+            return json.loads(raw)
+        except ValueError:
+            if not raw:
+                raise ValueError("empty value") from None
+            return raw  # a bare word the model left unquoted: keep it as a string
+
+    def obj(self) -> dict:
+        t = self.text
+        if not t.startswith("{", self.pos):
+            raise ValueError("expected {")
+        self.pos += 1
+        out: dict = {}
+        if t.startswith("}", self.pos):
+            self.pos += 1
+            return out
+        while True:
+            colon = t.find(":", self.pos)
+            if colon < 0:
+                raise ValueError("truncated key")
+            key = t[self.pos:colon].strip()
+            if not key or any(c in key for c in "{}[],<>"):
+                raise ValueError("bad key")
+            self.pos = colon + 1
+            out[key] = self.value()
+            if t.startswith(",", self.pos):
+                self.pos += 1
+            elif t.startswith("}", self.pos):
+                self.pos += 1
+                return out
+            else:
+                raise ValueError("bad object")
+
+
+def parse_value_object(text: str) -> dict:
+    p = _ValueParser(text)
+    obj = p.obj()
+    if p.pos != len(text):
+        raise ValueError("trailing text")
+    return obj
+
+
+# ---------------------------------------------------------------- parsing generated text
+
+_CALL_HEAD = re.compile(r"call:([^{}<>\s]+)\{")
+
+
+@dataclass
+class ParsedTurn:
+    content: str
+    tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments": JSON string}
+
+
+def _parse_call(body: str) -> dict | None:
+    """`call:NAME{...}` (the text between the call markers) -> {"name", "arguments"}, or None."""
+    m = _CALL_HEAD.match(body)
+    if not m:
+        return None
+    try:
+        args = parse_value_object(body[m.end() - 1:])
+    except ValueError:
+        return None
+    return {"name": m.group(1), "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+def _strip_end_marker(text: str) -> str:
+    for marker in END_MARKERS:
+        if text.endswith(marker):
+            return text[: -len(marker)]
+    return text
+
+
+def parse_generated(text: str) -> ParsedTurn:
+    """Generated model text -> content + tool calls. A truncated or garbled call stays content."""
+    parser = ToolCallStreamParser()
+    content, calls = parser.feed(_strip_end_marker(text))
+    rest, more = parser.finish()
+    return ParsedTurn(content=content + rest, tool_calls=calls + more)
+
+
+class ToolCallStreamParser:
+    """Feed text deltas; get (content delta, completed tool calls) back.
+
+    Text that could still become `<|tool_call>` is held back, and so is an open call until its
+    `<tool_call|>` arrives, so no partial markup is emitted as content. A call that does not
+    parse is released as content. `finish()` flushes what is held (an unclosed call as content).
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        self._buf += delta
+        content: list[str] = []
+        calls: list[dict] = []
+        while True:
+            start = self._buf.find(CALL_OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buf, CALL_OPEN)
+                content.append(self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            end = self._buf.find(CALL_CLOSE, start + len(CALL_OPEN))
+            if end < 0:
+                content.append(self._buf[:start])
+                self._buf = self._buf[start:]
+                break
+            content.append(self._buf[:start])
+            call = _parse_call(self._buf[start + len(CALL_OPEN):end])
+            if call is None:
+                content.append(self._buf[start:end + len(CALL_CLOSE)])
+            else:
+                calls.append(call)
+            self._buf = self._buf[end + len(CALL_CLOSE):]
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self._buf = self._buf, ""
+        return rest, []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _tool_function(tool: dict) -> dict:
+    return tool.get("function", tool) if isinstance(tool, dict) else {}
+
+
+def _declaration(tool: dict) -> str:
+    fn = _tool_function(tool)
+    body = {"description": fn.get("description", ""),
+            "parameters": fn.get("parameters") or {"type": "object"}}
+    return f"{TOOL_OPEN}declaration:{fn.get('name', '')}{format_value(body)}{TOOL_CLOSE}"
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function", call)
+    return f"{CALL_OPEN}call:{fn['name']}{format_value(_as_object(fn.get('arguments')))}{CALL_CLOSE}"
+
+
+def _response_text(name: str, content: str) -> str:
+    return f"{RESP_OPEN}response:{name}{format_value(_as_object(content))}{RESP_CLOSE}"
+
+
+def _render(bos: str, messages: list[dict], tools: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Built-in Gemma 4 rendering of a whole conversation.
+
+    Returns the text (any open model turn closed at the end) and, per assistant message, the
+    (start, end) character offsets of what the model generates for it, end marker included.
+    """
+    out = [bos]
+    spans: list[tuple[int, int]] = []
+    pos = len(bos)
+
+    def emit(s: str) -> None:
+        nonlocal pos
+        out.append(s)
+        pos += len(s)
+
+    systems = [m.get("content") or "" for m in messages if m["role"] == "system"]
+    if systems or tools:
+        emit(f"{TURN_OPEN}system\n" + "\n\n".join(systems)
+             + "".join(_declaration(t) for t in tools) + f"{TURN_CLOSE}\n")
+    names: dict[str, str] = {}
+    in_model = False  # a model turn is open
+    prev = None  # role of the previous rendered message
+    pending: int | None = None  # start offset of the assistant message awaiting its end marker
+    for m in messages:
+        role = m["role"]
+        if role == "system":
+            continue
+        if role == "tool":
+            if pending is not None:
+                spans.append((pending, pos + len(RESP_OPEN)))
+                pending = None
+            if not in_model:  # a tool result without a preceding call: still inside a model turn
+                emit(f"{TURN_OPEN}model\n")
+                in_model = True
+            name = m.get("name") or names.get(m.get("tool_call_id", ""), "unknown")
+            emit(_response_text(name, m.get("content") or ""))
+        else:
+            if in_model and (role == "user" or prev == "assistant"):
+                if pending is not None:
+                    spans.append((pending, pos + len(TURN_CLOSE)))
+                    pending = None
+                emit(f"{TURN_CLOSE}\n")
+                in_model = False
+            if role == "user":
+                emit(f"{TURN_OPEN}user\n{m.get('content') or ''}{TURN_CLOSE}\n")
+            else:
+                if not in_model:
+                    emit(f"{TURN_OPEN}model\n")
+                    in_model = True
+                pending = pos
+                emit(m.get("content") or "")
+                for call in m.get("tool_calls") or []:
+                    names[call.get("id", "")] = call["function"]["name"]
+                    emit(_call_text(call))
+        prev = role
+    if in_model:
+        if pending is not None:
+            spans.append((pending, pos + len(TURN_CLOSE)))
+        emit(f"{TURN_CLOSE}\n")
+    return "".join(out), spans
+
+
+def _generation_prompt(messages: list[dict]) -> str:
+    """What opens the next assistant turn after `messages` in the built-in format."""
+    last = next((m["role"] for m in reversed(messages) if m["role"] != "system"), None)
+    return "" if last == "tool" else f"{TURN_OPEN}model\n"
+
+
+class ChatFormat:
+    def __init__(self, bos: str = "<bos>", tokenizer: Any = None):
+        self.bos = bos
+        self._template_tok = tokenizer  # set only when rendering through the tokenizer's template
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> "ChatFormat":
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            template = " ".join(str(v) for v in template.values())
+        bos = getattr(tokenizer, "bos_token", None) or ""
+        if isinstance(template, str) and "tools" in template:
+            return cls(bos=bos, tokenizer=tokenizer)
+        return cls(bos=bos)
+
+    @property
+    def uses_template(self) -> bool:
+        return self._template_tok is not None
+
+    def _apply_template(self, messages: list[dict], tools: list[dict], gen: bool) -> str:
+        return self._template_tok.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=gen, tokenize=False)
+
+    def render(self, messages: list[dict], tools: list[dict]) -> str:
+        """The whole conversation as text."""
+        if self.uses_template:
+            return self._apply_template(messages, tools, gen=False)
+        return _render(self.bos, messages, tools)[0]
+
+    def render_with_spans(self, messages: list[dict], tools: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """Built-in format only: the whole text and each assistant turn's (start, end) offsets."""
+        if self.uses_template:
+            raise ValueError("render_with_spans is for the built-in format; use assistant_turns")
+        return _render(self.bos, messages, tools)
+
+    def render_prompt(self, messages: list[dict], tools: list[dict]) -> str:
+        if self.uses_template:
+            return self._apply_template(messages, tools, gen=True)
+        text, _ = _render(self.bos, messages, tools)
+        if messages and messages[-1]["role"] == "tool":
+            # the open model turn continues after the tool response: drop the closing marker
+            return text[: -len(f"{TURN_CLOSE}\n")]
+        return text + _generation_prompt(messages)
+
+    def assistant_turns(self, messages: list[dict], tools: list[dict]) -> list[tuple[str, str]]:
+        if self.uses_template:
+            turns = []
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                prompt = self._apply_template(messages[:i], tools, gen=True)
+                full = self._apply_template(messages[: i + 1], tools, gen=False)
+                if full.startswith(prompt):  # a template that breaks this gives no usable turn
+                    turns.append((prompt, full[len(prompt):]))
+            return turns
+        text, spans = _render(self.bos, messages, tools)
+        return [(text[:a], text[a:b]) for a, b in spans]
+
+    def turn_token_ids(self, tokenizer: Any, messages: list[dict],
+                       tools: list[dict]) -> list[tuple[list[int], list[int]]]:
+        """(context ids, target ids) per assistant turn, with the model's own token boundaries.
+
+        Cost is quadratic in conversation length (each prompt is tokenized); cap long sessions.
+        """
+        out = []
+        for prompt, generated in self.assistant_turns(messages, tools):
+            ctx = tokenizer.encode(prompt, add_special_tokens=False)
+            full = tokenizer.encode(prompt + generated, add_special_tokens=False)
+            if full[: len(ctx)] == ctx:
+                target = full[len(ctx):]
+            else:  # the boundary merged into one token: tokenize the generated part alone
+                target = tokenizer.encode(generated, add_special_tokens=False)
+            out.append((ctx, target))
+        return out
+
+    @staticmethod
+    def stop_strings() -> list[str]:
+        return list(END_MARKERS)
+
+    @staticmethod
+    def stop_token_ids(tokenizer: Any) -> set[int]:
+        ids: set[int] = set()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(i) for i in eos)
+        vocab = tokenizer.get_vocab()
+        for s in ("<end_of_turn>", TURN_CLOSE, RESP_OPEN):
+            if s in vocab:
+                ids.add(vocab[s])
+        return ids
+
+    @staticmethod
+    def parse_generated(text: str) -> ParsedTurn:
+        return parse_generated(text)

@@ -1,0 +1,42 @@
+"""Where Sailfish keeps its data, and which traces the default index is built from.
+
+- `SAILFISH_HOME` (default `~/.local/share/sailfish`) holds:
+    traces/   the server's own trace log (completed chat requests, OpenAI JSONL); indexed by default
+    index/    the default index, read by the server
+- Default trace sources for `make index` / `python -m index build` without `--traces`:
+    $SAILFISH_HOME/traces, ~/.claude/projects (Claude Code sessions) when present, every directory
+    in `SAILFISH_TRACE_DIRS` (os.pathsep-separated), and the public BFCL v4 starter corpus (the
+    `bfcl-eval` package) minus its held-out split, which benchmarks replay against.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BFCL_HOLDOUT_FRACTION = 0.2
+BFCL_SPLIT_SEED = 0
+
+
+def sailfish_home() -> Path:
+    return Path(os.environ.get("SAILFISH_HOME", Path.home() / ".local" / "share" / "sailfish"))
+
+
+def default_trace_dir() -> Path:
+    return sailfish_home() / "traces"
+
+
+def default_index_dir() -> Path:
+    return sailfish_home() / "index"
+
+
+def claude_code_dir() -> Path:
+    return Path.home() / ".claude" / "projects"
+
+
+def default_trace_paths() -> list[Path]:
+    paths = [default_trace_dir()]
+    if claude_code_dir().is_dir():
+        paths.append(claude_code_dir())
+    extra = os.environ.get("SAILFISH_TRACE_DIRS", "")
+    paths.extend(Path(p) for p in extra.split(os.pathsep) if p)
+    return [p for p in paths if p.exists()]

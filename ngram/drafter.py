@@ -1,0 +1,198 @@
+"""The n-gram drafter: longest-suffix matching over the index and the live context.
+
+Contract:
+    drafter = NgramDrafter(index_or_None, DrafterConfig(...))
+    session = drafter.session()                         # one per request
+    draft = session.propose(context_ids, max_tokens)    # context = prompt + tokens committed so far
+    session.feedback(drafted=len(draft), accepted=n)    # after verification
+`propose` never returns more than `max_tokens` tokens, and returns an empty Draft (source "none")
+when no source matches at least `min_match` tokens with confidence above the cut-off.
+
+A session serves one growing context: it encodes only the tokens appended since its last call (a
+context that does not extend the previous one is re-encoded in full), and it remembers its last index
+match, which bounds the next one (see match.longest_index_match).
+
+Choice between sources: each source proposes its own draft; the longer match wins (it conditions on
+more context), then the larger expected accepted length (the sum of cumulative confidences).
+Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
+partly rejected one lowers it to one past what was accepted (never below `min_draft`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ngram.codec import encode
+from ngram.draft import EMPTY_DRAFT, Draft
+from ngram.index_file import NgramIndex
+from ngram.match import (
+    context_continuation,
+    context_match,
+    index_continuation,
+    longest_index_match,
+    prompt_lookup,
+    scan_keys,
+    walk,
+)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    max_draft: int = 8              # longest draft proposed
+    min_draft: int = 2              # the adaptive limit never drops below this
+    grow: int = 2                   # added to the limit after a fully accepted draft
+    min_match: int = 2              # shortest suffix match that may propose
+    max_match: int = 16             # longest suffix considered (index keys bound it too)
+    confidence_cutoff: float = 0.3  # stop where the cumulative confidence would fall below this
+    scan_limit: int = 32            # index keys examined per continuation
+    context_window: int = 16384     # how far back (tokens) the live-context lookup searches
+    context_occurrences: int = 8    # most recent context occurrences that vote
+    use_index: bool = True
+    use_context: bool = True
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+class NgramDrafter:
+    """Holds the index and the settings; all per-request state lives in DraftSession."""
+
+    def __init__(self, index: NgramIndex | None = None, config: DrafterConfig | None = None):
+        self.index = index
+        self.config = config or DrafterConfig()
+        max_match = self.config.max_match
+        if index is not None:  # a match must leave room in the keys for continuation tokens
+            max_match = min(max_match, index.params.key_tokens - 4)
+        self.max_index_match = max_match
+
+    def session(self) -> "DraftSession":
+        return DraftSession(self)
+
+    def propose(self, context_ids, max_tokens: int) -> Draft:
+        """One-off proposal (a fresh session); engines should hold a session per request."""
+        return DraftSession(self).propose(context_ids, max_tokens)
+
+
+class DraftSession:
+    """Per-request state: encoded context, last match, adaptive length limit, counters."""
+
+    def __init__(self, drafter: NgramDrafter):
+        self.drafter = drafter
+        self.limit = drafter.config.max_draft
+        self.drafted = 0
+        self.accepted = 0
+        self._text = ""
+        self._last_id = -1
+        self._index_match = 0
+        self._text_at_match = 0
+
+    def propose(self, context_ids, max_tokens: int) -> Draft:
+        max_tokens = min(max_tokens, self.limit)
+        n = len(context_ids)
+        if max_tokens <= 0 or n == 0:
+            return EMPTY_DRAFT
+        self._sync(context_ids)
+        cfg = self.drafter.config
+        best = EMPTY_DRAFT
+        if cfg.use_index and self.drafter.index is not None:
+            best = self._from_index(max_tokens)
+        if cfg.use_context:
+            other = self._from_context(max_tokens)
+            if (other.match_length, float(other.confidence.sum())) > (best.match_length, float(best.confidence.sum())):
+                best = other
+        return best
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        cfg = self.drafter.config
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted >= drafted:
+            self.limit = min(cfg.max_draft, self.limit + cfg.grow)
+        else:
+            self.limit = max(cfg.min_draft, accepted + 1)
+
+    def _sync(self, context_ids) -> None:
+        """Bring the encoded text up to date with the context (append-only in the common case)."""
+        n = len(context_ids)
+        have = len(self._text)
+        if have and n >= have and int(context_ids[have - 1]) == self._last_id:
+            if n > have:
+                self._text += encode(context_ids[have:])
+        else:
+            self._text = encode(context_ids)
+            self._index_match = 0
+            self._text_at_match = 0
+        self._last_id = int(context_ids[n - 1])
+        window = self.drafter.config.context_window
+        if len(self._text) > 2 * window:  # bound memory and search time on very long contexts
+            drop = len(self._text) - window
+            self._text = self._text[drop:]
+            self._text_at_match = max(0, self._text_at_match - drop)
+
+    def _from_index(self, max_tokens: int) -> Draft:
+        drafter, cfg = self.drafter, self.drafter.config
+        trie, counts, longest = drafter.index.trie, drafter.index.counts, drafter.max_index_match
+        text = self._text
+        rows: list = []
+        k = 0
+        if self._index_match:  # the previous match bounds this one; probing it often settles it
+            k = min(longest, len(text), self._index_match + len(text) - self._text_at_match)
+            rows = scan_keys(trie, counts, text[-k:], cfg.scan_limit)
+        if not rows:
+            k = longest_index_match(trie, text[-longest:], cfg.min_match, longest, k - 1 if k else None)
+            rows = scan_keys(trie, counts, text[-k:], cfg.scan_limit) if k else []
+        self._index_match, self._text_at_match = (k if rows else 0), len(text)
+        if not rows:
+            return EMPTY_DRAFT
+        tokens, confs = walk(rows, k, max_tokens, cfg.confidence_cutoff)
+        # One scan reads at most key_tokens - k tokens ahead: continue from the extended text.
+        while tokens and len(tokens) < max_tokens:
+            # text[-k:] + tokens occurs (the walk followed keys), so any suffix of it does too
+            prefix = (text[-k:] + encode(tokens))[-longest:]
+            base = confs[-1]
+            more, more_conf = index_continuation(
+                trie, counts, prefix, max_tokens - len(tokens), cfg.confidence_cutoff / base, cfg.scan_limit
+            )
+            if not more:
+                break
+            tokens.extend(more)
+            confs.extend(base * c for c in more_conf)
+        return _draft(tokens, confs, "index", k)
+
+    def _from_context(self, max_tokens: int) -> Draft:
+        cfg = self.drafter.config
+        text = self._text[-cfg.context_window :]
+        k, starts = context_match(text, cfg.min_match, cfg.max_match, cfg.context_occurrences)
+        if k == 0:
+            return EMPTY_DRAFT
+        tokens, confs = context_continuation(text, starts, max_tokens, cfg.confidence_cutoff)
+        return _draft(tokens, confs, "context", k)
+
+
+class PromptLookupDrafter:
+    """The baseline: transformers' prompt lookup over the request's own context, fixed length."""
+
+    def __init__(self, max_draft: int = 10, max_ngram: int = 2):
+        self.max_draft = max_draft
+        self.max_ngram = max_ngram
+
+    def session(self) -> "PromptLookupDrafter":
+        return self  # stateless
+
+    def propose(self, context_ids, max_tokens: int) -> Draft:
+        ctx = np.asarray(context_ids, dtype=np.int64)
+        tokens = prompt_lookup(ctx, min(max_tokens, self.max_draft), self.max_ngram)
+        return _draft(tokens, [1.0] * len(tokens), "prompt-lookup", self.max_ngram if tokens else 0)
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+def _draft(tokens: list[int], confs: list[float], source: str, match_length: int) -> Draft:
+    if not tokens:
+        return EMPTY_DRAFT
+    return Draft(np.asarray(tokens, dtype=np.int32), np.asarray(confs, dtype=np.float32), source, match_length)
