@@ -22,7 +22,7 @@ def _to_code_points(ids: np.ndarray) -> np.ndarray:
 def encode(ids) -> str:
     """Token ids (any int sequence) -> key string, one character per token."""
     if len(ids) < 64:  # a Python join beats numpy set-up below this size
-        ids = [int(i) for i in ids]
+        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
         if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
             raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
         return "".join(map(encode_one, ids))
@@ -43,4 +43,8 @@ def decode_char(ch: str) -> int:
 
 
 def decode(key: str) -> list[int]:
-    return [decode_char(c) for c in key]
+    out = []
+    for c in key:
+        cp = ord(c)
+        out.append((cp - _SURROGATE_SPAN if cp >= _SURROGATE_START + _SURROGATE_SPAN else cp) - 1)
+    return out

@@ -13,7 +13,9 @@ context that does not extend the previous one is re-encoded in full), and it rem
 match, which bounds the next one (see match.longest_index_match).
 
 Choice between sources: each source proposes its own draft; the longer match wins (it conditions on
-more context), then the larger expected accepted length (the sum of cumulative confidences).
+more context), then the larger expected accepted length (the sum of cumulative confidences). The
+context is not searched when the index draft is already decisive (longest match, full length,
+confidence 1), since the context could at best tie it.
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
 partly rejected one lowers it to one past what was accepted (never below `min_draft`).
 """
@@ -26,13 +28,12 @@ import numpy as np
 from ngram.codec import encode
 from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
+from ngram.lookup import IndexLookup
 from ngram.match import (
     context_continuation,
     context_match,
-    index_continuation,
     longest_index_match,
     prompt_lookup,
-    scan_keys,
     walk,
 )
 
@@ -46,7 +47,7 @@ class DrafterConfig:
     max_match: int = 16             # longest suffix considered (index keys bound it too)
     confidence_cutoff: float = 0.3  # stop where the cumulative confidence would fall below this
     scan_limit: int = 32            # index keys examined per continuation
-    context_window: int = 16384     # how far back (tokens) the live-context lookup searches
+    context_window: int = 4096      # how far back (tokens) the live-context lookup searches
     context_occurrences: int = 8    # most recent context occurrences that vote
     use_index: bool = True
     use_context: bool = True
@@ -54,6 +55,10 @@ class DrafterConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# A source's proposal before it becomes a Draft: (token ids, cumulative confidences, source, match length).
+_NO_CANDIDATE: tuple = ([], [], "none", 0)
 
 
 class NgramDrafter:
@@ -64,8 +69,9 @@ class NgramDrafter:
         self.config = config or DrafterConfig()
         max_match = self.config.max_match
         if index is not None:  # a match must leave room in the keys for continuation tokens
-            max_match = min(max_match, index.params.key_tokens - 4)
+            max_match = min(max_match, index.params.key_tokens - 16)
         self.max_index_match = max_match
+        self.lookup = IndexLookup(index, self.config.scan_limit) if index is not None else None
 
     def session(self) -> "DraftSession":
         return DraftSession(self)
@@ -87,6 +93,8 @@ class DraftSession:
         self._last_id = -1
         self._index_match = 0
         self._text_at_match = 0
+        self._rows: list = []      # the last index scan, kept while the context follows it
+        self._rows_depth = 0
 
     def propose(self, context_ids, max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.limit)
@@ -95,14 +103,19 @@ class DraftSession:
             return EMPTY_DRAFT
         self._sync(context_ids)
         cfg = self.drafter.config
-        best = EMPTY_DRAFT
+        best = _NO_CANDIDATE
         if cfg.use_index and self.drafter.index is not None:
             best = self._from_index(max_tokens)
-        if cfg.use_context:
+        # The context can only tie an index draft that is already as long and as sure as allowed.
+        decisive = best[3] >= self.drafter.max_index_match and len(best[0]) == max_tokens and best[1][-1] >= 1.0
+        if cfg.use_context and not decisive:
             other = self._from_context(max_tokens)
-            if (other.match_length, float(other.confidence.sum())) > (best.match_length, float(best.confidence.sum())):
+            if (other[3], sum(other[1])) > (best[3], sum(best[1])):
                 best = other
-        return best
+        tokens, confs, source, match_length = best
+        if not tokens:
+            return EMPTY_DRAFT
+        return Draft(np.asarray(tokens, dtype=np.int32), np.asarray(confs, dtype=np.float32), source, match_length)
 
     def feedback(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -126,6 +139,7 @@ class DraftSession:
             self._text = encode(context_ids)
             self._index_match = 0
             self._text_at_match = 0
+            self._rows = []
         self._last_id = int(context_ids[n - 1])
         window = self.drafter.config.context_window
         if len(self._text) > 2 * window:  # bound memory and search time on very long contexts
@@ -133,44 +147,57 @@ class DraftSession:
             self._text = self._text[drop:]
             self._text_at_match = max(0, self._text_at_match - drop)
 
-    def _from_index(self, max_tokens: int) -> Draft:
+    def _from_index(self, max_tokens: int) -> tuple:
         drafter, cfg = self.drafter, self.drafter.config
-        trie, counts, longest = drafter.index.trie, drafter.index.counts, drafter.max_index_match
+        lookup, longest = drafter.lookup, drafter.max_index_match
         text = self._text
-        rows: list = []
-        k = 0
-        if self._index_match:  # the previous match bounds this one; probing it often settles it
+        k, rows = self._follow_cached_rows(text)
+        if not rows and self._index_match:  # the previous match bounds this one: probe the bound
             k = min(longest, len(text), self._index_match + len(text) - self._text_at_match)
-            rows = scan_keys(trie, counts, text[-k:], cfg.scan_limit)
+            rows = lookup.scan(text[-k:])
         if not rows:
-            k = longest_index_match(trie, text[-longest:], cfg.min_match, longest, k - 1 if k else None)
-            rows = scan_keys(trie, counts, text[-k:], cfg.scan_limit) if k else []
+            k = longest_index_match(lookup.has_prefix, text[-longest:], cfg.min_match, longest, k - 1 if k else None)
+            rows = lookup.scan(text[-k:]) if k else []
         self._index_match, self._text_at_match = (k if rows else 0), len(text)
+        self._rows, self._rows_depth = rows, k
         if not rows:
-            return EMPTY_DRAFT
+            return _NO_CANDIDATE
         tokens, confs = walk(rows, k, max_tokens, cfg.confidence_cutoff)
         # One scan reads at most key_tokens - k tokens ahead: continue from the extended text.
         while tokens and len(tokens) < max_tokens:
             # text[-k:] + tokens occurs (the walk followed keys), so any suffix of it does too
             prefix = (text[-k:] + encode(tokens))[-longest:]
             base = confs[-1]
-            more, more_conf = index_continuation(
-                trie, counts, prefix, max_tokens - len(tokens), cfg.confidence_cutoff / base, cfg.scan_limit
-            )
+            more, more_conf = walk(lookup.scan(prefix), len(prefix), max_tokens - len(tokens), cfg.confidence_cutoff / base)
             if not more:
                 break
             tokens.extend(more)
             confs.extend(base * c for c in more_conf)
-        return _draft(tokens, confs, "index", k)
+        return tokens, confs, "index", k
 
-    def _from_context(self, max_tokens: int) -> Draft:
+    def _follow_cached_rows(self, text: str) -> tuple[int, list]:
+        """Reuse the last scan: the keys that also agree with the tokens appended since.
+
+        They are exactly the keys that start with the new, longer suffix (the longest match can grow
+        by at most the appended tokens), so no trie lookup is needed while they last.
+        """
+        if not self._rows:
+            return 0, []
+        appended = text[self._text_at_match :]
+        depth = self._rows_depth + len(appended)
+        if not appended:
+            return self._rows_depth, self._rows
+        rows = [r for r in self._rows if len(r[0]) > depth and r[0][self._rows_depth : depth] == appended]
+        return (depth, rows) if rows else (0, [])
+
+    def _from_context(self, max_tokens: int) -> tuple:
         cfg = self.drafter.config
         text = self._text[-cfg.context_window :]
         k, starts = context_match(text, cfg.min_match, cfg.max_match, cfg.context_occurrences)
         if k == 0:
-            return EMPTY_DRAFT
+            return _NO_CANDIDATE
         tokens, confs = context_continuation(text, starts, max_tokens, cfg.confidence_cutoff)
-        return _draft(tokens, confs, "context", k)
+        return tokens, confs, "context", k
 
 
 class PromptLookupDrafter:

@@ -48,7 +48,7 @@ class IndexLoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class BuildParams:
-    key_tokens: int = 24      # longest key: bounds match length plus continuation read per scan
+    key_tokens: int = 32      # longest key: bounds match length plus continuation read per scan
     anchor_tokens: int = 6    # prompt tokens kept before each turn so turn starts can be matched
 
     def as_dict(self) -> dict:

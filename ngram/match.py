@@ -10,21 +10,23 @@ Two sources of continuations:
 Both continue with a frequency-weighted walk over the agreeing set: at each depth the next token is the
 one with the most weight among the occurrences that agreed with every token drafted so far; its
 confidence is that weight over all weight that continues at that depth, multiplied along the draft;
-the walk stops before the cumulative confidence would drop below the cut-off. Ties go to the token of
-the earliest row: for the index, the branch marisa enumerates first (the heavier subtree); for the
-context, the most recent occurrence. Results are deterministic for a given index and context.
+the walk stops before the cumulative confidence would drop below the cut-off. Ties go to the lower token
+id (index) or to the most recent occurrence (context), so results are deterministic.
 
 `prompt_lookup` is transformers' `prompt_lookup_num_tokens` algorithm (the baseline drafter).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ngram.codec import decode_char
+from ngram.codec import decode
 
 
-def longest_index_match(trie, text: str, min_len: int, max_len: int, upper_hint: int | None = None) -> int:
-    """Largest k in [min_len, max_len] such that text[-k:] occurs in the index; 0 if none.
+def longest_index_match(has_prefix, text: str, min_len: int, max_len: int, upper_hint: int | None = None) -> int:
+    """Largest k in [min_len, max_len] such that text[-k:] occurs in the index (`has_prefix(s)` says
+    whether some key starts with s); 0 if none.
 
     `upper_hint`: a known upper bound on the answer (a session knows one: the previous match plus the
     tokens appended since); probing it first makes the common, still-matching case one lookup.
@@ -33,14 +35,14 @@ def longest_index_match(trie, text: str, min_len: int, max_len: int, upper_hint:
     lo = min_len
     if hi < lo:
         return 0
-    if trie.has_keys_with_prefix(text[-hi:]):
+    if has_prefix(text[-hi:]):
         return hi
-    if not trie.has_keys_with_prefix(text[-lo:]):
+    if not has_prefix(text[-lo:]):
         return 0
     hi -= 1
     while lo < hi:  # invariant: text[-lo:] occurs, text[-(hi+1):] does not
         mid = (lo + hi + 1) // 2
-        if trie.has_keys_with_prefix(text[-mid:]):
+        if has_prefix(text[-mid:]):
             lo = mid
         else:
             hi = mid - 1
@@ -61,48 +63,46 @@ def scan_keys(trie, counts, prefix: str, scan_limit: int) -> list[tuple[str, int
             rows.append((key, int(counts[key_id])))
             if len(rows) >= scan_limit:
                 break
+    rows.sort()
     return rows
 
 
-def index_continuation(
-    trie, counts, prefix: str, max_tokens: int, cutoff: float, scan_limit: int
-) -> tuple[list[int], list[float]]:
-    """Frequency-weighted continuation of `prefix` from the keys below it."""
-    return walk(scan_keys(trie, counts, prefix, scan_limit), len(prefix), max_tokens, cutoff)
-
-
 def walk(rows: list[tuple[str, int]], depth: int, max_tokens: int, cutoff: float) -> tuple[list[int], list[float]]:
-    """The agreeing-set walk over (text, weight) rows, all of which agree up to `depth`."""
-    tokens: list[int] = []
+    """The agreeing-set walk over (text, weight) rows, sorted by text, all agreeing up to `depth`.
+
+    Sorted rows make two things cheap: the stretch on which all rows agree is the common prefix of
+    the first and the last row, and the first row holding a tied token has the lowest token id.
+    """
+    out = ""  # drafted tokens as encoded text, decoded once at the end
     confs: list[float] = []
     conf = 1.0
-    while rows and len(tokens) < max_tokens:
-        if len(rows) == 1:  # one continuation left: it is certain given the rows seen
-            take = rows[0][0][depth : depth + max_tokens - len(tokens)]
-            tokens.extend(decode_char(ch) for ch in take)
-            confs.extend([conf] * len(take))
-            break
+    while rows and len(out) < max_tokens:
+        first, last = rows[0][0], rows[-1][0]
+        end = min(len(first), len(last), depth + max_tokens - len(out))
+        same = depth
+        while same < end and first[same] == last[same]:
+            same += 1
+        if same > depth:  # every row agrees here: no cost in confidence
+            out += first[depth:same]
+            confs.extend([conf] * (same - depth))
+            depth = same
+            rows = [r for r in rows if len(r[0]) > depth]
+            continue
         tally: dict[str, int] = {}
         total = 0
         for text, weight in rows:
             ch = text[depth]
             tally[ch] = tally.get(ch, 0) + weight
             total += weight
-        if len(tally) == 1:
-            best = text[depth]
-        else:
-            best = max(tally, key=tally.__getitem__)  # ties: the first row's token (see module doc)
-            conf *= tally[best] / total
-            if conf < cutoff:
-                break
-        tokens.append(decode_char(best))
+        best = max(tally, key=tally.__getitem__)  # ties: the first (lowest) token, see the docstring
+        conf *= tally[best] / total
+        if conf < cutoff:
+            break
+        out += best
         confs.append(conf)
         depth += 1
-        if len(tally) == 1:
-            rows = [r for r in rows if len(r[0]) > depth]
-        else:
-            rows = [r for r in rows if r[0][depth - 1] == best and len(r[0]) > depth]
-    return tokens, confs
+        rows = [r for r in rows if r[0][depth - 1] == best and len(r[0]) > depth]
+    return decode(out), confs
 
 
 def context_match(text: str, min_len: int, max_len: int, max_occurrences: int) -> tuple[int, list[int]]:
@@ -137,10 +137,18 @@ def context_match(text: str, min_len: int, max_len: int, max_occurrences: int) -
 def context_continuation(
     text: str, starts: list[int], max_tokens: int, cutoff: float
 ) -> tuple[list[int], list[float]]:
-    """Walk forward from the occurrences' continuation offsets (most recent first)."""
-    rows = [(text[s : s + max_tokens], 1) for s in starts]
-    rows = [(t, w) for t, w in rows if t]
+    """Walk forward from the occurrences' continuation offsets (given most recent first).
+
+    Each occurrence weighs RECENCY_SCALE plus a bonus that is larger the more recent it is, so
+    equal counts are won by the most recent occurrence while confidences stay ~count/total.
+    """
+    n = len(starts)
+    rows = [(text[s : s + max_tokens], RECENCY_SCALE + n - i) for i, s in enumerate(starts)]
+    rows = sorted(r for r in rows if r[0])
     return walk(rows, 0, max_tokens, cutoff)
+
+
+RECENCY_SCALE = 1000
 
 
 def prompt_lookup(ctx: np.ndarray, max_tokens: int, max_ngram: int = 2) -> list[int]:

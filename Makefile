@@ -1,0 +1,35 @@
+# Sailfish: the two commands a new user needs are `make test` and `make serve` (see README.md).
+PY      := .venv/bin/python
+PIP     := PIP_CONSTRAINT=$(CURDIR)/constraints.txt .venv/bin/pip
+STAMP   := .venv/.installed
+PORT    ?= 22343
+
+.PHONY: venv test test-fast index serve bench bench-quick bench-full clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned (constraints.txt) so nothing pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps bfcl-eval   # its declared dependencies pull torch/CUDA; the data needs none
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+index: $(STAMP)
+	$(PY) -m index build
+
+serve: $(STAMP)
+	@$(PY) -c "from index.sources import default_index_dir as d; import sys; sys.exit(0 if (d()/'current').exists() else 1)" \
+		|| $(PY) -m index build
+	$(PY) -m server --port $(PORT)
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

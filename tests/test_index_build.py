@@ -1,0 +1,62 @@
+"""`python -m index build` end to end with the bundled tokenizer: formats, bad lines, incremental."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from index.__main__ import main
+from ngram.index_file import load_index
+
+FIXTURES = Path(__file__).parent / "fixtures"
+pytestmark = pytest.mark.slow
+
+
+def _openai_lines():
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    good = {"messages": [
+        {"role": "user", "content": "show \x1b[31mmain.py\x1b[0m"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "main.py"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+        {"role": "assistant", "content": "It prints 1."},
+    ], "tools": tools}
+    return [json.dumps(good), "{not json", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), json.dumps(good)]
+
+
+def test_build_counts_bad_lines_and_indexes_both_formats(tmp_path, capsys):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "chat.jsonl").write_text("\n".join(_openai_lines()) + "\n")
+    shutil.copy(FIXTURES / "claude_code_short.jsonl", traces / "session.jsonl")
+    assert main(["build", "--traces", str(traces), "--out", str(tmp_path / "idx"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "chat.jsonl:2" in out and "chat.jsonl:3" in out  # file and line of each skipped line
+    assert "skipped" in out.lower()
+    idx = load_index(tmp_path / "idx")
+    assert idx.meta["stats"]["turns"] >= 4
+    assert idx.meta["conversations"] >= 3
+    corpus_text = idx.corpus.tobytes()
+    assert corpus_text  # tokens were indexed
+
+
+def test_no_usable_turns_is_an_error_and_writes_nothing(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["build", "--traces", str(bad), "--out", str(tmp_path / "idx"), "--quiet"]) == 2
+    assert "no usable assistant turns" in capsys.readouterr().err
+    assert not (tmp_path / "idx" / "current").exists()
+
+
+def test_rebuild_reuses_unchanged_sources(tmp_path, capsys):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "a.jsonl").write_text(_openai_lines()[0] + "\n")
+    out = tmp_path / "idx"
+    assert main(["build", "--traces", str(traces), "--out", str(out), "--quiet"]) == 0
+    first = load_index(out).meta["stats"]["tokens"]
+    (traces / "b.jsonl").write_text(_openai_lines()[0] + "\n")
+    capsys.readouterr()
+    assert main(["build", "--traces", str(traces), "--out", str(out), "--quiet"]) == 0
+    assert "sources read 1, reused from the previous index 1" in capsys.readouterr().out
+    assert load_index(out).meta["stats"]["tokens"] == 2 * first

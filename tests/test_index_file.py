@@ -1,0 +1,80 @@
+"""The on-disk index: atomic publication, validation on load, refusal of broken or foreign files."""
+import os
+
+import numpy as np
+import pytest
+
+import ngram.index_file as index_file
+from ngram.index_file import BuildParams, IndexLoadError, load_index, write_index
+
+TURNS = [np.array([1, 2, 3, 4, 5], dtype=np.uint32), np.array([1, 2, 6], dtype=np.uint32)]
+
+
+def test_round_trip_memory_mapped(tmp_path):
+    write_index(tmp_path, TURNS, "fp-a", BuildParams(key_tokens=8, anchor_tokens=2))
+    idx = load_index(tmp_path, "fp-a")
+    assert idx.params == BuildParams(key_tokens=8, anchor_tokens=2)
+    assert [t.tolist() for t in idx.turns()] == [t.tolist() for t in TURNS]
+    assert idx.meta["stats"]["tokens"] == 8
+    # counts: the key starting "1 2" occurs at two positions but as two different keys
+    assert int(idx.counts.sum()) == (5 - 1) + (3 - 1)
+
+
+def test_other_tokenizer_is_refused(tmp_path):
+    write_index(tmp_path, TURNS, "fp-a", BuildParams())
+    with pytest.raises(IndexLoadError, match="different tokenizer"):
+        load_index(tmp_path, "fp-b")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "meta"])
+def test_broken_files_are_refused_with_a_message(tmp_path, damage):
+    gen = write_index(tmp_path, TURNS, "fp", BuildParams())
+    trie = gen / index_file.TRIE_FILE
+    if damage == "truncate":
+        trie.write_bytes(trie.read_bytes()[:-7])
+    elif damage == "flip":
+        data = bytearray(trie.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        trie.write_bytes(bytes(data))
+    elif damage == "delete":
+        trie.unlink()
+    else:
+        (gen / index_file.META_FILE).write_bytes(b"\x93garbage")
+    with pytest.raises(IndexLoadError, match="rebuild|not a Sailfish"):
+        load_index(tmp_path, "fp")
+
+
+def test_missing_index_says_how_to_build_one(tmp_path):
+    with pytest.raises(IndexLoadError, match="make index"):
+        load_index(tmp_path / "nothing")
+
+
+def test_empty_corpus_is_never_written(tmp_path):
+    with pytest.raises(ValueError, match="empty index"):
+        write_index(tmp_path, [], "fp", BuildParams())
+    assert not (tmp_path / index_file.CURRENT_LINK).exists()
+
+
+def test_crash_mid_build_leaves_the_previous_generation_in_service(tmp_path, monkeypatch):
+    write_index(tmp_path, TURNS, "fp", BuildParams())
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(index_file, "_write_file_synced", crash)  # dies before publishing
+    with pytest.raises(OSError):
+        write_index(tmp_path, [np.array([7, 8, 9], dtype=np.uint32)], "fp", BuildParams())
+    idx = load_index(tmp_path, "fp")
+    assert [t.tolist() for t in idx.turns()] == [t.tolist() for t in TURNS]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".building")]
+
+
+def test_rebuild_swaps_atomically_and_keeps_one_previous_generation(tmp_path):
+    old = write_index(tmp_path, TURNS, "fp", BuildParams())
+    mapped = load_index(tmp_path, "fp")  # a reader holding the old generation keeps working
+    for i in range(3):
+        new = write_index(tmp_path, [np.array([9, i, 9], dtype=np.uint32)], "fp", BuildParams())
+    assert (tmp_path / "current").resolve() == new
+    assert len(list(tmp_path.glob("gen-*"))) == 2
+    assert not old.exists()
+    assert len(mapped.trie) > 0
