@@ -30,7 +30,7 @@ from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
 from ngram.lookup import IndexLookup
 from ngram.match import (
-    context_continuation,
+    context_rows,
     context_match,
     longest_index_match,
     prompt_lookup,
@@ -81,8 +81,40 @@ class NgramDrafter:
         return DraftSession(self).propose(context_ids, max_tokens)
 
 
+class _Followed:
+    """A source's last rows (continuations that agree with the context up to `depth`) and the text
+    length they were valid for. The rows that also agree with the tokens appended since are exactly
+    the occurrences of the new, longer suffix (a match can grow by at most the appended tokens), so
+    while some remain, no search is needed."""
+
+    __slots__ = ("rows", "depth", "text_at", "match")
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self.depth = 0
+        self.text_at = 0
+        self.match = 0  # the last match length (0: none), which bounds the next one
+
+    def follow(self, text_len: int, text: str) -> tuple[int, list]:
+        if not self.rows:
+            return 0, []
+        appended = text[self.text_at :]
+        if not appended:
+            return self.depth, self.rows
+        depth = self.depth + len(appended)
+        rows = [r for r in self.rows if len(r[0]) > depth and r[0][self.depth : depth] == appended]
+        return (depth, rows) if rows else (0, [])
+
+    def keep(self, rows: list, depth: int, text_len: int) -> None:
+        self.rows, self.depth, self.text_at = rows, depth, text_len
+        self.match = depth if rows else 0
+
+    def shift(self, dropped: int) -> None:
+        self.text_at = max(0, self.text_at - dropped)
+
+
 class DraftSession:
-    """Per-request state: encoded context, last match, adaptive length limit, counters."""
+    """Per-request state: encoded context, each source's followed rows, adaptive limit, counters."""
 
     def __init__(self, drafter: NgramDrafter):
         self.drafter = drafter
@@ -91,10 +123,8 @@ class DraftSession:
         self.accepted = 0
         self._text = ""
         self._last_id = -1
-        self._index_match = 0
-        self._text_at_match = 0
-        self._rows: list = []      # the last index scan, kept while the context follows it
-        self._rows_depth = 0
+        self._index = _Followed()
+        self._context = _Followed()
 
     def propose(self, context_ids, max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.limit)
@@ -137,29 +167,27 @@ class DraftSession:
                 self._text += encode(context_ids[have:])
         else:
             self._text = encode(context_ids)
-            self._index_match = 0
-            self._text_at_match = 0
-            self._rows = []
+            self._index, self._context = _Followed(), _Followed()
         self._last_id = int(context_ids[n - 1])
         window = self.drafter.config.context_window
         if len(self._text) > 2 * window:  # bound memory and search time on very long contexts
             drop = len(self._text) - window
             self._text = self._text[drop:]
-            self._text_at_match = max(0, self._text_at_match - drop)
+            self._index.shift(drop)
+            self._context.shift(drop)
 
     def _from_index(self, max_tokens: int) -> tuple:
         drafter, cfg = self.drafter, self.drafter.config
         lookup, longest = drafter.lookup, drafter.max_index_match
-        text = self._text
-        k, rows = self._follow_cached_rows(text)
-        if not rows and self._index_match:  # the previous match bounds this one: probe the bound
-            k = min(longest, len(text), self._index_match + len(text) - self._text_at_match)
+        text, state = self._text, self._index
+        k, rows = state.follow(len(text), text)
+        if not rows and state.match:  # the previous match bounds this one: probe the bound
+            k = min(longest, len(text), state.match + len(text) - state.text_at)
             rows = lookup.scan(text[-k:])
         if not rows:
             k = longest_index_match(lookup.has_prefix, text[-longest:], cfg.min_match, longest, k - 1 if k else None)
             rows = lookup.scan(text[-k:]) if k else []
-        self._index_match, self._text_at_match = (k if rows else 0), len(text)
-        self._rows, self._rows_depth = rows, k
+        state.keep(rows, k, len(text))
         if not rows:
             return _NO_CANDIDATE
         tokens, confs = walk(rows, k, max_tokens, cfg.confidence_cutoff)
@@ -175,29 +203,23 @@ class DraftSession:
             confs.extend(base * c for c in more_conf)
         return tokens, confs, "index", k
 
-    def _follow_cached_rows(self, text: str) -> tuple[int, list]:
-        """Reuse the last scan: the keys that also agree with the tokens appended since.
-
-        They are exactly the keys that start with the new, longer suffix (the longest match can grow
-        by at most the appended tokens), so no trie lookup is needed while they last.
-        """
-        if not self._rows:
-            return 0, []
-        appended = text[self._text_at_match :]
-        depth = self._rows_depth + len(appended)
-        if not appended:
-            return self._rows_depth, self._rows
-        rows = [r for r in self._rows if len(r[0]) > depth and r[0][self._rows_depth : depth] == appended]
-        return (depth, rows) if rows else (0, [])
-
     def _from_context(self, max_tokens: int) -> tuple:
         cfg = self.drafter.config
-        text = self._text[-cfg.context_window :]
-        k, starts = context_match(text, cfg.min_match, cfg.max_match, cfg.context_occurrences)
-        if k == 0:
+        text, state = self._text, self._context
+        k, rows = state.follow(len(text), text)
+        if not rows:
+            window = text[-cfg.context_window :]
+            k, starts = context_match(window, cfg.min_match, cfg.max_match, cfg.context_occurrences)
+            rows = context_rows(window, starts, k, CONTEXT_ROW_TOKENS) if k else []
+        state.keep(rows, k, len(text))
+        if not rows:
             return _NO_CANDIDATE
-        tokens, confs = context_continuation(text, starts, max_tokens, cfg.confidence_cutoff)
+        tokens, confs = walk(rows, k, max_tokens, cfg.confidence_cutoff)
         return tokens, confs, "context", k
+
+
+# How far past a context match a row reaches: later steps can follow it without a new search.
+CONTEXT_ROW_TOKENS = 32
 
 
 class PromptLookupDrafter:

@@ -134,18 +134,21 @@ def context_match(text: str, min_len: int, max_len: int, max_occurrences: int) -
     return lo, starts
 
 
-def context_continuation(
-    text: str, starts: list[int], max_tokens: int, cutoff: float
-) -> tuple[list[int], list[float]]:
-    """Walk forward from the occurrences' continuation offsets (given most recent first).
+def context_rows(text: str, starts: list[int], k: int, ahead: int) -> list[tuple[str, int]]:
+    """Rows for `walk` from context occurrences (continuation offsets `starts`, most recent first):
+    each row is the matched k tokens plus up to `ahead` tokens after them.
 
     Each occurrence weighs RECENCY_SCALE plus a bonus that is larger the more recent it is, so
     equal counts are won by the most recent occurrence while confidences stay ~count/total.
     """
     n = len(starts)
-    rows = [(text[s : s + max_tokens], RECENCY_SCALE + n - i) for i, s in enumerate(starts)]
-    rows = sorted(r for r in rows if r[0])
-    return walk(rows, 0, max_tokens, cutoff)
+    rows = [(text[s - k : s + ahead], RECENCY_SCALE + n - i) for i, s in enumerate(starts)]
+    return sorted(r for r in rows if len(r[0]) > k)
+
+
+def context_continuation(text: str, starts: list[int], max_tokens: int, cutoff: float) -> tuple[list[int], list[float]]:
+    """Frequency-weighted continuation after the context occurrences (see context_rows)."""
+    return walk(context_rows(text, starts, 0, max_tokens), 0, max_tokens, cutoff)
 
 
 RECENCY_SCALE = 1000
