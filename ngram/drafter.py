@@ -17,7 +17,9 @@ more context), then the larger expected accepted length (the sum of cumulative c
 context is not searched when the index draft is already decisive (longest match, full length,
 confidence 1), since the context could at best tie it.
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
-partly rejected one lowers it to one past what was accepted (never below `min_draft`).
+partly rejected one lowers it by one (never below `min_draft`), as transformers' assisted decoding
+does; cutting the limit to what was accepted cost a fifth of tau in replay on BFCL. Whether a draft
+is worth verifying at all is the engine's decision (its cost model), not the drafter's.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ngram.codec import encode
 from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
 from ngram.lookup import IndexLookup
+from ngram.overlay import Overlay
 from ngram.match import (
     context_rows,
     context_match,
@@ -40,7 +43,7 @@ from ngram.match import (
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    max_draft: int = 8              # longest draft proposed
+    max_draft: int = 16             # longest draft proposed
     min_draft: int = 2              # the adaptive limit never drops below this
     grow: int = 2                   # added to the limit after a fully accepted draft
     min_match: int = 2              # shortest suffix match that may propose
@@ -49,6 +52,7 @@ class DrafterConfig:
     scan_limit: int = 32            # index keys examined per continuation
     context_window: int = 4096      # how far back (tokens) the live-context lookup searches
     context_occurrences: int = 8    # most recent context occurrences that vote
+    overlay_tokens: int = 262_144   # online overlay of served completions (0: off)
     use_index: bool = True
     use_context: bool = True
 
@@ -72,6 +76,7 @@ class NgramDrafter:
             max_match = min(max_match, index.params.key_tokens - 16)
         self.max_index_match = max_match
         self.lookup = IndexLookup(index, self.config.scan_limit) if index is not None else None
+        self.overlay = Overlay(self.config.overlay_tokens) if self.config.overlay_tokens > 0 else None
 
     def session(self) -> "DraftSession":
         return DraftSession(self)
@@ -125,6 +130,8 @@ class DraftSession:
         self._last_id = -1
         self._index = _Followed()
         self._context = _Followed()
+        self._overlay = _Followed()
+        self._prompt_end = -1  # text offset where generation started (set by the first propose)
 
     def propose(self, context_ids, max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.limit)
@@ -136,16 +143,28 @@ class DraftSession:
         best = _NO_CANDIDATE
         if cfg.use_index and self.drafter.index is not None:
             best = self._from_index(max_tokens)
-        # The context can only tie an index draft that is already as long and as sure as allowed.
+        # Other sources can only tie an index draft that is already as long and as sure as allowed.
         decisive = best[3] >= self.drafter.max_index_match and len(best[0]) == max_tokens and best[1][-1] >= 1.0
-        if cfg.use_context and not decisive:
-            other = self._from_context(max_tokens)
-            if (other[3], sum(other[1])) > (best[3], sum(best[1])):
-                best = other
+        if not decisive:
+            if self.drafter.overlay is not None:
+                best = _better(best, self._from_rows(self._overlay, self._overlay_rows, max_tokens, "overlay"))
+            if cfg.use_context:
+                best = _better(best, self._from_rows(self._context, self._context_rows, max_tokens, "context"))
         tokens, confs, source, match_length = best
         if not tokens:
             return EMPTY_DRAFT
         return Draft(np.asarray(tokens, dtype=np.int32), np.asarray(confs, dtype=np.float32), source, match_length)
+
+    def finish(self, context_ids=None) -> None:
+        """The request is complete (`context_ids`: its final prompt + completion, when the last
+        tokens were never proposed from): the generated tokens, with a few prompt tokens before
+        them so that a completion's start can be matched too, join the drafter's online overlay."""
+        if context_ids is not None and len(context_ids) and self._prompt_end >= 0:
+            self._sync(context_ids)
+        overlay = self.drafter.overlay
+        if overlay is not None and 0 <= self._prompt_end < len(self._text):
+            overlay.add(self._text[max(0, self._prompt_end - OVERLAY_ANCHOR_TOKENS) :])
+        self._prompt_end = -1
 
     def feedback(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -156,7 +175,7 @@ class DraftSession:
         if accepted >= drafted:
             self.limit = min(cfg.max_draft, self.limit + cfg.grow)
         else:
-            self.limit = max(cfg.min_draft, accepted + 1)
+            self.limit = max(cfg.min_draft, self.limit - 1)
 
     def _sync(self, context_ids) -> None:
         """Bring the encoded text up to date with the context (append-only in the common case)."""
@@ -167,14 +186,16 @@ class DraftSession:
                 self._text += encode(context_ids[have:])
         else:
             self._text = encode(context_ids)
-            self._index, self._context = _Followed(), _Followed()
+            self._index, self._context, self._overlay = _Followed(), _Followed(), _Followed()
+            self._prompt_end = len(self._text)
         self._last_id = int(context_ids[n - 1])
         window = self.drafter.config.context_window
         if len(self._text) > 2 * window:  # bound memory and search time on very long contexts
             drop = len(self._text) - window
             self._text = self._text[drop:]
-            self._index.shift(drop)
-            self._context.shift(drop)
+            self._prompt_end -= drop
+            for state in (self._index, self._context, self._overlay):
+                state.shift(drop)
 
     def _from_index(self, max_tokens: int) -> tuple:
         drafter, cfg = self.drafter, self.drafter.config
@@ -203,23 +224,39 @@ class DraftSession:
             confs.extend(base * c for c in more_conf)
         return tokens, confs, "index", k
 
-    def _from_context(self, max_tokens: int) -> tuple:
-        cfg = self.drafter.config
-        text, state = self._text, self._context
+    def _from_rows(self, state: "_Followed", search, max_tokens: int, source: str) -> tuple:
+        """A source searched per step (live context, overlay): follow its rows, else search anew."""
+        text = self._text
         k, rows = state.follow(len(text), text)
         if not rows:
-            window = text[-cfg.context_window :]
-            k, starts = context_match(window, cfg.min_match, cfg.max_match, cfg.context_occurrences)
-            rows = context_rows(window, starts, k, CONTEXT_ROW_TOKENS) if k else []
+            k, rows = search(text)
         state.keep(rows, k, len(text))
         if not rows:
             return _NO_CANDIDATE
-        tokens, confs = walk(rows, k, max_tokens, cfg.confidence_cutoff)
-        return tokens, confs, "context", k
+        tokens, confs = walk(rows, k, max_tokens, self.drafter.config.confidence_cutoff)
+        return tokens, confs, source, k
+
+    def _context_rows(self, text: str) -> tuple[int, list]:
+        cfg = self.drafter.config
+        window = text[-cfg.context_window :]
+        k, starts = context_match(window, cfg.min_match, cfg.max_match, cfg.context_occurrences)
+        return (k, context_rows(window, starts, k, ROW_TOKENS)) if k else (0, [])
+
+    def _overlay_rows(self, text: str) -> tuple[int, list]:
+        cfg = self.drafter.config
+        return self.drafter.overlay.match(text[-cfg.max_match :], cfg.min_match, cfg.max_match,
+                                          cfg.context_occurrences, ROW_TOKENS)
 
 
-# How far past a context match a row reaches: later steps can follow it without a new search.
-CONTEXT_ROW_TOKENS = 32
+def _better(a: tuple, b: tuple) -> tuple:
+    """The longer match wins, then the larger expected accepted length."""
+    return b if (b[3], sum(b[1])) > (a[3], sum(a[1])) else a
+
+
+# How far past a match a context or overlay row reaches: later steps can follow it without a search.
+ROW_TOKENS = 32
+# Prompt tokens kept before each completion added to the overlay.
+OVERLAY_ANCHOR_TOKENS = 6
 
 
 class PromptLookupDrafter:

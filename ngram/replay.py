@@ -7,7 +7,8 @@
 Each assistant turn is replayed as if the target had produced exactly its tokens, under greedy
 verification: per step the drafter proposes up to K tokens (never past the turn's end), the longest
 prefix that matches the target's tokens is accepted, and the target adds one token of its own (the
-first mismatch, or the next token). A step with no draft is a plain decoding step.
+first mismatch, or the next token). A step with no draft is a plain decoding step. After each turn the drafter learns it (its online
+overlay, as in the server), so turns are replayed in trace order.
   tau              = target tokens / verify steps (every target forward counts as a step)
   acceptance_rate  = accepted drafted tokens / drafted tokens
   draft_us_p50/p99 = wall time of each propose() call, prompt encoding of the first call included
@@ -77,6 +78,8 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
         stats.accepted += accepted
         stats.verify_steps += 1
         pos += min(accepted + 1, remaining)
+    if hasattr(session, "finish"):  # the completed turn feeds the drafter's online overlay
+        session.finish(full)
     stats.turns += 1
     stats.target_tokens += n
 

@@ -100,9 +100,12 @@ def test_draft_never_exceeds_max_tokens_and_length_adapts(tmp_path):
     assert len(session.propose(ctx, 3)) == 3
     assert len(session.propose(ctx, 100)) == 8
     session.feedback(drafted=8, accepted=1)
-    assert len(session.propose(ctx, 100)) == 2  # one past what was accepted
+    assert len(session.propose(ctx, 100)) == 7  # one shorter after a rejection
+    for _ in range(10):
+        session.feedback(drafted=4, accepted=0)
+    assert len(session.propose(ctx, 100)) == 2  # never below min_draft
     session.feedback(drafted=2, accepted=2)
-    assert len(session.propose(ctx, 100)) == 4
+    assert len(session.propose(ctx, 100)) == 4  # grows after a full acceptance
 
 
 def test_session_follows_a_growing_context_like_a_fresh_one(tmp_path):
@@ -120,3 +123,15 @@ def test_session_follows_a_growing_context_like_a_fresh_one(tmp_path):
 def test_prompt_lookup_drafter_is_fixed_length():
     d = PromptLookupDrafter(max_draft=2)
     assert d.session().propose([1, 2, 3, 1], 10).tokens.tolist() == [2, 3]
+
+
+def test_overlay_learns_finished_requests():
+    drafter = NgramDrafter(None, DrafterConfig(use_context=True))
+    first = drafter.session()
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    completion = [40, 41, 42, 43, 44, 45]
+    first.propose(prompt, 4)
+    first.finish(prompt + completion)
+    second = drafter.session()
+    draft = second.propose([9, 9, 9, 9, 5, 6, 7, 40, 41], 4)  # a new prompt, same completion start
+    assert draft.source == "overlay" and draft.tokens.tolist() == [42, 43, 44, 45]
