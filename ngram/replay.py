@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-match", type=int, default=DrafterConfig.min_match)
     p.add_argument("--cutoff", type=float, default=DrafterConfig.confidence_cutoff)
     p.add_argument("--max-conversations", type=int, default=0)
+    p.add_argument("--peers", nargs="*", default=[], choices=["suffix"],
+                   help="also replay these peer drafters, seeded with the same index turns (suffix: "
+                        "SuffixDecoding from arctic-inference)")
     p.add_argument("--dump", type=Path, help="write the replayed turns as JSONL")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
     return p
@@ -158,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ours = replay(NgramDrafter(index, config), turns, args.max_draft).as_dict()
     base = replay(PromptLookupDrafter(max_draft=args.max_draft), turns, args.max_draft).as_dict()
     result = {**ours, "max_draft": args.max_draft, "index": str(args.index) if args.index else None, "baseline": base}
+    if "suffix" in args.peers:
+        from ngram.peers import SuffixDecodingDrafter
+
+        seed_turns = list(index.turns()) if index is not None else []
+        result["peers"] = {"suffix": replay(SuffixDecodingDrafter(seed_turns, args.max_draft), turns, args.max_draft).as_dict()}
     print(
         f"turns {ours['turns']}  target tokens {ours['target_tokens']}\n"
         f"  sailfish       tau {ours['tau']:.3f}  acceptance {ours['acceptance_rate']:.3f}  "
@@ -166,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         f"draft p50 {base['draft_us_p50']:.1f} us  p99 {base['draft_us_p99']:.1f} us",
         file=sys.stderr if args.json else sys.stdout,
     )
+    for name, peer in result.get("peers", {}).items():
+        print(f"  {name:<14} tau {peer['tau']:.3f}  acceptance {peer['acceptance_rate']:.3f}  "
+              f"draft p50 {peer['draft_us_p50']:.1f} us  p99 {peer['draft_us_p99']:.1f} us",
+              file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
     return 0

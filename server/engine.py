@@ -289,6 +289,8 @@ class Engine:
                         finish = "length"
                         break
                 stats.decode_s = time.perf_counter() - t_decode
+                if finish is not None and session is not None and hasattr(session, "finish"):
+                    session.finish(context[:length])  # a finished completion feeds the online overlay
                 yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats)
                 if finish is not None or (cancelled is not None and cancelled()):
                     return

@@ -1,4 +1,7 @@
-"""SuffixDecoding (the `arctic-inference` package) behind Sailfish's drafter interface, as a peer.
+"""Peer drafters behind Sailfish's drafter interface, for side-by-side replay and benchmarks.
+
+SuffixDecoding (the `arctic-inference` package, imported only when used; numpy-only like the rest
+of ngram/).
 
 Contract: `SuffixDecodingDrafter(turns, max_draft)` seeds SuffixDecodingCache's global tree with the
 same token turns a Sailfish index holds (each as a finished request), so both drafters start from the
