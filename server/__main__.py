@@ -1,0 +1,45 @@
+"""`python -m server [--port 22343] [--model M] [--index DIR] [--no-draft] ...`: serve the OpenAI API.
+
+Loads the model (the bundled Gemma 3 270M by default) and the default index, logs what it chose
+(model, quantization, device, index, verify cost curve), then serves on 127.0.0.1:22343 under
+uvicorn. `python -m server --help` lists every option (see server.settings).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from server.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = Settings.from_args(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("sailfish")
+
+    import uvicorn
+
+    from server.app import create_app
+    from server.model_loading import ModelNotFoundError
+    from server.serving import Service, load_engine
+
+    try:
+        engine, note = load_engine(settings)
+    except (ModelNotFoundError, ValueError) as e:
+        log.error("cannot load the model: %s", e)
+        return 2
+    service = Service(engine, settings, note)
+    if service.trace_log is not None:
+        log.info("trace log: %s (rotates at %d MB; --no-trace-log to turn off)",
+                 service.trace_log.directory, settings.trace_rotate_mb)
+    else:
+        log.info("trace log: off")
+    log.info("API key: %s", "required on /v1/*" if settings.api_key else "none (open on this interface)")
+    log.info("serving %s on http://%s:%d/v1", engine.model_id, settings.host, settings.port)
+    uvicorn.run(create_app(service), host=settings.host, port=settings.port,
+                log_level=settings.log_level if settings.log_level != "info" else "warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

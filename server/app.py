@@ -1,0 +1,158 @@
+"""The HTTP layer: thin Starlette routes over `server.serving.Service`.
+
+Contract: `create_app(service)` returns the ASGI app with GET /v1/models, POST /v1/chat/completions,
+POST /v1/completions, GET /health and GET /metrics. Every error, from validation to an unexpected
+exception, is answered in the one OpenAI shape `{"error": {"message", "type", "param", "code"}}`;
+an unexpected exception is logged with its trace server-side and the client gets a generic 500.
+When `service.settings.api_key` is set, /v1/* requires `Authorization: Bearer KEY` (401 otherwise);
+/health and /metrics stay open. `ServerThread` runs an app under uvicorn on a background thread
+(tests and benchmarks).
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, model_list
+from server.serving import Service
+
+log = logging.getLogger("sailfish.app")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error(status: int, message: str, type: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from e
+
+
+def _respond(result) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _guarded(handler):
+    """Answer APIError and any unexpected exception in the error shape. Handled here rather than by
+    Starlette's server-error middleware, which re-raises and makes uvicorn drop the connection."""
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            return _error(500, "internal server error (details are in the server log)", "server_error",
+                          code="internal_error")
+    return route
+
+
+def create_app(service: Service) -> Starlette:
+    async def chat_completions(request: Request) -> Response:
+        req = ChatCompletionRequest.parse(await _json_body(request))
+        return _respond(await service.chat(req, request.receive))
+
+    async def completions(request: Request) -> Response:
+        req = CompletionRequest.parse(await _json_body(request))
+        return _respond(await service.complete(req, request.receive))
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(model_list(service.model_id, service.created))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(service.health())
+
+    async def metrics(request: Request) -> Response:
+        text = service.metrics.render(service.scheduler.waiting, service.scheduler.running)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.scheduler.start()
+        try:
+            yield
+        finally:
+            service.scheduler.stop()
+
+    routes = [
+        Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/v1/chat/completions", _guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/health", _guarded(health), methods=["GET"]),
+        Route("/metrics", _guarded(metrics), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error})
+    return _BearerAuth(app, service.settings.api_key)
+
+
+class _BearerAuth:
+    """ASGI wrapper: /v1/* needs `Authorization: Bearer KEY` when a key is configured."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                response = _error(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`.",
+                                  "invalid_request_error", None, "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Serve `app` with uvicorn on a daemon thread: `with ServerThread(app) as base_url: ...`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

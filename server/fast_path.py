@@ -1,0 +1,536 @@
+"""A fast Gemma 4 text forward for the GPU: static KV cache, rollback by position, CUDA graphs.
+
+Contract: `FastTarget(model, max_len)` wraps a loaded `Gemma4ForCausalLM` (dense, or frozen
+optimum-quanto int4 weights) and shares its weights (no copy). It runs greedy-decoding primitives
+with the same meaning as `server/engine.py`'s functions:
+
+- `reset()` starts a request (position 0); `prefill(ids) -> logits[vocab]` of the last prompt token;
+- `step(ids) -> logits[len(ids), vocab]` appends 1..max_bucket tokens at the current position;
+- `decode_one(token) -> logits[vocab]`; `verify(pending, draft) -> accepted tokens + 1`;
+- `rollback(n)` forgets the last n positions: the cache keeps every slot, masks hide positions past
+  the current one, so rolling back only moves `pos`.
+
+The forward is written out here (embedding and per-layer embeddings, RMSNorm, RoPE, attention with
+sliding/full layers and KV sharing, MLP, soft-capped tied LM head) on top of the HF modules'
+weights and norms, because transformers' own forward cannot be captured (`StaticCache` initializes
+lazily inside `update`) and torch.compile cannot trace quanto's int4 tensor subclass. Int4 layers
+call `aten._weight_int4pack_mm` (tinygemm, what quanto itself calls) on quanto's packed tensors.
+
+Cache layout, per layer that owns keys (KV-shared layers read their source layer's cache):
+- full attention: slot = position, `max_len` slots; a graph reads only the first `kv_len` slots,
+  `kv_len` a power-of-two bucket >= pos + tokens (one graph per (tokens, kv_len) bucket);
+- sliding attention: a ring of `window + chunk` slots, slot = position % ring; `slot_pos` records
+  which position each slot holds. Invariant: every position a query may see (q - window < k <= q)
+  is still in the ring, because nothing written is ever more than `chunk` ahead of the committed
+  position (prefill writes at most `chunk` tokens a forward; steps at most `max_bucket <= chunk`).
+
+Steps of 1..max_bucket tokens are padded to a bucket (1, 2, 4, 8, 16 by default); on CUDA each
+(bucket, kv_len) pair is captured once as a CUDA graph (`capture=True`), so a step is two small
+host-to-device copies, one graph replay and one device-to-host copy. The padding tokens' keys land
+past the committed position, where masks hide them until they are overwritten.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+
+
+# ---------------------------------------------------------------- linear layers
+
+class Int4Linear:
+    """y = x @ W^T with W held as quanto's tinygemm-packed int4 (shared, not copied)."""
+
+    def __init__(self, packed: torch.Tensor, scale_shift: torch.Tensor, group_size: int, out_features: int):
+        self.packed, self.scale_shift, self.group_size, self.out_features = packed, scale_shift, group_size, out_features
+        self.mm = torch._weight_int4pack_mm_for_cpu if packed.device.type == "cpu" else torch._weight_int4pack_mm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mm(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, self.scale_shift)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scale_shift.numel() * self.scale_shift.element_size()
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def as_linear(module: torch.nn.Linear):
+    """The fast equivalent of a (possibly quanto-quantized) bias-free nn.Linear."""
+    if getattr(module, "bias", None) is not None:
+        raise ValueError("biased linear layers are not supported (Gemma 4 has none)")
+    weight = module.weight
+    if hasattr(module, "qweight") and module.qweight is not None:
+        weight = module.qweight
+    if type(weight).__name__ == "TinyGemmWeightQBitsTensor":
+        return Int4Linear(weight._data._data, weight._scale_shift, weight._group_size, weight.shape[0])
+    if isinstance(weight, torch.Tensor) and type(weight) in (torch.Tensor, torch.nn.Parameter):
+        return DenseLinear(weight.data)
+    # Other quanto layouts (int8, CPU fp32 int4): dequantize once. Correct, but not int4 speed.
+    return DenseLinear(weight.dequantize().contiguous())
+
+
+# ---------------------------------------------------------------- model description
+
+@dataclass
+class _Layer:
+    index: int
+    sliding: bool
+    head_dim: int
+    kv_heads: int
+    source: int              # layer whose cache this layer reads (itself unless KV-shared)
+    q: object
+    k: object | None
+    v: object | None
+    o: object
+    gate: object
+    up: object
+    down: object
+    ple_gate: object | None
+    ple_proj: object | None
+    hf: torch.nn.Module      # the HF decoder layer: norms, layer_scalar, act_fn
+
+
+@dataclass
+class StepTimings:
+    capture_s: float = 0.0
+    graphs: int = 0
+    prefill_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class FastTarget:
+    def __init__(self, model, max_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
+                 fuse: bool | None = None):
+        lm = model
+        self.model = model
+        text = lm.model
+        cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+        if getattr(cfg, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise NotImplementedError(f"activation {cfg.hidden_activation} is not supported by the fast path")
+        if getattr(cfg, "enable_moe_block", False):
+            raise NotImplementedError("Gemma 4 MoE layers are not supported by the fast path")
+        self.cfg = cfg
+        self.device = next(lm.parameters()).device
+        self.embed = text.embed_tokens
+        self.dtype = self.embed.weight.dtype
+        self.buckets = tuple(sorted(buckets))
+        self.max_bucket = self.buckets[-1]
+        self.chunk = max(prefill_chunk, self.max_bucket)
+        self.window = int(cfg.sliding_window)
+        self.ring = self.window + self.chunk
+        self.max_len = int(max_len)
+        # Full layers read kv_len = max_len slots unless min_kv_len asks for smaller buckets: one
+        # graph per step bucket; the extra K/V bytes are small next to the weights (E4B: ~0.26 GB at 9k).
+        self.min_kv_len = self.max_len if min_kv_len is None else min(min_kv_len, self.max_len)
+        self.capture = (self.device.type == "cuda") if capture is None else capture
+        fuse = (self.device.type == "cuda") if fuse is None else fuse
+        self.ops = _compiled_ops() if fuse else _EAGER_OPS
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.num_heads = cfg.num_attention_heads
+        self.n_layers = cfg.num_hidden_layers
+
+        self.ple_dim = getattr(cfg, "hidden_size_per_layer_input", 0) or 0
+        if self.ple_dim:
+            self.embed_ple = text.embed_tokens_per_layer
+            self.ple_model_proj = as_linear(text.per_layer_model_projection)
+            self.ple_model_proj_scale = text.per_layer_model_projection_scale
+            self.ple_norm = text.per_layer_projection_norm
+            self.ple_input_scale = text.per_layer_input_scale
+        self.final_norm = text.norm
+        self.lm_head = as_linear(lm.lm_head)
+
+        self.layers = self._describe_layers(text, cfg)
+        self._build_rope(text, cfg)
+        self._allocate()
+        self.pos = 0
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+        self.timings = StepTimings()
+
+    # ------------------------------------------------------------ set-up
+
+    def _describe_layers(self, text, cfg) -> list[_Layer]:
+        types = list(cfg.layer_types)
+        first_shared = self.n_layers - (getattr(cfg, "num_kv_shared_layers", 0) or 0)
+        layers = []
+        for i, hf in enumerate(text.layers):
+            attn, mlp = hf.self_attn, hf.mlp
+            shared = bool(getattr(attn, "is_kv_shared_layer", False))
+            if shared:  # reuse the last layer of the same type before the first shared one
+                source = max(j for j in range(first_shared) if types[j] == types[i])
+            else:
+                source = i
+            kv_heads = cfg.num_attention_heads // attn.num_key_value_groups
+            layers.append(_Layer(
+                index=i, sliding=types[i] == "sliding_attention", head_dim=attn.head_dim, kv_heads=kv_heads,
+                source=source, q=as_linear(attn.q_proj),
+                k=None if shared else as_linear(attn.k_proj),
+                v=None if shared or getattr(attn, "v_proj", None) is None else as_linear(attn.v_proj),
+                o=as_linear(attn.o_proj), gate=as_linear(mlp.gate_proj), up=as_linear(mlp.up_proj),
+                down=as_linear(mlp.down_proj),
+                ple_gate=as_linear(hf.per_layer_input_gate) if self.ple_dim else None,
+                ple_proj=as_linear(hf.per_layer_projection) if self.ple_dim else None, hf=hf))
+        return layers
+
+    def _build_rope(self, text, cfg) -> None:
+        """cos/sin tables for every position, computed by the HF rotary module itself."""
+        n = self.max_len + self.chunk
+        positions = torch.arange(n, device=self.device)[None]
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        self.rope = {}
+        for layer_type in sorted(set(cfg.layer_types)):
+            cos, sin = text.rotary_emb(probe, positions, layer_type)
+            self.rope[layer_type == "sliding_attention"] = (cos[0].contiguous(), sin[0].contiguous())
+
+    def _allocate(self) -> None:
+        dev, dt = self.device, self.dtype
+        self.k_cache: dict[int, torch.Tensor] = {}
+        self.v_cache: dict[int, torch.Tensor] = {}
+        for layer in self.layers:
+            if layer.source == layer.index:
+                slots = self.ring if layer.sliding else self.max_len
+                shape = (layer.kv_heads, slots, layer.head_dim)
+                self.k_cache[layer.index] = torch.zeros(shape, dtype=dt, device=dev)
+                self.v_cache[layer.index] = torch.zeros(shape, dtype=dt, device=dev)
+        self.slot_pos = torch.full((self.ring,), -1, dtype=torch.long, device=dev)
+        self.full_pos = torch.arange(self.max_len, device=dev)
+        # Static step inputs: ids and positions of up to max_bucket tokens.
+        self.ids_buf = torch.zeros(self.max_bucket, dtype=torch.long, device=dev)
+        self.pos_buf = torch.zeros(self.max_bucket, dtype=torch.long, device=dev)
+        pin = dev.type == "cuda"
+        self._host_in = torch.zeros(2, self.max_bucket, dtype=torch.long, pin_memory=pin)
+        self._in_buf = torch.zeros(2, self.max_bucket, dtype=torch.long, device=dev)
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_cache.values(), *self.v_cache.values()))
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights a forward streams: every linear layer plus one embedding row per token."""
+        total = self.lm_head.nbytes()
+        if self.ple_dim:
+            total += self.ple_model_proj.nbytes()
+        for layer in self.layers:
+            for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down,
+                        layer.ple_gate, layer.ple_proj):
+                if lin is not None:
+                    total += lin.nbytes()
+        return total
+
+    def kv_bytes_per_step(self, context: int) -> int:
+        """Bytes of K and V the attention of one forward reads at this context (graph buckets)."""
+        kv_len = self._kv_len(context + 1)
+        total = 0
+        for layer in self.layers:
+            slots = self.ring if layer.sliding else kv_len
+            total += 2 * layer.kv_heads * slots * layer.head_dim * self.k_cache[layer.source].element_size()
+        return total
+
+    # ------------------------------------------------------------ the forward
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T] (consecutive); writes their K/V."""
+        ops = self.ops
+        T = ids.shape[0]
+        h = self.embed(ids)                                              # [T, hidden]
+        if self.ple_dim:
+            tok = self.embed_ple(ids).reshape(T, self.n_layers, self.ple_dim)
+            proj = self.ple_model_proj(h).reshape(T, self.n_layers, self.ple_dim)
+            ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), self.ple_norm.eps, tok,
+                                 self.ple_input_scale)
+        # Sliding layers: record which position each written ring slot now holds, then mask by position.
+        slots = pos % self.ring
+        self.slot_pos.index_copy_(0, slots, pos)
+        sliding_mask, full_mask = ops.masks(self.slot_pos, self.full_pos[:kv_len], pos, self.window)
+        cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
+                   for s, (c, n) in self.rope.items()}
+
+        for layer in self.layers:
+            hf = layer.hf
+            attn = hf.self_attn
+            cos, sin = cos_sin[layer.sliding]
+            D = layer.head_dim
+            x = ops.rms(h, _w(hf.input_layernorm), hf.input_layernorm.eps)
+            q = ops.norm_rope(layer.q(x).view(T, self.num_heads, D), _w(attn.q_norm), attn.q_norm.eps, cos, sin)
+            if layer.source == layer.index:
+                k_raw = layer.k(x).view(T, layer.kv_heads, D)
+                v = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
+                k = ops.norm_rope(k_raw, _w(attn.k_norm), attn.k_norm.eps, cos, sin)
+                v = ops.rms(v, _w(attn.v_norm), attn.v_norm.eps)
+                where = slots if layer.sliding else pos
+                self.k_cache[layer.index].index_copy_(1, where, k.transpose(0, 1))
+                self.v_cache[layer.index].index_copy_(1, where, v.transpose(0, 1))
+            kc, vc = self.k_cache[layer.source], self.v_cache[layer.source]
+            if layer.sliding:
+                mask = sliding_mask
+            else:
+                kc, vc, mask = kc[:, :kv_len], vc[:, :kv_len], full_mask
+            a = _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
+            h = ops.residual_norm(h, layer.o(a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
+            x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
+            x = layer.down(ops.gelu_mul(layer.gate(x), layer.up(x)))
+            scalar = getattr(hf, "layer_scalar", None)
+            last = not self.ple_dim
+            h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), hf.post_feedforward_layernorm.eps,
+                                  scalar if last else None)
+            if self.ple_dim:
+                x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
+                h = ops.residual_norm(h, x, _w(hf.post_per_layer_input_norm), hf.post_per_layer_input_norm.eps, scalar)
+        logits = self.lm_head(ops.rms(h, _w(self.final_norm), self.final_norm.eps))
+        return ops.softcap(logits, self.softcap) if self.softcap else logits
+
+    # ------------------------------------------------------------ steps
+
+    def _kv_len(self, end: int) -> int:
+        return min(self.max_len, max(self.min_kv_len, _pow2_at_least(end)))
+
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} tokens exceed the largest step bucket {self.max_bucket}")
+
+    def reset(self) -> None:
+        """Start a request: every slot becomes invisible (positions restart at 0)."""
+        self.pos = 0
+        self.slot_pos.fill_(-1)
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.pos:
+            raise ValueError(f"cannot roll back {n} of {self.pos} positions")
+        self.pos -= n
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Reset, run the prompt in chunks (eager, not captured), return the last token's logits."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        self.reset()
+        logits = None
+        for start in range(0, len(prompt_ids), self.chunk):
+            chunk = prompt_ids[start:start + self.chunk]
+            end = start + len(chunk)
+            self._check_room(end)
+            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            pos = torch.arange(start, end, device=self.device)
+            logits = self._forward(ids, pos, self._kv_len(end))
+        self.pos = len(prompt_ids)
+        return logits[-1]
+
+    @torch.no_grad()
+    def step(self, ids: list[int]) -> torch.Tensor:
+        """Append 1..max_bucket tokens at the current position; their logits [n, vocab]."""
+        n = len(ids)
+        T = self._bucket(n)
+        self._check_room(self.pos + T)
+        kv_len = self._kv_len(self.pos + T)
+        host = self._host_in
+        host[0, :n] = torch.as_tensor(ids, dtype=torch.long)
+        host[0, n:T] = 0
+        host[1, :T] = torch.arange(self.pos, self.pos + T)
+        self._in_buf[:, :T].copy_(host[:, :T])
+        self.ids_buf[:T].copy_(self._in_buf[0, :T])
+        self.pos_buf[:T].copy_(self._in_buf[1, :T])
+        if self.capture:
+            graph, out = self._graph(T, kv_len)
+            graph.replay()
+            logits = out
+        else:
+            logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len)
+        self.pos += n
+        return logits[:n]
+
+    def decode_one(self, token: int) -> torch.Tensor:
+        return self.step([token])[0]
+
+    # Acceptance rule (greedy), as in engine.verify: feed [pending, d1..dn]; g_i is the argmax after
+    # d_i (g_0 after pending); d_i is accepted iff d_1..d_i equal g_0..g_{i-1}. With k accepted the
+    # step yields d_1..d_k plus g_k, and the positions of d_{k+1}..d_n are rolled back.
+    def verify(self, pending: int, draft: list[int]) -> list[int]:
+        target = self.step([pending, *draft]).argmax(-1).tolist()
+        k = 0
+        while k < len(draft) and draft[k] == target[k]:
+            k += 1
+        self.rollback(len(draft) - k)
+        return list(draft[:k]) + [target[k]]
+
+    def _check_room(self, end: int) -> None:
+        if end > self.max_len:
+            raise ValueError(f"position {end} exceeds the fast path's cache of {self.max_len}")
+
+    # ------------------------------------------------------------ CUDA graphs
+
+    def _graph(self, T: int, kv_len: int):
+        key = (T, kv_len)
+        if key not in self._graphs:
+            t0 = time.perf_counter()
+            ids, pos = self.ids_buf[:T], self.pos_buf[:T]
+            # Warm up on a side stream (allocator and library handles), then capture. The warm-up
+            # writes K/V at the current positions, which the replay rewrites identically.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(ids, pos, kv_len)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(ids, pos, kv_len)
+            torch.cuda.synchronize()
+            self._graphs[key] = (graph, out)
+            self.timings.capture_s += time.perf_counter() - t0
+            self.timings.graphs += 1
+        return self._graphs[key]
+
+    @torch.no_grad()
+    def warmup(self, kv_lens: tuple[int, ...] | None = None) -> float:
+        """Capture every (bucket, kv_len) graph up front; returns the seconds it took.
+        Positions are saved and restored; slots written here hold positions past the committed
+        one, which masks hide."""
+        if not self.capture:
+            return 0.0
+        t0 = time.perf_counter()
+        saved_pos, saved_slots = self.pos, self.slot_pos.clone()
+        if kv_lens is None:
+            kv_lens, n = [], self.min_kv_len
+            while True:
+                kv_lens.append(min(n, self.max_len))
+                if n >= self.max_len:
+                    break
+                n *= 2
+        for kv_len in kv_lens:
+            for T in self.buckets:
+                start = max(0, min(kv_len, self.max_len) - T)
+                self.pos_buf[:T].copy_(torch.arange(start, start + T, device=self.device))
+                self.ids_buf[:T].zero_()
+                self._graph(T, kv_len)
+        self.pos = saved_pos
+        self.slot_pos.copy_(saved_slots)
+        return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- elementwise ops
+# Written as transformers' Gemma 4 modules compute them (RMSNorm in fp32: x * (mean(x^2) + eps)^-0.5 * w;
+# gelu tanh; fp32 softmax). On CUDA each is torch.compile'd: a fused kernel instead of 5-10 small ones,
+# which matters because a graph replay still pays a few microseconds a kernel (E4B: ~40 layers).
+
+def _w(norm) -> torch.Tensor | None:
+    return norm.weight if getattr(norm, "with_scale", True) and getattr(norm, "weight", None) is not None else None
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    n = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if w is not None:
+        n = n * w.float()
+    return n.to(x.dtype)
+
+
+def _norm_rope(x, w, eps, cos, sin):
+    return _rope(_rms(x, w, eps), cos, sin)
+
+
+def _residual_norm(residual, y, w, eps, scalar):
+    h = residual + _rms(y, w, eps)
+    return h * scalar if scalar is not None else h
+
+
+def _gelu_mul(g, u):
+    return F.gelu(g, approximate="tanh") * u
+
+
+def _ple_inputs(proj, proj_scale, w, eps, tok, input_scale):
+    return (_rms(proj * proj_scale, w, eps) + tok) * input_scale
+
+
+def _masks(slot_pos, full_pos, pos, window: int):
+    q = pos[:, None]
+    sp = slot_pos[None, :]
+    return (sp <= q) & (sp > q - window) & (sp >= 0), full_pos[None, :] <= q
+
+
+def _masked_softmax(scores, mask, scaling: float):
+    if scaling != 1.0:
+        scores = scores * scaling
+    return torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(scores.dtype)
+
+
+def _softcap(logits, cap: float):
+    return torch.tanh(logits / cap) * cap
+
+
+class _Ops:
+    def __init__(self, wrap):
+        self.rms, self.norm_rope, self.residual_norm = wrap(_rms), wrap(_norm_rope), wrap(_residual_norm)
+        self.gelu_mul, self.ple_inputs, self.masks = wrap(_gelu_mul), wrap(_ple_inputs), wrap(_masks)
+        self.masked_softmax, self.softcap = wrap(_masked_softmax), wrap(_softcap)
+
+
+_EAGER_OPS = _Ops(lambda f: f)
+_COMPILED: list[_Ops] = []
+
+
+def _compiled_ops() -> _Ops:
+    if not _COMPILED:
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED.append(_Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True)))
+    return _COMPILED[0]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+               masked_softmax) -> torch.Tensor:
+    """q [T, H, D]; k, v [KVH, S, D]; mask [T, S] (True = visible). Query head h reads KV head
+    h // (H / KVH), as transformers' repeat_kv. Softmax in fp32, as transformers' eager attention."""
+    T, H, D = q.shape
+    kvh = k.shape[0]
+    g = H // kvh
+    qg = q.view(T, kvh, g, D).permute(1, 2, 0, 3).reshape(kvh, g * T, D)
+    scores = torch.bmm(qg, k.transpose(1, 2)).view(kvh, g, T, -1)
+    probs = masked_softmax(scores, mask, scaling)
+    out = torch.bmm(probs.view(kvh, g * T, -1), v).view(kvh, g, T, D)
+    return out.permute(2, 0, 1, 3).reshape(T, H * D)
+
+
+def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propose=None,
+                    max_draft: int | None = None) -> tuple[list[int], int]:
+    """Greedy tokens after `prompt_ids` and the number of forwards after the prefill. With
+    `propose(context, room) -> list[int]`, drafts are verified (lossless: same tokens as without)."""
+    max_draft = fast.max_bucket - 1 if max_draft is None else max_draft
+    out = [int(fast.prefill(prompt_ids).argmax())]
+    steps = 0
+    while len(out) < max_new:
+        room = min(max_new - len(out) - 1, max_draft)
+        draft = list(propose(prompt_ids + out, room))[:room] if (propose is not None and room > 0) else []
+        if draft:
+            out += fast.verify(out[-1], draft)
+        else:
+            out.append(int(fast.decode_one(out[-1]).argmax()))
+        steps += 1
+    return out[:max_new], steps

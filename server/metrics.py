@@ -1,0 +1,95 @@
+"""Server metrics in the Prometheus text format (`GET /metrics`).
+
+Contract: `Metrics.record(...)` is called once per finished request (from the event loop);
+`Metrics.render(waiting, running)` returns the exposition text. The speculative-decoding counters
+carry the names existing tooling reads (vLLM's, unprefixed): `spec_decode_num_drafts_total`,
+`spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`. Latencies are
+histograms in seconds.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, cumulative = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum {self.sum:.6f}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+# (name, help) of the plain counters; values live in Metrics.counters
+COUNTERS = (
+    ("spec_decode_num_drafts_total", "Verify steps that checked a drafted sequence."),
+    ("spec_decode_num_draft_tokens_total", "Drafted tokens verified by the target."),
+    ("spec_decode_num_accepted_tokens_total", "Drafted tokens the target accepted."),
+    ("sailfish_prompt_tokens_total", "Prompt tokens prefilled."),
+    ("sailfish_generation_tokens_total", "Tokens generated (completion tokens)."),
+    ("sailfish_verify_steps_total", "Target forwards that verified a draft."),
+    ("sailfish_plain_steps_total", "Target forwards that decoded one token without a draft."),
+)
+HISTOGRAMS = (
+    ("sailfish_request_latency_seconds", "Time from arrival to the last token."),
+    ("sailfish_time_to_first_token_seconds", "Time from arrival to the first generated token."),
+    ("sailfish_queue_wait_seconds", "Time a request waited for the engine."),
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.counters = {name: 0 for name, _ in COUNTERS}
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)   # (endpoint, outcome) -> count
+        self.histograms = {name: Histogram() for name, _ in HISTOGRAMS}
+
+    def record(self, endpoint: str, outcome: str, stats=None, latency: float | None = None,
+               ttft: float | None = None, queue_wait: float | None = None) -> None:
+        """outcome: "ok", "cancelled" or "error". `stats` is the engine's RequestStats, if it ran."""
+        self.requests[(endpoint, outcome)] += 1
+        if stats is not None:
+            c = self.counters
+            c["spec_decode_num_drafts_total"] += stats.verify_steps
+            c["spec_decode_num_draft_tokens_total"] += stats.drafted_tokens
+            c["spec_decode_num_accepted_tokens_total"] += stats.accepted_tokens
+            c["sailfish_prompt_tokens_total"] += stats.prompt_tokens
+            c["sailfish_generation_tokens_total"] += stats.completion_tokens
+            c["sailfish_verify_steps_total"] += stats.verify_steps
+            c["sailfish_plain_steps_total"] += stats.plain_steps
+        for name, value in (("sailfish_request_latency_seconds", latency),
+                            ("sailfish_time_to_first_token_seconds", ttft),
+                            ("sailfish_queue_wait_seconds", queue_wait)):
+            if value is not None:
+                self.histograms[name].observe(value)
+
+    def render(self, waiting: int, running: int) -> str:
+        out = ["# HELP sailfish_requests_total Requests finished, by endpoint and outcome.",
+               "# TYPE sailfish_requests_total counter"]
+        for (endpoint, outcome), n in sorted(self.requests.items()):
+            out.append(f'sailfish_requests_total{{endpoint="{endpoint}",outcome="{outcome}"}} {n}')
+        for name, help_text in COUNTERS:
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {self.counters[name]}"]
+        for name, help_text in (("sailfish_requests_waiting", "Requests queued for the engine."),
+                                ("sailfish_requests_running", "Requests the engine is generating.")):
+            value = waiting if name.endswith("waiting") else running
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        for name, help_text in HISTOGRAMS:
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"] + self.histograms[name].lines(name)
+        return "\n".join(out) + "\n"

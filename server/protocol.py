@@ -1,0 +1,341 @@
+"""OpenAI request and response types, and the validation that turns bad input into a 4xx.
+
+Contract: `ChatCompletionRequest.parse(body)` / `CompletionRequest.parse(body)` take the decoded
+JSON body and return a validated request or raise `APIError` (status, message, type, param, code),
+whose `body()` is the one error shape every endpoint uses:
+`{"error": {"message", "type", "param", "code"}}`. Fields are listed in the order of the OpenAI
+API reference. Fields real clients send that Sailfish does not act on (`store`, `metadata`,
+`parallel_tool_calls`, `user`, `top_p`, penalties, ...) are accepted and ignored; fields whose
+meaning Sailfish cannot honour (`n` > 1, `logprobs: true`, a JSON `response_format`, image or audio
+content) are refused with a 400 rather than silently ignored. The response builders at the end
+return plain dicts shaped like OpenAI's responses and stream chunks.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Tool names end up inside `call:NAME{` in the Gemma 4 format: no whitespace, braces or angle brackets.
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------- field readers
+
+def _opt(body: dict, name: str, kind: type | tuple, default: Any = None, what: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int subclass: never accept true for an integer field
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise _bad(f"'{name}' must be {what or kind.__name__}, got a boolean", name, "invalid_type")
+    if not isinstance(value, kind):
+        raise _bad(f"'{name}' must be {what or getattr(kind, '__name__', 'valid')}, got {type(value).__name__}",
+                   name, "invalid_type")
+    return value
+
+
+def _max_tokens(body: dict) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _opt(body, name, int, what="an integer")
+        if value is not None:
+            if value < 1:
+                raise _bad(f"'{name}' must be at least 1, got {value}", name)
+            return value
+    return None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+
+
+def _sampling(body: dict) -> tuple[float, int | None]:
+    temperature = float(_opt(body, "temperature", (int, float), 0.0, "a number"))
+    if not 0.0 <= temperature <= 2.0:
+        raise _bad(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
+    n = _opt(body, "n", int, 1, "an integer")
+    if n != 1:
+        raise _bad("only n=1 is supported", "n", "unsupported_value")
+    return temperature, _opt(body, "seed", int, None, "an integer")
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _opt(body, "stream", bool, False, "a boolean")
+    options = _opt(body, "stream_options", dict, {}, "an object")
+    include_usage = _opt(options, "include_usage", bool, False, "a boolean")
+    return stream, include_usage
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content: a string, null, or a list of text parts (other parts are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            is_text = isinstance(part, dict) and part.get("type") in ("text", "input_text")
+            if is_text and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, dict) and "type" in part:
+                raise _bad(f"{where}.content[{k}]: content parts of type {part['type']!r} are not supported "
+                           "(text only)", f"{where}.content", "unsupported_value")
+            else:
+                raise _bad(f"{where}.content[{k}] is not a content part", f"{where}.content", "invalid_type")
+        return "".join(parts)
+    raise _bad(f"{where}.content must be a string, null or a list of parts", f"{where}.content", "invalid_type")
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
+        raise _bad(f"{where}: a tool call needs function.name (letters, digits, _ . : -)", where, "invalid_type")
+    arguments = fn.get("arguments")
+    if arguments is None:
+        arguments = "{}"
+    if not isinstance(arguments, str):
+        raise _bad(f"{where}: function.arguments must be a JSON string", where, "invalid_type")
+    return {"id": str(call.get("id") or f"call_{uuid.uuid4().hex[:24]}"), "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def parse_messages(raw: Any) -> list[dict]:
+    """Validated, normalized messages: role (developer -> system), content text, tool fields."""
+    if raw is None:
+        raise APIError(400, "Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+    if not isinstance(raw, list):
+        raise _bad("'messages' must be an array of messages", "messages", "invalid_type")
+    if not raw:
+        raise _bad("'messages' must contain at least one message", "messages", "empty_array")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object", where, "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role {role!r} is not one of {', '.join(ROLES)}", f"{where}.role")
+        msg: dict = {"role": "system" if role == "developer" else role,
+                     "content": _text_content(m.get("content"), where)}
+        if role == "assistant":
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise _bad(f"{where}.tool_calls must be an array", f"{where}.tool_calls", "invalid_type")
+            if calls:
+                msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
+        elif role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise APIError(400, f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id",
+                               "missing_required_parameter")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str) and m["name"]:
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def parse_tools(raw: Any) -> list[dict]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be an array", "tools", "invalid_type")
+    tools, names = [], set()
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict):
+            raise _bad(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where, "invalid_type")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise _bad(f"{where}.function.name must be 1-128 letters, digits, _ . : or -", f"{where}.function.name")
+        if name in names:
+            raise _bad(f"{where}: duplicate tool name {name!r}", f"{where}.function.name")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and (not isinstance(params, dict)
+                                   or params.get("type", "object") != "object"):
+            raise _bad(f"{where}.function.parameters must be a JSON Schema object with type 'object'",
+                       f"{where}.function.parameters", "invalid_function_parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _bad(f"{where}.function.description must be a string", f"{where}.function.description",
+                       "invalid_type")
+        out = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
+        if fn.get("description"):
+            out["description"] = fn["description"]
+        tools.append({"type": "function", "function": out})
+    return tools
+
+
+def parse_tool_choice(raw: Any, tools: list[dict]) -> str | dict:
+    """'none', 'auto', 'required' or {"name": NAME}; 'auto' when tools are given, else 'none'."""
+    if raw is None:
+        return "auto" if tools else "none"
+    if raw in ("none", "auto", "required"):
+        if raw == "required" and not tools:
+            raise _bad("tool_choice 'required' needs at least one tool in 'tools'", "tool_choice")
+        return raw
+    fn = raw.get("function") if isinstance(raw, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or "
+                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise _bad(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+    return {"name": name}
+
+
+# ---------------------------------------------------------------- requests
+
+@dataclass
+class ChatCompletionRequest:
+    messages: list[dict]
+    model: str = ""
+    max_tokens: int | None = None        # max_completion_tokens, else max_tokens
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False          # stream_options.include_usage
+    temperature: float = 0.0             # 0: greedy (drafted); > 0: sampled, never drafted
+    tool_choice: str | dict = "none"
+    tools: list[dict] = field(default_factory=list)
+    user: str | None = None
+
+    @classmethod
+    def parse(cls, body: Any) -> "ChatCompletionRequest":
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object", None, "invalid_type")
+        messages = parse_messages(body.get("messages"))
+        model = _opt(body, "model", str, "", "a string")
+        if body.get("logprobs"):
+            raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
+        max_tokens = _max_tokens(body)
+        fmt = _opt(body, "response_format", dict, {"type": "text"}, "an object")
+        if fmt.get("type", "text") != "text":
+            raise _bad(f"response_format {fmt.get('type')!r} is not supported (text only)", "response_format",
+                       "unsupported_value")
+        temperature, seed = _sampling(body)
+        stop = _stop(body)
+        stream, include_usage = _stream(body)
+        tools = parse_tools(body.get("tools"))
+        tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+        user = _opt(body, "user", str, None, "a string")
+        return cls(messages, model, max_tokens, seed, stop, stream, include_usage, temperature,
+                   tool_choice, tools, user)
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str | list[int]
+    model: str = ""
+    max_tokens: int = 16                 # the OpenAI default for this endpoint
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float = 0.0
+    user: str | None = None
+
+    @classmethod
+    def parse(cls, body: Any) -> "CompletionRequest":
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object", None, "invalid_type")
+        model = _opt(body, "model", str, "", "a string")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        is_ids = (isinstance(prompt, list) and bool(prompt)
+                  and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        if prompt is None:
+            raise APIError(400, "Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+        if not (isinstance(prompt, str) and prompt) and not is_ids:
+            raise _bad("'prompt' must be a non-empty string or token id array (batches of one only)", "prompt")
+        if body.get("echo"):
+            raise _bad("echo is not supported", "echo", "unsupported_value")
+        if body.get("logprobs") is not None:
+            raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
+        if (body.get("best_of") or 1) != 1:
+            raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
+        max_tokens = _max_tokens(body) or 16
+        temperature, seed = _sampling(body)
+        stop = _stop(body)
+        stream, include_usage = _stream(body)
+        user = _opt(body, "user", str, None, "a string")
+        return cls(prompt, model, max_tokens, seed, stop, stream, include_usage, temperature, user)
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, sailfish: dict) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "sailfish": sailfish}
+
+
+def chat_completion(rid: str, model: str, message: dict, finish_reason: str, usage: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage, "system_fingerprint": None}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
+               usage: dict | None = None, include_usage: bool = False) -> dict:
+    """A stream chunk; delta None makes the usage-only final chunk (empty choices)."""
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [] if delta is None else
+             [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+               usage: dict | None, include_usage: bool = True) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [] if text is None else
+            [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        body["usage"] = usage
+    return body
+
+
+def model_list(model_id: str, created: int) -> dict:
+    return {"object": "list",
+            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "sailfish"}]}

@@ -1,0 +1,347 @@
+"""Chat and text completions on top of the engine: prompts, tool calls, streaming, usage, capture.
+
+Contract: `Service(engine, settings, drafter_note)` serves validated requests from `server.protocol`.
+`chat(req, receive)` / `complete(req, receive)` return a response dict, or an async iterator of SSE
+lines when `req.stream`; errors are `APIError`s. Every generation runs on the scheduler's single
+worker thread (one request at a time, arrival order) and stops when the client disconnects.
+`load_engine(settings)` builds the engine the CLI serves: model, index and drafter, logging what it
+chose.
+
+Prompting. Chat messages are rendered by `index.chat_format.ChatFormat`: the model's own chat template
+when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,
+so it also serves models with neither). Generated text is parsed back into OpenAI `tool_calls`.
+tool_choice: "none" renders no tools and parses no calls; "auto" renders them; with the built-in
+format "required" and a named function are ENFORCED by prefilling the model turn with
+`<|tool_call>call:` (resp. `<|tool_call>call:NAME{`), so the first thing generated is that call;
+with a chat template they are only requested by a system instruction (not enforced).
+temperature > 0 samples (seeded by `seed`) and never drafts; temperature 0 or absent is greedy and
+drafted, with output identical to plain greedy decoding.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from index.chat_format import CALL_OPEN, ChatFormat, ToolCallStreamParser
+from server.engine import GenerationParams
+from server.metrics import Metrics
+from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
+                             completion, error_body, new_call_id, new_id, usage_body)
+from server.scheduler import Scheduler
+from server.settings import Settings
+from server.trace_log import TraceLog
+
+log = logging.getLogger("sailfish.serving")
+
+
+# ---------------------------------------------------------------- loading
+
+def load_engine(settings: Settings):
+    """(engine, drafter note) for the CLI: load the target, the index, the drafter; log each choice."""
+    from index.sources import default_index_dir
+    from index.tokenizer import tokenizer_fingerprint
+    from ngram.drafter import NgramDrafter
+    from ngram.index_file import IndexLoadError, load_index
+    from server.engine import Engine, EngineConfig
+    from server.model_loading import load_target
+
+    t0 = time.perf_counter()
+    target = load_target(settings.model, settings.quant, settings.dtype, settings.device)
+    log.info("model %s: quant %s, dtype %s, device %s (loaded in %.1f s)", target.model_id, target.quant,
+             str(target.dtype).removeprefix("torch."), target.device, time.perf_counter() - t0)
+    for note in target.notes:
+        log.info("  %s", note)
+
+    drafter, note = None, "off (--no-draft): plain greedy decoding"
+    if settings.draft:
+        index_dir = Path(settings.index) if settings.index else default_index_dir()
+        try:
+            index = load_index(index_dir, tokenizer_fingerprint(target.tokenizer))
+            drafter = NgramDrafter(index, settings.drafter)
+            note = (f"index {index_dir}: {index.num_turns} turns, "
+                    f"{len(index.trie)} n-gram keys, fingerprint {index.fingerprint[:12]}")
+        except IndexLoadError as e:
+            # No usable index: plain decoding, as documented; the reason is logged as a warning.
+            note = f"no usable index ({e}): serving with plain decoding"
+    (log.info if drafter is not None or not settings.draft else log.warning)("drafting: %s", note)
+
+    t0 = time.perf_counter()
+    # without a drafter the policy is never consulted: skip measuring its cost curve
+    config = EngineConfig(max_draft=settings.drafter.max_draft, adaptive=settings.adaptive and drafter is not None,
+                          max_context=settings.max_context)
+    engine = Engine(target, drafter, config)
+    cost = getattr(getattr(engine, "policy", None), "cost", None)
+    if cost is not None and settings.adaptive and drafter is not None:
+        curve = " ".join(f"{n}:{c:.2f}" for n, c in enumerate(cost) if n >= 1)
+        log.info("verify cost curve (forward time for n new tokens / 1 token, measured in %.1f s): %s",
+                 time.perf_counter() - t0, curve)
+    log.info("context limit %d tokens", engine.max_context)
+    return engine, note
+
+
+# ---------------------------------------------------------------- the service
+
+@dataclass
+class _Prepared:
+    prompt_ids: list[int]
+    params: GenerationParams
+    forced: str            # text prefilled into the model turn (counts as generated, not as a token)
+    offered: list[dict]    # tools the model saw
+    parse_calls: bool
+
+
+class Service:
+    def __init__(self, engine, settings: Settings, drafter_note: str = ""):
+        self.engine = engine
+        self.settings = settings
+        self.drafter_note = drafter_note
+        self.chat_format = ChatFormat.for_tokenizer(engine.tokenizer)
+        self.stop_token_ids = frozenset(self.chat_format.stop_token_ids(engine.tokenizer))
+        self.scheduler = Scheduler()
+        self.metrics = Metrics()
+        self.trace_log = None
+        if settings.trace_log:
+            from index.sources import default_trace_dir
+
+            self.trace_log = TraceLog(settings.trace_dir or default_trace_dir(),
+                                      settings.trace_rotate_mb * 1024 * 1024)
+        self.created = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    # ------------------------------------------------------------ chat
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
+        fmt, messages = self.chat_format, req.messages
+        offered = req.tools if req.tool_choice != "none" else []
+        forced = ""
+        if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
+            name = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
+            if fmt.uses_template:
+                ask = f"You must call the tool {name}." if name else "You must call one of the tools."
+                messages = [{"role": "system", "content": ask}] + messages
+            else:
+                forced = f"{CALL_OPEN}call:{name}{{" if name else f"{CALL_OPEN}call:"
+        text = fmt.render_prompt(messages, offered) + forced
+        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_tokens or self.settings.default_max_tokens
+        self._check_context(len(prompt_ids), "messages")
+        params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
+                                  stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
+                                  temperature=req.temperature, seed=req.seed)
+        return _Prepared(prompt_ids, params, forced, offered, parse_calls=bool(offered))
+
+    async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
+        prep = self.prepare_chat(req)
+        rid = new_id("chatcmpl")
+        if req.stream:
+            return self._chat_stream(req, prep, rid)
+        run = _Run(self, "chat", prep, receive)
+        content, calls = [], []
+        parser = ToolCallStreamParser() if prep.parse_calls else None
+        async for text in run.texts():
+            c, k = parser.feed(text) if parser else (text, [])
+            content.append(c)
+            calls += k
+        if parser:
+            rest, more = parser.finish()
+            content.append(rest)
+            calls += more
+        message = _assistant_message("".join(content), calls)
+        finish = "tool_calls" if calls and run.finish == "stop" else run.finish
+        self._capture(req, prep, message)
+        return chat_completion(rid, self.model_id, message, finish, run.usage())
+
+    async def _chat_stream(self, req: ChatCompletionRequest, prep: _Prepared, rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        chunk = lambda delta, finish=None: _sse(chat_chunk(rid, self.model_id, created, delta, finish,
+                                                           None, req.include_usage))
+        run = _Run(self, "chat", prep, None)
+        parser = ToolCallStreamParser() if prep.parse_calls else None
+        content, calls = [], []
+
+        def deltas(c: str, k: list[dict]) -> list[str]:
+            out = []
+            if c:
+                content.append(c)
+                out.append(chunk({"content": c}))
+            for call in k:
+                call = _openai_call(call)
+                i = len(calls)
+                calls.append(call)
+                out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                                  "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+                arguments = call["function"]["arguments"]
+                out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": arguments}}]}))
+            return out
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for text in run.texts():
+                for line in deltas(*(parser.feed(text) if parser else (text, []))):
+                    yield line
+            if parser:
+                for line in deltas(*parser.finish()):
+                    yield line
+            finish = "tool_calls" if calls and run.finish == "stop" else run.finish
+            self._capture(req, prep, _assistant_message("".join(content), calls))
+            yield chunk({}, finish)
+            if req.include_usage:
+                yield _sse(chat_chunk(rid, self.model_id, created, None, None, run.usage(), True))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(e.body())
+        except Exception:
+            log.exception("stream %s failed", rid)
+            yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
+
+    # ------------------------------------------------------------ text completions
+
+    async def complete(self, req: CompletionRequest, receive=None) -> dict | AsyncIterator[str]:
+        tok = self.engine.tokenizer
+        prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
+        self._check_context(len(prompt_ids), "prompt")
+        params = GenerationParams(max_tokens=req.max_tokens, stop_token_ids=frozenset(), stop_strings=req.stop,
+                                  draft=True, temperature=req.temperature, seed=req.seed)
+        prep = _Prepared(prompt_ids, params, "", [], False)
+        rid, created = new_id("cmpl"), int(time.time())
+        if req.stream:
+            return self._complete_stream(req, prep, rid, created)
+        run = _Run(self, "completions", prep, receive)
+        text = "".join([t async for t in run.texts()])
+        return completion(rid, self.model_id, created, text, run.finish, run.usage())
+
+    async def _complete_stream(self, req, prep, rid, created) -> AsyncIterator[str]:
+        run = _Run(self, "completions", prep, None)
+        try:
+            async for text in run.texts():
+                if text:
+                    yield _sse(completion(rid, self.model_id, created, text, None, None, req.include_usage))
+            yield _sse(completion(rid, self.model_id, created, "", run.finish, None, req.include_usage))
+            if req.include_usage:
+                yield _sse(completion(rid, self.model_id, created, None, None, run.usage(), True))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(e.body())
+        except Exception:
+            log.exception("stream %s failed", rid)
+            yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
+
+    # ------------------------------------------------------------ helpers
+
+    def _check_context(self, n_prompt: int, param: str) -> None:
+        limit = self.engine.max_context
+        if n_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                f"{n_prompt} tokens. Shorten the {param}.", param, "context_length_exceeded")
+
+    def _capture(self, req: ChatCompletionRequest, prep: _Prepared, message: dict) -> None:
+        if self.trace_log is None:
+            return
+        seen = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            seen["tool_calls"] = message["tool_calls"]
+        self.trace_log.append(req.messages + [seen], prep.offered)
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,
+                "waiting": self.scheduler.waiting, "running": self.scheduler.running}
+
+
+class _Run:
+    """One generation through the scheduler: text deltas out, usage and metrics at the end."""
+
+    def __init__(self, service: Service, endpoint: str, prep: _Prepared, receive):
+        self.service, self.endpoint, self.prep, self.receive = service, endpoint, prep, receive
+        self.finish: str | None = None
+        self.stats = None
+        self.queue_s = 0.0
+
+    async def texts(self) -> AsyncIterator[str]:
+        svc, prep = self.service, self.prep
+        if prep.forced:
+            yield prep.forced
+        t0 = time.perf_counter()
+        ttft = None
+        job = svc.scheduler.submit(lambda cancelled: svc.engine.generate(prep.prompt_ids, prep.params, cancelled))
+        watcher = asyncio.ensure_future(_watch_disconnect(self.receive, job)) if self.receive else None
+        outcome = "error"
+        try:
+            async for chunk in job:
+                if ttft is None and chunk.token_ids:
+                    ttft = time.perf_counter() - t0
+                self.stats = chunk.stats
+                if chunk.finish_reason is not None:
+                    self.finish = chunk.finish_reason
+                if chunk.text:
+                    yield chunk.text
+            outcome = "ok" if self.finish is not None or not job.cancelled else "cancelled"
+        except ValueError as e:  # the engine's refusal of a request (e.g. it does not fit the context)
+            raise APIError(400, str(e), None, "invalid_request") from e
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            job.cancel()  # a no-op once finished; stops the engine when the client went away
+            if watcher is not None:
+                watcher.cancel()
+            if job.started is not None:
+                self.queue_s = job.started - job.submitted
+            svc.metrics.record(self.endpoint, outcome, self.stats, time.perf_counter() - t0, ttft,
+                               self.queue_s if job.started is not None else None)
+        if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
+            raise APIError(499, "the client disconnected", None, "client_disconnected")
+        if self.finish is None:
+            self.finish = "stop"
+
+    def usage(self) -> dict:
+        s = self.stats
+        if s is None:
+            return usage_body(len(self.prep.prompt_ids), 0, {})
+        extra = {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+                 "drafts": s.drafts, "verify_steps": s.verify_steps, "plain_steps": s.plain_steps,
+                 "acceptance_rate": round(s.accepted_tokens / s.drafted_tokens, 4) if s.drafted_tokens else None,
+                 "decode_tokens_per_s": round(s.tokens_per_s, 2),
+                 "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
+                 "queue_s": round(self.queue_s, 4)}
+        return usage_body(s.prompt_tokens, s.completion_tokens, extra)
+
+
+async def _watch_disconnect(receive, job) -> None:
+    """Cancel the job when the client of a non-streaming request disconnects."""
+    try:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                job.cancel()
+                return
+    except Exception:
+        return
+
+
+def _openai_call(call: dict) -> dict:
+    if "function" in call:
+        return call
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def _assistant_message(content: str, calls: list[dict]) -> dict:
+    tool_calls = [_openai_call(c) for c in calls]
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": content if (content.strip() or not tool_calls) else None,
+                               "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,176 @@
+"""The real path: the server on the bundled Gemma 3 270M model, driven with the `openai` client.
+
+- A drafted server and a no-draft server (the same loaded weights, one engine with the n-gram
+  drafter and one without, which is what `--no-draft` builds) answer the same chat and completion
+  requests identically, while the drafted one really drafts.
+- Streaming returns the same text as non-streaming; concurrent clients get what they get alone.
+- `python -m server` as a subprocess: the start-up log names model, quantization, device, index and
+  the verify cost curve; a corrupted index is refused with its reason and the server serves plainly.
+The model is a base model (it does not call tools); tool-call protocol details are in
+test_server_protocol.py. Short max_tokens keep the module around a minute on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ngram.drafter import DrafterConfig, NgramDrafter
+from server.app import ServerThread, create_app, free_port
+from server.engine import Engine, EngineConfig
+from server.serving import Service
+from server.settings import Settings
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+CHATS = [
+    dict(messages=[{"role": "user", "content": "List the numbers 1, 2, 3, 4, 5, 6, 7, 8 and continue: 1, 2, 3,"}]),
+    dict(messages=[{"role": "system", "content": "You call tools."},
+                   {"role": "user", "content": "What is the weather in Paris? And in Rome? And in Oslo?"}],
+         tools=[WEATHER_TOOL]),
+    dict(messages=[{"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "temp_c": 21}'}],
+         tools=[WEATHER_TOOL]),
+]
+PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n"
+
+
+@pytest.fixture(scope="module")
+def target():
+    from server.model_loading import load_target
+
+    return load_target(None)
+
+
+@pytest.fixture(scope="module")
+def servers(target):
+    """(drafted url, plain url). Fixed flat policy: every non-empty draft is verified (most rollbacks)."""
+    config = EngineConfig(max_draft=8, adaptive=False)
+    drafted = Service(Engine(target, NgramDrafter(None, DrafterConfig()), config), Settings(trace_log=False))
+    plain = Service(Engine(target, None, config), Settings(trace_log=False, draft=False))
+    with ServerThread(create_app(drafted)) as a, ServerThread(create_app(plain)) as b:
+        yield a, b
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _answer(r) -> tuple:
+    m = r.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    return m.content, calls, r.choices[0].finish_reason
+
+
+def test_drafted_server_equals_no_draft_server(servers):
+    drafted, plain = _client(servers[0]), _client(servers[1])
+    accepted = 0
+    for req in CHATS:
+        a = drafted.chat.completions.create(model="gemma", max_tokens=MAX_TOKENS, **req)
+        b = plain.chat.completions.create(model="gemma", max_tokens=MAX_TOKENS, **req)
+        assert _answer(a) == _answer(b)
+        assert a.usage.completion_tokens == b.usage.completion_tokens
+        assert b.usage.model_extra["sailfish"]["drafted_tokens"] == 0
+        accepted += a.usage.model_extra["sailfish"]["accepted_tokens"]
+    a = drafted.completions.create(model="gemma", prompt=PROMPT, max_tokens=MAX_TOKENS)
+    b = plain.completions.create(model="gemma", prompt=PROMPT, max_tokens=MAX_TOKENS)
+    assert a.choices[0].text == b.choices[0].text and a.choices[0].text
+    accepted += a.usage.model_extra["sailfish"]["accepted_tokens"]
+    assert accepted > 0, "the drafted server never accepted a drafted token: the check proves nothing"
+    metrics = httpx.get(servers[0] + "/metrics").text
+    assert "spec_decode_num_accepted_tokens_total 0\n" not in metrics
+
+
+def test_streaming_equals_non_streaming(servers):
+    c = _client(servers[0])
+    req = dict(model="gemma", max_tokens=MAX_TOKENS, **CHATS[0])
+    whole = c.chat.completions.create(**req)
+    chunks = list(c.chat.completions.create(**req, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_concurrent_clients_get_their_solo_output(servers):
+    c = _client(servers[0])
+    prompts = [f"Count from {k}: {k}, {k + 1}," for k in (3, 40, 700)]
+    solo = [c.completions.create(model="m", prompt=p, max_tokens=16).choices[0].text for p in prompts]
+    out: dict[int, str] = {}
+
+    def send(i):
+        out[i] = c.completions.create(model="m", prompt=prompts[i], max_tokens=16).choices[0].text
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(len(prompts))] == solo
+
+
+def test_refused_index_serves_plain_and_says_why(tmp_path):
+    from server.serving import load_engine
+    from server.settings import Settings
+
+    bad_index = tmp_path / "index"
+    bad_index.mkdir()
+    (bad_index / "meta.msgpack").write_bytes(b"\x00garbage")
+    engine, note = load_engine(Settings(index=str(bad_index)))
+    assert engine._drafter is None
+    assert "no usable index" in note and "plain decoding" in note and "rebuild" in note
+
+
+def test_cli_server_startup_log(tmp_path):
+    import numpy as np
+
+    from index.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from ngram.index_file import BuildParams, write_index
+
+    index_dir = tmp_path / "index"
+    fingerprint = tokenizer_fingerprint(load_tokenizer())
+    write_index(index_dir, [np.arange(100, 140, dtype=np.uint32)], fingerprint, BuildParams())
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    env = dict(os.environ, SAILFISH_HOME=str(tmp_path / "home"))
+    root = Path(__file__).resolve().parent.parent
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--index", str(index_dir),
+                                 "--max-draft", "2"], cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        c = _client(f"http://127.0.0.1:{port}")
+        assert [m.id for m in c.models.list().data] == ["gemma-3-270m"]
+        r = c.chat.completions.create(model="gpt-4o", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+        assert r.usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert "model gemma-3-270m: quant none, dtype float32, device cpu" in text
+    assert f"index {index_dir}: 1 turns" in text and "verify cost curve" in text and "1:1.00" in text
+    # the completed chat request was captured in the default trace directory
+    traces = list((tmp_path / "home" / "traces").glob("*.jsonl"))
+    assert len(traces) == 1 and '"role": "assistant"' in traces[0].read_text()

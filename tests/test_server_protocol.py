@@ -1,0 +1,425 @@
+"""The OpenAI protocol of the server, driven with the official `openai` client over real HTTP.
+
+The bundled model is a base model that never emits tool calls, so these tests serve a SCRIPTED
+STAND-IN ENGINE (`ScriptedEngine`): it emits fixed Gemma 4 text (tool calls included) a few
+characters per "token", honouring max_tokens, stop strings and cancellation like the real engine.
+It sees the real rendered prompt (a byte tokenizer), so prompt rendering is checked too. The real
+model path is in test_server_model.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server.app import ServerThread, create_app
+from server.engine import GenerationChunk, RequestStats
+from server.serving import Service
+from server.settings import Settings
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+PARIS_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255); enough for ChatFormat and the server."""
+
+    bos_token = "<bos>"
+    eos_token_id = 256
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def get_vocab(self) -> dict:
+        return {"<eos>": 256}
+
+
+def default_script(prompt: str) -> str:
+    """What the stand-in model says, chosen from the rendered prompt."""
+    if prompt.endswith("call:get_weather{"):                     # tool_choice named: prefilled
+        return 'city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    if prompt.endswith("<|tool_call>call:"):                      # tool_choice required: prefilled
+        return 'get_time{tz:<|"|>UTC<|"|>}<tool_call|><|tool_response>'
+    if prompt.endswith("<tool_response|>"):                       # after a tool result
+        return "It is sunny in Paris.<turn|>"
+    last_user = prompt.rsplit("<|turn>user\n", 1)[-1]
+    if "both" in last_user:
+        return PARIS_CALL + '<|tool_call>call:get_time{tz:<|"|>Europe/Paris<|"|>}<tool_call|><|tool_response>'
+    if "weather" in last_user and "<|tool>declaration:get_weather" in prompt:
+        return "Let me check. " + PARIS_CALL + "<|tool_response>"
+    if "crash" in last_user:
+        raise RuntimeError("scripted engine failure with a secret stack frame")
+    return "Hello there! How can I help you today?<turn|>"
+
+
+class ScriptedEngine:
+    """A stand-in for server.engine.Engine that replays scripted text instead of running a model."""
+
+    model_id = "scripted-stand-in"
+
+    def __init__(self, script=default_script, max_context: int = 8192, delay: float = 0.0):
+        self.tokenizer = ByteTokenizer()
+        self.script, self.max_context, self.delay = script, max_context, delay
+        self.prompts: list[str] = []
+        self.log: list[tuple[str, int, bool]] = []   # (prompt tail, tokens emitted, stopped early)
+        self.lock = threading.Lock()
+
+    def generate(self, prompt_ids, params, cancelled=None):
+        prompt = self.tokenizer.decode(prompt_ids)
+        with self.lock:
+            self.prompts.append(prompt)
+        text = self.script(prompt)
+        finish = "stop"
+        cut = [text.find(s) for s in params.stop_strings if s and s in text]
+        if cut:
+            text = text[:min(cut)]
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        if len(pieces) > params.max_tokens:
+            pieces, finish = pieces[:params.max_tokens], "length"
+        stats = RequestStats(prompt_tokens=len(prompt_ids))
+        emitted, stopped_early = 0, True   # stays True when the server closes this generator
+        try:
+            for i, piece in enumerate(pieces):
+                if self.delay:
+                    time.sleep(self.delay)
+                stats.completion_tokens += 1
+                emitted += 1
+                last = i == len(pieces) - 1
+                yield GenerationChunk([i], piece, finish if last else None, stats)
+                if cancelled is not None and cancelled():
+                    return
+            if not pieces:
+                yield GenerationChunk([], "", finish, stats)
+            stopped_early = False
+        finally:
+            self.log.append((prompt[-40:], emitted, stopped_early))
+
+
+def _serve(engine, **settings):
+    settings.setdefault("trace_log", False)
+    service = Service(engine, Settings(**settings))
+    return service, ServerThread(create_app(service))
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = ScriptedEngine()
+    service, thread = _serve(engine)
+    with thread as url:
+        yield engine, service, url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[2] + "/v1", api_key="unused", max_retries=0)
+
+
+def _weather(**kw):
+    return dict(model="any-model-name", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=[WEATHER_TOOL], **kw)
+
+
+def test_models_and_any_model_name(client):
+    assert [m.id for m in client.models.list().data] == ["scripted-stand-in"]
+    r = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert r.model == "scripted-stand-in"
+    assert r.choices[0].message.content == "Hello there! How can I help you today?"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert "drafted_tokens" in r.usage.model_extra["sailfish"]
+
+
+def test_tool_call_non_streaming(server, client):
+    r = client.chat.completions.create(**_weather())
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check. "
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    prompt = server[0].prompts[-1]
+    assert "<|tool>declaration:get_weather{description:<|\"|>Current weather in a city<|\"|>" in prompt
+    assert prompt.endswith("<|turn>model\n")
+
+
+def test_tool_call_streaming_deltas_and_usage(client):
+    stream = client.chat.completions.create(**_weather(stream=True, stream_options={"include_usage": True}))
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "Let me check. "
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].index == 0 and deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_parallel_calls_streaming_and_not(client):
+    req = dict(model="m", messages=[{"role": "user", "content": "weather and time, both please"}],
+               tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=True)
+    r = client.chat.completions.create(**req)
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert r.choices[0].message.content is None
+    assert len({c.id for c in calls}) == 2
+    merged: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**req, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            m = merged.setdefault(d.index, {"name": "", "arguments": ""})
+            m["name"] += d.function.name or ""
+            m["arguments"] += d.function.arguments or ""
+    assert [merged[i]["name"] for i in sorted(merged)] == ["get_weather", "get_time"]
+    assert json.loads(merged[1]["arguments"]) == {"tz": "Europe/Paris"}
+
+
+def test_tool_results_in_history(server, client):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "temp_c": 21}'},
+    ]
+    r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL])
+    assert r.choices[0].message.content == "It is sunny in Paris."
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    prompt = server[0].prompts[-1]
+    assert "<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>" in prompt
+    assert prompt.endswith("<|tool_response>response:get_weather{sky:<|\"|>sunny<|\"|>,temp_c:21}<tool_response|>")
+
+
+def test_tool_choice_none_named_required(server, client):
+    r = client.chat.completions.create(**_weather(tool_choice="none"))
+    assert "declaration:get_weather" not in server[0].prompts[-1]
+    assert r.choices[0].message.tool_calls is None
+    r = client.chat.completions.create(**_weather(tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert server[0].prompts[-1].endswith("<|turn>model\n<|tool_call>call:get_weather{")
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
+    assert r.choices[0].message.tool_calls[0].function.name == "get_time"
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_limits_stop_and_ignored_fields(client):
+    hi = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="m", messages=hi, max_completion_tokens=2)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == "Hello "
+    r = client.chat.completions.create(model="m", messages=hi, stop=["!"])
+    assert r.choices[0].message.content == "Hello there"
+    r = client.chat.completions.create(model="m", messages=hi, stop="How", store=True, metadata={"a": "b"},
+                                       parallel_tool_calls=False, logprobs=False, user="u1", seed=3, n=1,
+                                       temperature=0, top_p=1.0, frequency_penalty=0,
+                                       extra_body={"some_vendor_field": {"x": 1}})
+    assert r.choices[0].message.content == "Hello there! "
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model="m", prompt="Say hello", max_tokens=4)
+    assert r.object == "text_completion" and r.choices[0].text == "Hello there!"
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="m", prompt="Say hello", max_tokens=50, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("Hello there! How can I help")
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": "nope"}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+])
+def test_bad_requests_get_openai_errors(server, body, param):
+    r = httpx.post(server[2] + "/v1/chat/completions", json={"model": "m", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_malformed_json_unknown_route_and_client_errors(server, client):
+    r = httpx.post(server[2] + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(server[2] + "/v1/nothing-here")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[])
+    assert e.value.status_code == 400 and e.value.body["param"] == "messages"
+
+
+def test_prompt_longer_than_context():
+    service, thread = _serve(ScriptedEngine(max_context=64))
+    with thread as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 100}])
+        assert e.value.body["code"] == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="m", prompt="y" * 100)
+
+
+def test_engine_failure_is_a_generic_500(server, client):
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "crash please"}])
+    assert e.value.status_code == 500
+    assert "secret" not in json.dumps(e.value.body) and "Traceback" not in json.dumps(e.value.body)
+    assert e.value.body["type"] == "server_error"
+    # the server keeps serving
+    assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+
+
+def test_api_key(monkeypatch):
+    monkeypatch.setenv("SAILFISH_API_KEY", "sekret")
+    settings = Settings.from_args([])
+    assert settings.api_key == "sekret"
+    service = Service(ScriptedEngine(), Settings(api_key="sekret", trace_log=False))
+    with ServerThread(create_app(service)) as url:
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_health_and_metrics(server, client):
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert httpx.get(server[2] + "/health").json()["status"] == "ok"
+    text = httpx.get(server[2] + "/metrics").text
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "sailfish_generation_tokens_total",
+                 "sailfish_request_latency_seconds_bucket", "sailfish_time_to_first_token_seconds_count"):
+        assert name in text
+    assert 'sailfish_requests_total{endpoint="chat",outcome="ok"}' in text
+
+
+def test_concurrent_requests_are_fifo_and_identical_to_solo():
+    engine = ScriptedEngine(delay=0.002)
+    service, thread = _serve(engine)
+    prompts = [f"request {i}: hi" for i in range(6)]
+    with thread as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        solo = [c.chat.completions.create(model="m", messages=[{"role": "user", "content": p}]).choices[0].message.content
+                for p in prompts]
+        engine.prompts.clear()
+        results: dict[int, str] = {}
+
+        def send(i):
+            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": prompts[i]}])
+            results[i] = r.choices[0].message.content
+
+        threads = []
+        for i in range(len(prompts)):
+            threads.append(threading.Thread(target=send, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.05)  # a known arrival order
+        for t in threads:
+            t.join()
+    assert [results[i] for i in range(len(prompts))] == solo
+    assert [p.split("request ")[1][:1] for p in engine.prompts] == [str(i) for i in range(len(prompts))]
+
+
+def test_disconnect_stops_generation():
+    engine = ScriptedEngine(script=lambda p: "word " * 2000, delay=0.005)
+    service, thread = _serve(engine)
+    with thread as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        stream = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}], stream=True)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        stream.close()
+        # a non-streaming client that gives up
+        with pytest.raises(openai.APITimeoutError):
+            c.with_options(timeout=0.5).chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}])
+        deadline = time.monotonic() + 10
+        while len(engine.log) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(engine.log) == 2
+    for _, emitted, stopped_early in engine.log:
+        assert stopped_early and emitted < 2000 // 2
+
+
+def test_trace_log_capture(tmp_path):
+    trace_dir = tmp_path / "traces"
+    service = Service(ScriptedEngine(), Settings(trace_dir=trace_dir))
+    with ServerThread(create_app(service)) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        c.chat.completions.create(**_weather())
+        list(c.chat.completions.create(**_weather(stream=True)))
+    files = list(trace_dir.glob("*.jsonl"))
+    assert len(files) == 1
+    assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(trace_dir).st_mode) == 0o700
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert line["tools"][0]["function"]["name"] == "get_weather"
+        user, assistant = line["messages"]
+        assert user["content"] == "What is the weather in Paris?"
+        assert assistant["content"] == "Let me check. "
+        assert json.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    # the index builder reads it back
+    from index.traces import ReadReport, iter_conversations
+
+    report = ReadReport()
+    convs = list(iter_conversations([trace_dir], report))
+    assert len(convs) == 2 and not report.skipped
+
+
+def test_trace_log_rotation_and_failure(tmp_path):
+    from server.trace_log import TraceLog
+
+    log = TraceLog(tmp_path / "t", max_bytes=300)
+    for _ in range(5):
+        assert log.append([{"role": "user", "content": "x" * 100}], [])
+    assert len(list((tmp_path / "t").glob("*.jsonl"))) >= 3
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    service = Service(ScriptedEngine(), Settings(trace_dir=blocker / "traces"))
+    with ServerThread(create_app(service)) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+    assert service.trace_log.failed == 1
+
+
+def test_settings_cli():
+    s = Settings.from_args(["--port", "9999", "--no-draft", "--max-draft", "5", "--confidence-cutoff", "0.5",
+                            "--no-trace-log", "--index", "somewhere", "--no-use-context"])
+    assert (s.port, s.draft, s.trace_log, str(s.index)) == (9999, False, False, "somewhere")
+    assert s.drafter.max_draft == 5 and s.drafter.confidence_cutoff == 0.5 and s.drafter.use_context is False
+    d = Settings.from_args([])
+    assert (d.host, d.port, d.draft, d.trace_log) == ("127.0.0.1", 22343, True, True)
