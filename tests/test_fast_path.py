@@ -1,0 +1,166 @@
+"""The fast GPU path (`server/fast_path.py`): its hand-written forward against transformers, and
+lossless drafting through its static cache. The CPU tests run the same forward uncaptured; the CUDA
+tests (skipped without a GPU) add graph capture, bf16 and quanto int4 weights."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from server.fast_path import FastTarget, greedy_generate
+from tests.test_engine_lossless import tiny_gemma4
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits[0].float()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def oracle(reference: list[int], prompt_len: int, error_rate: float, vocab: int, seed: int = 0):
+    """Proposes the true continuation, with some tokens wrong (so rollbacks happen)."""
+    rng = random.Random(seed)
+
+    def propose(context, room):
+        start = len(context) - prompt_len
+        draft = reference[start:start + rng.randint(1, room)]
+        return [rng.randrange(vocab) if rng.random() < error_rate else t for t in draft]
+    return propose
+
+
+def prompt_of(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_gemma4(seed=1, sliding_window=8)
+
+
+def test_forward_matches_transformers_fp32(tiny):
+    """Prefill in ring-wrapping chunks, then steps of several sizes: logits equal HF's full forward."""
+    fast = FastTarget(tiny, max_len=128, prefill_chunk=16, capture=False, min_kv_len=16)
+    ids = prompt_of(70, tiny.config.vocab_size)
+    ref = hf_logits(tiny, ids)
+    last = fast.prefill(ids[:37]).float()
+    torch.testing.assert_close(last, ref[36], rtol=1e-4, atol=1e-4)
+    at = 37
+    for n in (1, 3, 8, 16, 5):
+        got = fast.step(ids[at:at + n]).float()
+        torch.testing.assert_close(got, ref[at:at + n], rtol=1e-4, atol=1e-4)
+        at += n
+
+
+def test_rollback_then_continue_matches_transformers(tiny):
+    fast = FastTarget(tiny, max_len=128, prefill_chunk=16, capture=False, min_kv_len=16)
+    ids = prompt_of(60, tiny.config.vocab_size, seed=3)
+    ref = hf_logits(tiny, ids)
+    fast.prefill(ids[:30])
+    fast.step(ids[30:33] + [5] * 13)       # 16 tokens, 13 of them wrong
+    fast.rollback(13)
+    got = fast.step(ids[33:45]).float()
+    torch.testing.assert_close(got, ref[33:45], rtol=1e-4, atol=1e-4)
+
+
+def test_kv_shared_layers_read_their_source(tiny):
+    fast = FastTarget(tiny, max_len=64, capture=False)
+    cfg = tiny.config
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    for layer in fast.layers:
+        if layer.index >= first_shared:
+            assert layer.source < first_shared and cfg.layer_types[layer.source] == cfg.layer_types[layer.index]
+        else:
+            assert layer.source == layer.index
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_drafted_equals_plain_fp32_cpu(tiny, error_rate):
+    fast = FastTarget(tiny, max_len=256, prefill_chunk=16, capture=False, min_kv_len=16)
+    vocab = tiny.config.vocab_size
+    for seed, plen in ((0, 5), (1, 23), (2, 41)):
+        prompt = prompt_of(plen, vocab, seed)
+        plain, plain_steps = greedy_generate(fast, prompt, 60)
+        assert plain == hf_greedy(tiny, prompt, 60)
+        drafted, steps = greedy_generate(fast, prompt, 60, oracle(plain, plen, error_rate, vocab, seed))
+        assert drafted == plain
+        assert steps < plain_steps
+
+
+def test_too_long_is_an_error(tiny):
+    fast = FastTarget(tiny, max_len=32, prefill_chunk=16, capture=False, min_kv_len=16)
+    with pytest.raises(ValueError):
+        fast.prefill(list(range(3, 40)))
+
+
+# ---------------------------------------------------------------- CUDA
+
+def cuda_model(dtype, quant: bool, seed: int = 0, **overrides):
+    """Small, but with dimensions tinygemm takes (multiples of 128) when quantized."""
+    kwargs = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=128, global_head_dim=256, hidden_size_per_layer_input=128, vocab_size=1024,
+                  vocab_size_per_layer_input=1024, num_hidden_layers=6, num_kv_shared_layers=2,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+    kwargs.update(overrides)
+    model = tiny_gemma4(seed=seed, sliding_window=8, dtype=dtype, **kwargs).cuda()
+    if quant:
+        from optimum.quanto import freeze, qint4, quantize
+        quantize(model, weights=qint4, exclude=["lm_head"])
+        freeze(model)
+    return model
+
+
+@needs_cuda
+def test_captured_equals_uncaptured_and_hf_fp32():
+    model = cuda_model(torch.float32, quant=False)
+    ids = prompt_of(50, model.config.vocab_size, seed=4)
+    ref = hf_logits(model, ids)
+    eager = FastTarget(model, max_len=256, prefill_chunk=16, capture=False, min_kv_len=64)
+    graphs = FastTarget(model, max_len=256, prefill_chunk=16, capture=True, min_kv_len=64)
+    for fast in (eager, graphs):
+        fast.prefill(ids[:20])
+        a = fast.step(ids[20:21]).float()
+        b = fast.step(ids[21:35]).float()
+        torch.testing.assert_close(torch.cat([a, b]), ref[20:35], rtol=1e-3, atol=1e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_drafted_equals_plain_cuda(dtype, quant):
+    """Same path, drafts on vs off. fp32 must be identical; bf16/int4 batched verifies may round
+    differently from one-token steps: the test allows no divergence, and reports where if any."""
+    model = cuda_model(dtype, quant=quant)
+    fast = FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64)
+    vocab = model.config.vocab_size
+    for seed, plen in ((0, 9), (1, 40), (2, 100)):
+        prompt = prompt_of(plen, vocab, seed)
+        plain, plain_steps = greedy_generate(fast, prompt, 120)
+        drafted, steps = greedy_generate(fast, prompt, 120, oracle(plain, plen, 0.2, vocab, seed))
+        diverge = next((i for i, (a, b) in enumerate(zip(plain, drafted)) if a != b), None)
+        assert diverge is None, f"{dtype} quant={quant} prompt {plen}: first divergence at token {diverge}"
+        assert steps < plain_steps
+
+
+@needs_cuda
+def test_int4_layers_use_tinygemm():
+    model = cuda_model(torch.bfloat16, quant=True)
+    fast = FastTarget(model, max_len=64, capture=False)
+    from server.fast_path import Int4Linear
+    assert isinstance(fast.layers[0].gate, Int4Linear)
+    ids = prompt_of(30, model.config.vocab_size, seed=5)
+    ref = hf_logits(model, ids)
+    got = torch.cat([fast.prefill(ids[:29])[None].float(), fast.step(ids[29:30]).float()])
+    rel = (got - ref[28:30]).norm() / ref[28:30].norm()
+    # bf16 + int4 on a tiny random model: measured 0.047 unfused, 0.124 with the fused ops (fp32 paths
+    # match transformers to 1e-4, see above); a wrong layer gives ~1.
+    assert rel < 0.25, rel
