@@ -33,3 +33,19 @@ serve: $(STAMP)
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache
+
+# The benchmark's peers build from source (llama.cpp takes a few minutes the first time).
+BENCH_STAMP := .venv/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q arctic-inference==0.3.0 numpy matplotlib
+	$(PIP) install -q llama-cpp-python==0.3.36
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m bench
+
+bench-quick: $(BENCH_STAMP)
+	$(PY) -m bench --quick
+
+bench-full: $(BENCH_STAMP)
+	$(PY) -m bench --full

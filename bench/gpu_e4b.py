@@ -9,7 +9,17 @@ of every forward (values do not change timing), not true acceptance. Measures, i
   plain decode tokens/s at 1k;
 - fast path: graph capture time, step time for 1..16 new tokens at 1k and 8k, plain decode
   tokens/s, drafted decoding with an oracle drafter that proposes the model's own earlier greedy
-  output (the ceiling of drafting), memory, and each step's bytes against the bandwidth floor.
+  output (the ceiling of drafting), memory, and each step's bytes against the bandwidth floor;
+- through `server.engine.Engine` on its fast path (built, captured and cost-measured by the engine
+  as the server does): plain tokens/s, drafted tokens/s with the real `NgramDrafter` over an index
+  of the model's own earlier plain output on the same prompt (the ceiling of drafting), and with an
+  oracle drafter; whether drafted output equals plain, and the per-token rate at which a batched
+  16-token verify's argmax disagrees with the one-token steps' (teacher-forced on the plain output);
+- the same on a "peaked" variant (see `make_peaked`), whose argmax margins are large, as a trained
+  model's are: random init is near-tied, so bf16/int4 rounding flips its argmax;
+- fp32 (no quant) fast path vs transformers logits at the full E4B depth (is there a bug?);
+- the fused q|k|v and gate|up int4 matmuls against separate ones (1- and 16-token steps), and a
+  kernel profile of an uncaptured 1- and 16-token forward.
 
 Usage (GPU machine): python -m bench.gpu_e4b [--out DIR] [--quick]
 Writes DIR/gpu_e4b.json and DIR/gpu_e4b.md (default bench/results/).
@@ -25,7 +35,11 @@ from pathlib import Path
 
 import torch
 
+import numpy as np
+
 from server.fast_path import FastTarget, greedy_generate
+
+PEAK_UPDATE_SCALE = 0.1   # peaked variant: every layer's post-norm weights x this
 
 CONFIG = Path(__file__).parent / "configs" / "gemma4-e4b-text-config.json"
 
@@ -57,7 +71,7 @@ def copy_bandwidth() -> float:
     return 2 * 2 * n / statistics.median(times)
 
 
-def build_model(quant: bool):
+def build_model(quant: bool, dtype=torch.bfloat16):
     from transformers import Gemma4ForCausalLM
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
@@ -65,7 +79,7 @@ def build_model(quant: bool):
                               if k not in ("architectures", "model_type")})
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("cuda"):
             model = Gemma4ForCausalLM(cfg).eval()
@@ -77,6 +91,163 @@ def build_model(quant: bool):
         quantize(model, weights=qint4, exclude=["lm_head"])
         freeze(model)
     return model
+
+
+def make_peaked(model, seed: int = 1) -> torch.Tensor:
+    """The peaked variant, in place: (1) every decoder layer's post-attention, post-feedforward and
+    post-per-layer-input RMSNorm weights are multiplied by PEAK_UPDATE_SCALE, so each layer adds a
+    small update to the residual stream and the current token's embedding stays a large part of the
+    final hidden state; (2) the LM head is untied and set to the embedding's rows permuted by a
+    random permutation `perm` (logit i = <embedding[perm[i]], h>). The argmax then leans strongly to
+    the token i with perm[i] == current token, shifted by the context through the layers: a large
+    top-1 margin, without the trivial "repeat the last token" of a tied head. Same shapes, same
+    timing (the head is still a bf16 262144 x 2560 matrix; +1.3 GB memory). Returns perm."""
+    for layer in model.model.layers:
+        for name in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            norm = getattr(layer, name, None)
+            if norm is not None and getattr(norm, "weight", None) is not None:
+                norm.weight.data.mul_(PEAK_UPDATE_SCALE)
+    g = torch.Generator().manual_seed(seed)
+    emb = model.model.embed_tokens.weight
+    perm = torch.randperm(emb.shape[0], generator=g).to(emb.device)
+    model.lm_head.weight = torch.nn.Parameter(emb.data.index_select(0, perm), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return perm
+
+
+class IdTokenizer:
+    """Token i decodes as '<i>': the engine's text bookkeeping without a vocabulary."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+class OracleDrafter:
+    """Proposes the recorded continuation `reference` from the current point (engine interface)."""
+
+    def __init__(self, reference, prompt_len):
+        self.reference, self.prompt_len = list(reference), prompt_len
+
+    def session(self):
+        return self
+
+    def propose(self, context, max_tokens):
+        from ngram.draft import Draft
+        start = len(context) - self.prompt_len  # context ends with the pending token
+        toks = np.asarray(self.reference[start:start + max_tokens], dtype=np.int32)
+        return Draft(toks, np.ones(len(toks), dtype=np.float32), "oracle", 32)
+
+    def feedback(self, drafted, accepted):
+        pass
+
+
+def ngram_drafter_of(prompt, plain, tmp):
+    """The real NgramDrafter over an index holding one turn: the prompt's anchor + the plain output."""
+    from ngram.drafter import NgramDrafter
+    from ngram.index_file import BuildParams, load_index, write_index
+    params = BuildParams()
+    write_index(tmp, [np.asarray(prompt[-params.anchor_tokens:] + plain, dtype=np.int32)], "bench-e4b", params)
+    return NgramDrafter(load_index(tmp))
+
+
+def engine_run(engine, prompt, n, draft):
+    from server.engine import GenerationParams
+    out, stats = [], None
+    for chunk in engine.generate(prompt, GenerationParams(max_tokens=n, draft=draft)):
+        out += chunk.token_ids
+        stats = chunk.stats
+    return out, stats
+
+
+def teacher_forced_disagreement(fast, prompt, plain, chunk=16):
+    """Per token: does a `chunk`-token step's argmax differ from the plain (one-token-step) output?"""
+    fast.prefill(prompt)
+    diff = total = 0
+    for i in range(0, len(plain) - chunk, chunk):
+        got = fast.step(plain[i:i + chunk]).argmax(-1).tolist()
+        want = plain[i + 1:i + chunk + 1]
+        diff += sum(a != b for a, b in zip(got, want))
+        total += len(want)
+    return diff / max(total, 1)
+
+
+def margins(fast, prompt, plain, n=64):
+    """Median top-1 minus top-2 logit over the first n plain steps (teacher-forced, one token each)."""
+    out = [float((lambda t: t[0] - t[1])(fast.prefill(prompt).float().topk(2).values))]
+    for tok in plain[:n - 1]:
+        v = fast.decode_one(tok).float().topk(2).values
+        out.append(float(v[0] - v[1]))
+    return statistics.median(out)
+
+
+def engine_decode(engine, prompt, gen, tmp, perm=None):
+    """Plain, n-gram-drafted and oracle-drafted decoding through the engine; equality and rates."""
+    engine.set_drafter(None)
+    engine_run(engine, prompt, 8, False)  # warm
+    plain, ps = engine_run(engine, prompt, gen, False)
+    r = {"tokens": gen, "plain_tps": ps.tokens_per_s}
+    for name, drafter in (("ngram", ngram_drafter_of(prompt, plain, tmp)), ("oracle", OracleDrafter(plain, len(prompt)))):
+        engine.set_drafter(drafter)
+        out, st = engine_run(engine, prompt, gen, True)
+        div = next((i for i, (a, b) in enumerate(zip(plain, out)) if a != b), None)
+        r[name] = {"tps": st.tokens_per_s, "equals_plain": out == plain, "first_divergence": div,
+                   "verify_steps": st.verify_steps, "plain_steps": st.plain_steps, "drafted": st.drafted_tokens,
+                   "accepted": st.accepted_tokens, "forward_s": st.forward_s, "draft_s": st.draft_s,
+                   "decode_s": st.decode_s}
+    engine.set_drafter(None)
+    r["verify16_disagreement_per_token"] = teacher_forced_disagreement(engine.fast, prompt, plain)
+    r["median_top1_margin"] = margins(engine.fast, prompt, plain)
+    r["distinct_tokens"] = len(set(plain))
+    if perm is not None:  # how often the output is just the permutation map of the current token
+        inv = {int(t): i for i, t in enumerate(perm.tolist())}
+        seq = [prompt[-1]] + plain
+        r["follows_perm_map"] = sum(inv[a] == b for a, b in zip(seq, seq[1:])) / len(plain)
+    return r
+
+
+def profile_forward(fast, T, reps=5):
+    """Top CUDA kernels (total ms over reps) of an uncaptured T-token forward."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.zeros(T, dtype=torch.long, device="cuda")
+    pos = torch.arange(1024, 1024 + T, device="cuda")
+    kv = fast._kv_len(1024 + T)
+    fast._forward(ids, pos, kv)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fast._forward(ids, pos, kv)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows.append((t / 1e3 / reps, e.count // reps, e.key[:90]))
+    rows.sort(reverse=True)
+    return {"total_ms": sum(r[0] for r in rows), "kernels_per_forward": sum(r[1] for r in rows),
+            "top": rows[:14]}
+
+
+def fp32_check(prompt):
+    """fp32, no quant, full E4B depth: fast path (uncaptured, unfused) vs transformers logits."""
+    model = build_model(quant=False, dtype=torch.float32)
+    r = {}
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prompt], device="cuda"), use_cache=False, logits_to_keep=17).logits[0].float()
+        fast = FastTarget(model, max_len=1024, capture=False, fuse=False)
+        got = fast.prefill(prompt[:-16]).float()
+        r["prefill_rel_err"] = float((got - ref[0]).norm() / ref[0].norm())
+        steps = fast.step(prompt[-16:]).float()
+        r["step16_rel_err"] = float((steps - ref[1:]).norm() / ref[1:].norm())
+        r["same_argmax"] = int((torch.cat([got[None], steps]).argmax(-1) == ref.argmax(-1)).sum())
+        r["positions"] = 17
+        fused = FastTarget(model, max_len=1024, capture=True, fuse=True)
+        fused.prefill(prompt[:-16])
+        steps = fused.step(prompt[-16:]).float()
+        r["captured_fused_step16_rel_err"] = float((steps - ref[1:]).norm() / ref[1:].norm())
+    del model, fast, fused
+    torch.cuda.empty_cache()
+    return r
 
 
 # ---------------------------------------------------------------- eager (transformers) path
@@ -182,6 +353,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per decode measurement")
+    ap.add_argument("--quick-skip-fp32", action="store_true", help="skip the fp32 full-depth check")
     args = ap.parse_args()
     reps = 5 if args.quick else 20
     import transformers
@@ -215,17 +387,26 @@ def main() -> None:
         print("eager plain tok/s 1k", res["eager_plain_tps_1k"])
     torch.cuda.empty_cache()
 
-    # fast path
+    # fast path, built by the engine as the server builds it (capture, cost curve, context cap)
+    from server.engine import Engine, EngineConfig
+    from server.model_loading import LoadedTarget
+    target = LoadedTarget(model, IdTokenizer(), "e4b-random", "int4", torch.bfloat16, torch.device("cuda"), [])
+    config = EngineConfig(fast_max_context=8192 + 2 * args.gen)
     mem0 = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fast = FastTarget(model, max_len=8192 + 1024)
+    t = time.perf_counter()
+    engine = Engine(target, None, config)
+    res["engine_start_s"] = time.perf_counter() - t
+    fast = engine.fast
+    res["engine_notes"] = engine.notes
+    res["engine_cost_curve"] = [round(float(c), 3) for c in engine.policy.cost]
+    res["fused_layers"] = fast.fused_layers
     res["fast_cache_GiB"] = fast.cache_bytes() / 2**30
-    res["fast_capture_s"] = fast.warmup()
+    res["fast_capture_s"] = fast.timings.capture_s
     res["fast_graphs"] = fast.timings.graphs
     res["fast_extra_mem_GiB"] = (torch.cuda.memory_allocated() - mem0) / 2**30
-    res["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     res["weight_bytes_per_step"] = fast.weight_bytes_per_step()
-    print("captured", res["fast_graphs"], "graphs in", res["fast_capture_s"], "s")
+    print("engine:", engine.notes, "cost", res["engine_cost_curve"])
 
     # correctness on E4B: fast vs eager logits for the same prompt
     with torch.no_grad():
@@ -257,7 +438,34 @@ def main() -> None:
                                "drafted_equals_plain": diverge is None, "first_divergence": diverge,
                                "full_accept_tps": full_accept_tps(fast, prompt)}
         print("decode", name, res["decode"][name])
-    res["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        res["engine_decode"] = {"random": engine_decode(engine, prompts["1k"], args.gen, Path(tmp) / "a")}
+        print("engine random", res["engine_decode"]["random"])
+        res["profile"] = {T: profile_forward(fast, T) for T in (1, 16)}
+        print("profile", json.dumps(res["profile"], indent=0)[:3000])
+        unfused = FastTarget(model, max_len=2048, fuse_proj=False)
+        uc = fast_curve(unfused, prompts["1k"], 1, reps)
+        unfused.prefill(prompts["1k"])
+        uc16 = statistics.median(sync_time(lambda: (unfused.step(prompts["1k"][-16:]).argmax(-1).tolist(),
+                                                    unfused.rollback(16)), reps + 1)[1:])
+        res["unfused_step_s"] = {"1": uc[1], "16": uc16}
+        print("unfused", res["unfused_step_s"])
+        del unfused
+        res["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        # peaked variant: same model, post-norms scaled and a permuted untied head; a new engine
+        del engine, fast
+        torch.cuda.empty_cache()
+        perm = make_peaked(model)
+        engine = Engine(target, None, config)
+        res["engine_decode"]["peaked"] = engine_decode(engine, prompts["1k"], args.gen, Path(tmp) / "b", perm)
+        print("engine peaked", res["engine_decode"]["peaked"])
+    del engine, model
+    torch.cuda.empty_cache()
+    if not args.quick_skip_fp32:
+        res["fp32_check"] = fp32_check(prompts["1k"][:600])
+        print("fp32 check", res["fp32_check"])
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,6 +481,7 @@ def markdown(r: dict) -> str:
         "",
         f"{r['device']}, torch {r['torch']}, transformers {r['transformers']}. {r['model']}.",
         "Random weights: timings are real, acceptance is not. Command: `python -m bench.gpu_e4b`.",
+        "The first table drives FastTarget directly (`greedy_generate`); the engine section below runs the server's loop.",
         "",
         "| | eager (transformers) | fast path |",
         "|---|---|---|",
@@ -298,10 +507,50 @@ def markdown(r: dict) -> str:
         "",
         f"Weight-bytes floor: copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s (read + write); a step streams "
         f"{r['weight_bytes_per_step'] / 1e9:.2f} GB of weights plus the KV it reads.",
-        "",
-        "| context | bytes / step | floor | 1-token step | floor / step (1) | floor / step (16) |",
-        "|---|---|---|---|---|---|",
     ]
+    lines += ["", "## Through the engine (server.engine.Engine, fast path), 1k context, "
+              f"{r['engine_decode']['random']['tokens']} tokens", "",
+              "Start-up notes: " + "; ".join(r["engine_notes"]) + f". Engine start {r['engine_start_s']:.1f} s. "
+              "Cost curve measured through the fast path (n new tokens / 1): "
+              + " ".join(f"{n}:{c:.2f}" for n, c in enumerate(r["engine_cost_curve"]) if n >= 1) + ".", "",
+              "| model | plain | n-gram drafter, index = own plain output | oracle drafter | "
+              "16-token verify argmax != one-token steps (per token) | median top-1 margin | distinct tokens |",
+              "|---|---|---|---|---|---|---|"]
+    for variant, d in r["engine_decode"].items():
+        cells = [f"{d['plain_tps']:.0f} tok/s"]
+        for k in ("ngram", "oracle"):
+            x = d[k]
+            cells.append(f"{x['tps']:.0f} tok/s; {x['verify_steps']} verifies + {x['plain_steps']} plain steps, "
+                         f"{x['accepted']}/{x['drafted']} drafted accepted; equals plain: {x['equals_plain']}"
+                         + (f" (first divergence at token {x['first_divergence']})" if not x["equals_plain"] else ""))
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {d['verify16_disagreement_per_token']:.1%} | "
+                     f"{d['median_top1_margin']:.2f} | {d['distinct_tokens']} |")
+    pk = r["engine_decode"].get("peaked", {})
+    if pk:
+        lines += ["", f"Peaked variant (`make_peaked`): every layer's post-norm weights x{PEAK_UPDATE_SCALE}, LM head "
+                  "untied and set to the embedding rows under a random permutation. "
+                  f"{pk.get('follows_perm_map', 0):.0%} of its output tokens are the permutation image of the "
+                  "previous token: it is close to a fixed token map, so its acceptance says how fast drafting can "
+                  "go when the target's argmax is stable, not what a trained model accepts."]
+    if "fp32_check" in r:
+        c = r["fp32_check"]
+        lines += ["", f"fp32, no quant, full E4B depth, fast path vs transformers logits (600-token prompt): prefill "
+                  f"relative error {c['prefill_rel_err']:.1e}, uncaptured 16-token step {c['step16_rel_err']:.1e}, "
+                  f"captured + fused-ops 16-token step {c['captured_fused_step16_rel_err']:.1e}; same argmax at "
+                  f"{c['same_argmax']}/{c['positions']} positions."]
+    if "unfused_step_s" in r:
+        u = r["unfused_step_s"]
+        lines += ["", f"Fused int4 q|k|v and gate|up ({r['fused_layers']} layers): 1-token step "
+                  f"{f['1k'][1] * 1e3:.2f} ms fused vs {u['1'] * 1e3:.2f} ms separate; 16-token "
+                  f"{f['1k'][16] * 1e3:.2f} vs {u['16'] * 1e3:.2f} ms."]
+    if "profile" in r:
+        lines += ["", "Kernel profile of an uncaptured forward (ms per forward, count, kernel):", ""]
+        for T, pr in r["profile"].items():
+            lines.append(f"- {T} token(s): {pr['total_ms']:.2f} ms of kernels, {pr['kernels_per_forward']} kernels; top: "
+                         + "; ".join(f"{ms:.2f} ms x{n} {name}" for ms, n, name in pr["top"][:6]))
+    lines += ["", "## Weight-bytes floor", "",
+              "| context | bytes / step | floor | 1-token step | floor / step (1) | floor / step (16) |",
+              "|---|---|---|---|---|---|"]
     for name, fl in r["floor"].items():
         lines.append(f"| {name} | {fl['bytes_per_step'] / 1e9:.2f} GB | {fl['floor_ms']:.2f} ms | {fl['step1_ms']:.2f} ms | "
                      f"{fl['fraction_of_floor_1']:.0%} | {fl['fraction_of_floor_16']:.0%} |")

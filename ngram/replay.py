@@ -43,6 +43,7 @@ class ReplayStats:
     drafted: int = 0
     accepted: int = 0
     latencies_us: list = field(default_factory=list)
+    draft_lengths: list = field(default_factory=list)  # tokens verified per step (0: plain step)
 
     def as_dict(self) -> dict:
         lat = np.asarray(self.latencies_us) if self.latencies_us else np.zeros(1)
@@ -77,6 +78,7 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
         stats.drafted += int(proposed.shape[0])
         stats.accepted += accepted
         stats.verify_steps += 1
+        stats.draft_lengths.append(int(proposed.shape[0]))
         pos += min(accepted + 1, remaining)
     if hasattr(session, "finish"):  # the completed turn feeds the drafter's online overlay
         session.finish(full)

@@ -1,0 +1,94 @@
+"""The contenders of `make bench`, each run the same way: prompt ids in, a Run out.
+
+Every contender decodes greedily on the same target and prompt. `decode_tok_s` is (tokens - 1) /
+(time of the last token - time of the first): the first token is what the prefill yields, so the
+prefill (identical work for every contender) is left out of every speed figure.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine import Engine, GenerationParams
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    decode_s: float
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return max(len(self.tokens) - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def run_engine(engine: Engine, prompt: list[int], max_tokens: int, draft: bool) -> Run:
+    tokens, stats = [], None
+    for chunk in engine.generate(prompt, GenerationParams(max_tokens=max_tokens, draft=draft)):
+        tokens += chunk.token_ids
+        stats = chunk.stats
+    s = stats
+    return Run(tokens, s.decode_s, {"drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
+                                     "verify_steps": s.verify_steps, "plain_steps": s.plain_steps,
+                                     "draft_s": s.draft_s, "forward_s": s.forward_s, "prefill_s": s.prefill_s})
+
+
+class _Timestamps:
+    """A transformers streamer that records when each new token arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:  # generate() first puts the prompt
+            self._prompt_seen = True
+            return
+        self.times.extend([time.perf_counter()] * value.numel())
+
+    def end(self):
+        pass
+
+
+def run_hf_prompt_lookup(model, prompt: list[int], max_tokens: int, stop_ids: frozenset[int]) -> Run:
+    streamer = _Timestamps()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             prompt_lookup_num_tokens=10, streamer=streamer, eos_token_id=sorted(stop_ids))
+    new = out[0, len(prompt):].tolist()
+    tokens = []
+    for t in new:
+        if t in stop_ids:
+            break
+        tokens.append(t)
+    times = streamer.times
+    return Run(tokens, (times[len(tokens) - 1] - times[0]) if len(tokens) > 1 else 0.0)
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the bundled GGUF, plain or with its prompt-lookup draft model."""
+
+    def __init__(self, gguf_path: str, n_ctx: int = 8192, threads: int | None = None):
+        import os
+
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        threads = threads or os.cpu_count()
+        self.plain = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, verbose=False)
+        self.lookup = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, verbose=False, logits_all=True,
+                            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+
+    def run(self, prompt: list[int], max_tokens: int, lookup: bool, stop_ids: frozenset[int]) -> Run:
+        llm = self.lookup if lookup else self.plain
+        llm.reset()
+        tokens, times = [], []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            times.append(time.perf_counter())
+            if token in stop_ids or len(tokens) >= max_tokens:
+                break
+            tokens.append(int(token))
+        return Run(tokens, (times[len(tokens) - 1] - times[0]) if len(tokens) > 1 else 0.0)
