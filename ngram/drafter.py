@@ -12,10 +12,11 @@ A session serves one growing context: it encodes only the tokens appended since 
 context that does not extend the previous one is re-encoded in full), and it remembers its last index
 match, which bounds the next one (see match.longest_index_match).
 
-Choice between sources: each source proposes its own draft; the longer match wins (it conditions on
-more context), then the larger expected accepted length (the sum of cumulative confidences). The
-context is not searched when the index draft is already decisive (longest match, full length,
-confidence 1), since the context could at best tie it.
+Choice between sources (index, online overlay, live context): each proposes its own draft; the
+longer match wins (it conditions on more context), then the larger expected accepted length (the sum
+of cumulative confidences). The search stops early when a draft is full length with confidence 1 and
+comes from the source whose last draft was accepted in full, or from an index match of the longest
+length (no other source could match longer).
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
 partly rejected one lowers it by one (never below `min_draft`), as transformers' assisted decoding
 does; cutting the limit to what was accepted cost a fifth of tau in replay on BFCL. Whether a draft
@@ -49,7 +50,7 @@ class DrafterConfig:
     min_match: int = 2              # shortest suffix match that may propose
     max_match: int = 16             # longest suffix considered (index keys bound it too)
     confidence_cutoff: float = 0.3  # stop where the cumulative confidence would fall below this
-    scan_limit: int = 32            # index keys examined per continuation
+    scan_limit: int = 16            # index keys examined per continuation (the heaviest first)
     context_window: int = 4096      # how far back (tokens) the live-context lookup searches
     context_occurrences: int = 8    # most recent context occurrences that vote
     overlay_tokens: int = 262_144   # online overlay of served completions (0: off)
@@ -132,6 +133,8 @@ class DraftSession:
         self._context = _Followed()
         self._overlay = _Followed()
         self._prompt_end = -1  # text offset where generation started (set by the first propose)
+        self._sticky = ""       # the source whose last draft was accepted in full
+        self._last_source = ""
 
     def propose(self, context_ids, max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.limit)
@@ -139,17 +142,25 @@ class DraftSession:
         if max_tokens <= 0 or n == 0:
             return EMPTY_DRAFT
         self._sync(context_ids)
-        cfg = self.drafter.config
+        cfg, drafter = self.drafter.config, self.drafter
+        sources = []
+        if cfg.use_index and drafter.index is not None:
+            sources.append(("index", self._from_index))
+        if drafter.overlay is not None:
+            sources.append(("overlay", lambda n: self._from_rows(self._overlay, self._overlay_rows, n, "overlay")))
+        if cfg.use_context:
+            sources.append(("context", lambda n: self._from_rows(self._context, self._context_rows, n, "context")))
+        # A source whose last draft was accepted in full is asked first; a full-length, certain
+        # draft from it ends the search (the others could at best tie it).
+        sources.sort(key=lambda s: s[0] != self._sticky)
         best = _NO_CANDIDATE
-        if cfg.use_index and self.drafter.index is not None:
-            best = self._from_index(max_tokens)
-        # Other sources can only tie an index draft that is already as long and as sure as allowed.
-        decisive = best[3] >= self.drafter.max_index_match and len(best[0]) == max_tokens and best[1][-1] >= 1.0
-        if not decisive:
-            if self.drafter.overlay is not None:
-                best = _better(best, self._from_rows(self._overlay, self._overlay_rows, max_tokens, "overlay"))
-            if cfg.use_context:
-                best = _better(best, self._from_rows(self._context, self._context_rows, max_tokens, "context"))
+        for name, source in sources:
+            best = _better(best, source(max_tokens))
+            if len(best[0]) == max_tokens and best[1][-1] >= 1.0 and best[2] == self._sticky:
+                break
+            if best[2] == "index" and best[3] >= drafter.max_index_match and len(best[0]) == max_tokens and best[1][-1] >= 1.0:
+                break  # no other source can match longer than the index's longest match
+        self._last_source = best[2]
         tokens, confs, source, match_length = best
         if not tokens:
             return EMPTY_DRAFT
@@ -174,7 +185,9 @@ class DraftSession:
         self.accepted += accepted
         if accepted >= drafted:
             self.limit = min(cfg.max_draft, self.limit + cfg.grow)
+            self._sticky = self._last_source
         else:
+            self._sticky = ""
             self.limit = max(cfg.min_draft, self.limit - 1)
 
     def _sync(self, context_ids) -> None:

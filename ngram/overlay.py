@@ -20,7 +20,7 @@ from ngram.match import RECENCY_SCALE
 
 KEY_TOKENS = 3
 SEPARATOR = chr(0x10FFFF)  # above every code point ngram.codec produces
-_MAX_CANDIDATES = 64
+_MAX_CANDIDATES = 16  # most recent occurrences of the last KEY_TOKENS tokens examined
 
 
 class Overlay:
