@@ -35,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log.info("trace log: off")
     log.info("API key: %s", "required on /v1/*" if settings.api_key else "none (open on this interface)")
+    import signal
+    import threading
+
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=service.reload_index, daemon=True).start())
+    if settings.draft and settings.watch_index > 0:
+        service.reloader.watch(settings.watch_index)
+    log.info("index reload: SIGHUP, POST /admin/reload-index%s",
+             f", or automatically within {settings.watch_index:g} s of a rebuild" if settings.watch_index > 0 else "")
     log.info("serving %s on http://%s:%d/v1", engine.model_id, settings.host, settings.port)
     uvicorn.run(create_app(service), host=settings.host, port=settings.port,
                 log_level=settings.log_level if settings.log_level != "info" else "warning")

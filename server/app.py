@@ -1,10 +1,11 @@
 """The HTTP layer: thin Starlette routes over `server.serving.Service`.
 
 Contract: `create_app(service)` returns the ASGI app with GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions, GET /health and GET /metrics. Every error, from validation to an unexpected
+POST /v1/completions, GET /health, GET /metrics and POST /admin/reload-index (see server.reload;
+409 in the error shape when the rebuilt index is refused). Every error, from validation to an unexpected
 exception, is answered in the one OpenAI shape `{"error": {"message", "type", "param", "code"}}`;
 an unexpected exception is logged with its trace server-side and the client gets a generic 500.
-When `service.settings.api_key` is set, /v1/* requires `Authorization: Bearer KEY` (401 otherwise);
+When `service.settings.api_key` is set, /v1/* and /admin/* require `Authorization: Bearer KEY` (401 otherwise);
 /health and /metrics stay open. `ServerThread` runs an app under uvicorn on a background thread
 (tests and benchmarks).
 """
@@ -84,6 +85,14 @@ def create_app(service: Service) -> Starlette:
         text = service.metrics.render(service.scheduler.waiting, service.scheduler.running)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    async def reload_index(request: Request) -> Response:
+        import asyncio
+
+        changed, message = await asyncio.to_thread(service.reload_index)
+        if message.startswith("refused"):
+            return _error(409, message, "invalid_request_error", None, "index_refused")
+        return JSONResponse({"reloaded": changed, "message": message})
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
@@ -102,6 +111,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
         Route("/health", _guarded(health), methods=["GET"]),
         Route("/metrics", _guarded(metrics), methods=["GET"]),
+        Route("/admin/reload-index", _guarded(reload_index), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
@@ -115,7 +125,7 @@ class _BearerAuth:
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if self.expected and scope["type"] == "http" and scope["path"].startswith(("/v1/", "/admin/")):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 response = _error(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`.",

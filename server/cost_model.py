@@ -139,3 +139,30 @@ def measure_cost_curve(model, max_tokens: int = 16, context_len: int = 256, repe
     rel[0] = 0.0
     rel[1] = 1.0
     return rel
+
+
+@torch.no_grad()
+def measure_fast_cost_curve(fast, max_tokens: int = 16, context_len: int = 256, repeats: int = 5,
+                            points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)) -> np.ndarray:
+    """`measure_cost_curve` through a `server.fast_path.FastTarget` (its captured steps, padded to
+    buckets): fastest of `repeats` per length, interpolated between `points`; cost[1] == 1."""
+    vocab = fast.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    fast.prefill(torch.randint(3, vocab, (context_len,), generator=gen).tolist())
+    pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
+    timings = {}
+    for n in pts:
+        ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        samples = []
+        for r in range(repeats + 1):  # the first run of each shape is a warm-up
+            t0 = time.perf_counter()
+            fast.step(ids).argmax(-1).cpu()
+            if r:
+                samples.append(time.perf_counter() - t0)
+            fast.rollback(n)
+        timings[n] = min(samples)
+    fast.reset()
+    rel = np.interp(np.arange(max_tokens + 1), pts, [timings[p] / timings[1] for p in pts])
+    rel[0] = 0.0
+    rel[1] = 1.0
+    return rel

@@ -16,19 +16,29 @@ longer than the window; KV-shared layers (Gemma 4) own no keys and are skipped.
 Counters: `drafts` = non-empty drafts proposed, `verify_steps` = forwards that verified a draft,
 `plain_steps` = one-token forwards, `drafted_tokens` / `accepted_tokens` = drafted tokens verified /
 accepted, `completion_tokens` = generated tokens including a final stop token (which is never emitted).
+
+GPU fast path: on CUDA, for a model `server.fast_path` supports (Gemma 4 text), with
+`EngineConfig.fast_path` on (the server's `--no-fast-path` turns it off), the engine builds a
+`FastTarget` at start-up (static KV cache, CUDA graphs per draft bucket), captures its graphs, caps
+`max_context` at what its cache holds, measures the cost curve through it, and runs prefill, plain
+steps and verifies through it instead of the DynamicCache functions below. `engine.notes` says which
+path runs and why.
 """
 from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import torch
 
 from ngram.draft import Draft
-from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy, measure_cost_curve
+from server.cost_model import (AcceptanceTracker, DraftPolicy, flat_policy, measure_cost_curve,
+                               measure_fast_cost_curve)
+
+DEFAULT_FAST_BUCKETS = (1, 2, 4, 8, 16)  # fast-path step sizes, each one CUDA graph
 
 
 class DrafterSession(Protocol):
@@ -86,6 +96,9 @@ class EngineConfig:
     cost_curve: np.ndarray | None = None  # cost[n] of an n-token forward; None: measured at start-up
     cost_context: int = 256               # cache length the cost curve is measured at
     max_context: int | None = None        # None: the model's max_position_embeddings
+    fast_path: bool = True                # CUDA + supported model: static cache and CUDA graphs
+    fast_max_context: int = 8192          # fast path: context its static cache holds (full-attention
+                                          # layers read every slot each step, so bigger costs time)
 
 
 # ---------------------------------------------------------------- model primitives (torch only)
@@ -216,16 +229,49 @@ class Engine:
         self.max_context = self.config.max_context or text_config.max_position_embeddings
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._drafter = drafter
+        self.notes: list[str] = []
+        self.fast = self._build_fast_path()
         if not self.config.adaptive:
             self.policy = flat_policy(self.config.max_draft)
         else:
             curve = self.config.cost_curve
-            if curve is None:
+            if curve is None and self.fast is not None:
+                curve = measure_fast_cost_curve(self.fast, self.config.max_draft + 1, self.config.cost_context)
+            elif curve is None:
                 curve = measure_cost_curve(self.model, self.config.max_draft + 1, self.config.cost_context)
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
                                              "accepted_tokens", "verify_steps", "plain_steps", "probes")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0)
+
+    def _build_fast_path(self):
+        """The FastTarget when the fast path applies (graphs captured here), else None; notes say why."""
+        device = next(self.model.parameters()).device
+        if not self.config.fast_path:
+            self.notes.append("eager path: fast path off (--no-fast-path)")
+            return None
+        if device.type != "cuda":
+            self.notes.append(f"eager path: no CUDA (device {device.type}); the fast path needs CUDA graphs")
+            return None
+        from server.fast_path import FastTarget, unsupported_reason
+
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            self.notes.append(f"eager path: {reason}")
+            return None
+        if self.config.max_draft + 1 > DEFAULT_FAST_BUCKETS[-1]:
+            self.notes.append(f"fast path: drafts capped at {DEFAULT_FAST_BUCKETS[-1] - 1} tokens "
+                              f"(its largest step is {DEFAULT_FAST_BUCKETS[-1]}; max_draft was {self.config.max_draft})")
+            self.config = replace(self.config, max_draft=DEFAULT_FAST_BUCKETS[-1] - 1)
+        context = min(self.max_context, self.config.fast_max_context)
+        # A padded step may write up to one bucket past the last committed position: room for it.
+        fast = FastTarget(self.model, max_len=context + DEFAULT_FAST_BUCKETS[-1], buckets=DEFAULT_FAST_BUCKETS)
+        seconds = fast.warmup()
+        self.max_context = context
+        self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
+                          f"{seconds:.1f} s; context capped at {context} tokens, KV cache "
+                          f"{fast.cache_bytes() / 2**30:.2f} GiB)")
+        return fast
 
     def set_drafter(self, drafter: Drafter | None) -> None:
         self._drafter = drafter
@@ -263,12 +309,16 @@ class Engine:
         generator = torch.Generator().manual_seed(params.seed) if sampling and params.seed is not None else None
         session = self._drafter.session() if (self._drafter is not None and params.draft and not sampling) else None
         tracker = AcceptanceTracker()
-        model = self.model
+        model, fast = self.model, self.fast
 
         with torch.no_grad():
             t0 = time.perf_counter()
-            cache = new_cache(model)
-            new = [self._pick(prefill(model, cache, prompt_ids), params, generator)]
+            if fast is not None:
+                cache = None
+                new = [self._pick(fast.prefill(prompt_ids), params, generator)]
+            else:
+                cache = new_cache(model)
+                new = [self._pick(prefill(model, cache, prompt_ids), params, generator)]
             stats.prefill_s = time.perf_counter() - t0
             t_decode = time.perf_counter()
             while True:
@@ -308,7 +358,8 @@ class Engine:
                 t = time.perf_counter()
                 if n > 0:
                     proposal = [int(x) for x in draft.tokens[:n]]
-                    new = verify(model, cache, pending, proposal)
+                    new = (fast.verify(pending, proposal) if fast is not None
+                           else verify(model, cache, pending, proposal))
                     accepted = len(new) - 1
                     stats.verify_steps += 1
                     stats.probes += probe
@@ -317,7 +368,8 @@ class Engine:
                     tracker.record(n, accepted, probe)
                     session.feedback(n, accepted)
                 else:
-                    new = [self._pick(decode_one(model, cache, pending), params, generator)]
+                    logits = fast.decode_one(pending) if fast is not None else decode_one(model, cache, pending)
+                    new = [self._pick(logits, params, generator)]
                     stats.plain_steps += 1
                 stats.forward_s += time.perf_counter() - t
 

@@ -69,6 +69,26 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
+def fuse_int4(parts: list) -> Int4Linear | None:
+    """One Int4Linear computing [p(x) for p in parts] concatenated (one matmul instead of several),
+    or None when they are not all tinygemm int4 of one group size. tinygemm packs 8 output rows per
+    tile (packed [N/8, ...]) and keeps scales as [K/group, N, 2], so concatenating both along N is
+    the packing of the stacked weight. Costs a copy of these weights (the model keeps its own)."""
+    if not all(isinstance(p, Int4Linear) for p in parts) or len({p.group_size for p in parts}) != 1:
+        return None
+    if any(p.out_features % 8 for p in parts):
+        return None
+    packed = torch.cat([p.packed for p in parts], 0)
+    scale_shift = torch.cat([p.scale_shift for p in parts], 1).contiguous()
+    fused = Int4Linear(packed, scale_shift, parts[0].group_size, sum(p.out_features for p in parts))
+    # Self-check on one random input: the fused product must equal the separate ones.
+    x = torch.randn(2, scale_shift.shape[0] * parts[0].group_size, dtype=scale_shift.dtype, device=packed.device)
+    want = torch.cat([p(x) for p in parts], -1).float()
+    if ((fused(x).float() - want).norm() / want.norm()).item() > 1e-3:
+        return None
+    return fused
+
+
 def as_linear(module: torch.nn.Linear):
     """The fast equivalent of a (possibly quanto-quantized) bias-free nn.Linear."""
     if getattr(module, "bias", None) is not None:
@@ -103,6 +123,9 @@ class _Layer:
     ple_gate: object | None
     ple_proj: object | None
     hf: torch.nn.Module      # the HF decoder layer: norms, layer_scalar, act_fn
+    qkv: object | None = None       # fused q|k|v (int4 only), output split by qkv_sizes
+    qkv_sizes: tuple = ()
+    gate_up: object | None = None   # fused gate|up (int4 only)
 
 
 @dataclass
@@ -117,10 +140,23 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def unsupported_reason(model) -> str | None:
+    """None when FastTarget can run `model`; otherwise why not (for the engine's start-up notes)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kind = getattr(cfg, "model_type", "?")
+    if kind != "gemma4_text" or not hasattr(getattr(model, "model", None), "layers"):
+        return f"the fast path supports Gemma 4 text models only (this is {kind})"
+    if getattr(cfg, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        return f"activation {cfg.hidden_activation} is not supported by the fast path"
+    if getattr(cfg, "enable_moe_block", False):
+        return "Gemma 4 MoE layers are not supported by the fast path"
+    return None
+
+
 class FastTarget:
     def __init__(self, model, max_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
                  prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
-                 fuse: bool | None = None):
+                 fuse: bool | None = None, fuse_proj: bool = True):
         lm = model
         self.model = model
         text = lm.model
@@ -160,6 +196,9 @@ class FastTarget:
         self.lm_head = as_linear(lm.lm_head)
 
         self.layers = self._describe_layers(text, cfg)
+        if fuse_proj:
+            self._fuse_projections()
+        self.fused_layers = sum(layer.qkv is not None or layer.gate_up is not None for layer in self.layers)
         self._build_rope(text, cfg)
         self._allocate()
         self.pos = 0
@@ -191,6 +230,15 @@ class FastTarget:
                 ple_gate=as_linear(hf.per_layer_input_gate) if self.ple_dim else None,
                 ple_proj=as_linear(hf.per_layer_projection) if self.ple_dim else None, hf=hf))
         return layers
+
+    def _fuse_projections(self) -> None:
+        """q/k/v and gate/up as one int4 matmul each (fewer kernels a step); dense layers stay apart."""
+        for layer in self.layers:
+            parts = [p for p in (layer.q, layer.k, layer.v) if p is not None]
+            if len(parts) > 1 and (fused := fuse_int4(parts)) is not None:
+                layer.qkv, layer.qkv_sizes = fused, tuple(p.out_features for p in parts)
+            if (fused := fuse_int4([layer.gate, layer.up])) is not None:
+                layer.gate_up = fused
 
     def _build_rope(self, text, cfg) -> None:
         """cos/sin tables for every position, computed by the HF rotary module itself."""
@@ -270,10 +318,18 @@ class FastTarget:
             cos, sin = cos_sin[layer.sliding]
             D = layer.head_dim
             x = ops.rms(h, _w(hf.input_layernorm), hf.input_layernorm.eps)
-            q = ops.norm_rope(layer.q(x).view(T, self.num_heads, D), _w(attn.q_norm), attn.q_norm.eps, cos, sin)
+            if layer.qkv is not None:
+                q_raw, k_raw, *v_raw = layer.qkv(x).split(layer.qkv_sizes, -1)
+                k_raw = k_raw.view(T, layer.kv_heads, D)
+                v_raw = v_raw[0].view(T, layer.kv_heads, D) if v_raw else k_raw
+            else:
+                q_raw = layer.q(x)
+                if layer.source == layer.index:
+                    k_raw = layer.k(x).view(T, layer.kv_heads, D)
+                    v_raw = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
+            q = ops.norm_rope(q_raw.view(T, self.num_heads, D), _w(attn.q_norm), attn.q_norm.eps, cos, sin)
             if layer.source == layer.index:
-                k_raw = layer.k(x).view(T, layer.kv_heads, D)
-                v = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
+                v = v_raw
                 k = ops.norm_rope(k_raw, _w(attn.k_norm), attn.k_norm.eps, cos, sin)
                 v = ops.rms(v, _w(attn.v_norm), attn.v_norm.eps)
                 where = slots if layer.sliding else pos
@@ -287,7 +343,11 @@ class FastTarget:
             a = _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
             h = ops.residual_norm(h, layer.o(a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
             x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
-            x = layer.down(ops.gelu_mul(layer.gate(x), layer.up(x)))
+            if layer.gate_up is not None:
+                g, u = layer.gate_up(x).split((layer.gate.out_features, layer.up.out_features), -1)
+            else:
+                g, u = layer.gate(x), layer.up(x)
+            x = layer.down(ops.gelu_mul(g, u))
             scalar = getattr(hf, "layer_scalar", None)
             last = not self.ple_dim
             h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), hf.post_feedforward_layernorm.eps,

@@ -72,11 +72,14 @@ def load_engine(settings: Settings):
 
     t0 = time.perf_counter()
     # without a drafter the policy is never consulted: skip measuring its cost curve
-    config = EngineConfig(max_draft=settings.drafter.max_draft, adaptive=settings.adaptive and drafter is not None,
-                          max_context=settings.max_context)
+    # measured whenever drafting is on: an index may arrive later through a reload
+    config = EngineConfig(max_draft=settings.drafter.max_draft, adaptive=settings.adaptive and settings.draft,
+                          max_context=settings.max_context, fast_path=settings.fast_path)
     engine = Engine(target, drafter, config)
+    for note in engine.notes:
+        log.info("engine: %s", note)
     cost = getattr(getattr(engine, "policy", None), "cost", None)
-    if cost is not None and settings.adaptive and drafter is not None:
+    if cost is not None and settings.adaptive and settings.draft:
         curve = " ".join(f"{n}:{c:.2f}" for n, c in enumerate(cost) if n >= 1)
         log.info("verify cost curve (forward time for n new tokens / 1 token, measured in %.1f s): %s",
                  time.perf_counter() - t0, curve)
@@ -111,6 +114,9 @@ class Service:
             self.trace_log = TraceLog(settings.trace_dir or default_trace_dir(),
                                       settings.trace_rotate_mb * 1024 * 1024)
         self.created = int(time.time())
+        from server.reload import IndexReloader
+
+        self.reloader = IndexReloader(engine, settings)
 
     @property
     def model_id(self) -> str:
@@ -249,6 +255,12 @@ class Service:
         if message.get("tool_calls"):
             seen["tool_calls"] = message["tool_calls"]
         self.trace_log.append(req.messages + [seen], prep.offered)
+
+    def reload_index(self) -> tuple[bool, str]:
+        changed, message = self.reloader.reload()
+        if changed:
+            self.drafter_note = message
+        return changed, message
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,

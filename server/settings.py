@@ -44,6 +44,10 @@ class Settings:
         "help": "context limit in tokens (default: the model's max_position_embeddings)"})
     adaptive: bool = field(default=True, metadata={
         "help": "decide per step whether a draft pays, from the measured verify cost curve"})
+    fast_path: bool = field(default=True, metadata={
+        "help": "on CUDA, Gemma 4: static KV cache and CUDA graphs (--no-fast-path: transformers eager)"})
+    watch_index: float = field(default=5.0, metadata={
+        "help": "seconds between checks for a rebuilt index (0: only on SIGHUP or POST /admin/reload-index)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     drafter: DrafterConfig = field(default_factory=DrafterConfig, metadata={"cli": False})
 

@@ -1,0 +1,81 @@
+"""Hot reload under load (issue 7): requests streaming during ten index reloads all complete with
+output identical to a run without reloads; a rebuilt index with another tokenizer's fingerprint is
+refused (409) and the index in service stays."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import openai
+import pytest
+
+from index.tokenizer import tokenizer_fingerprint
+from ngram.index_file import BuildParams, write_index
+from server.app import ServerThread, create_app
+from server.engine import Engine, EngineConfig
+from server.serving import Service
+from server.settings import Settings
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Count: one, two, three, four, five,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    from server.model_loading import load_target
+
+    return load_target(None)
+
+
+def _index_generation(directory, fingerprint, seed):
+    rng = np.random.default_rng(seed)
+    turns = [rng.integers(100, 5000, size=40).astype(np.uint32) for _ in range(20)]
+    write_index(directory, turns, fingerprint, BuildParams())
+
+
+def _stream_all(client, results):
+    for i, prompt in enumerate(PROMPTS * 2):
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="m", prompt=prompt, max_tokens=20, stream=True) if c.choices)
+        results.append(text)
+
+
+def test_reloads_under_load_change_no_output(target, tmp_path):
+    fingerprint = tokenizer_fingerprint(target.tokenizer)
+    index_dir = tmp_path / "index"
+    _index_generation(index_dir, fingerprint, 0)
+    settings = Settings(index=index_dir, trace_log=False, watch_index=0, api_key="k")
+    from ngram.index_file import load_index
+    from ngram.drafter import NgramDrafter
+
+    drafter = NgramDrafter(load_index(index_dir, fingerprint), settings.drafter)
+    engine = Engine(target, drafter, EngineConfig(cost_curve=np.ones(17)))
+    service = Service(engine, settings)
+    with ServerThread(create_app(service)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        alone: list[str] = []
+        _stream_all(client, alone)
+
+        during: list[str] = []
+        worker = threading.Thread(target=_stream_all, args=(client, during))
+        worker.start()
+        admin = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        statuses = []
+        for i in range(10):
+            _index_generation(index_dir, fingerprint, i + 1)
+            statuses.append(admin.post("/admin/reload-index", cast_to=dict, body={})["reloaded"])
+        worker.join()
+        assert statuses == [True] * 10
+        assert during == alone
+
+        # another tokenizer's index is refused; the one in service stays
+        in_service = engine._drafter.index.path
+        _index_generation(index_dir, "another-tokenizer", 99)
+        with pytest.raises(openai.APIStatusError) as refused:
+            admin.post("/admin/reload-index", cast_to=dict, body={})
+        assert refused.value.status_code == 409 and "different tokenizer" in str(refused.value)
+        assert engine._drafter.index.path == in_service
+        # the admin endpoint is guarded like the API
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).post("/admin/reload-index", cast_to=dict, body={})
