@@ -500,7 +500,7 @@ def markdown(r: dict) -> str:
         "",
         f"Start-up: load + quanto int4 {r['load_and_quantize_s']:.1f} s; fast path captured {r['fast_graphs']} CUDA graphs "
         f"in {r['fast_capture_s']:.1f} s (this includes torch.compile of the fused elementwise ops). Memory: {r['mem_after_load_GiB']:.2f} GiB after loading, "
-        f"fast path adds {r['fast_extra_mem_GiB']:.2f} GiB (static KV cache {r['fast_cache_GiB']:.2f} GiB for 9216 positions, "
+        f"fast path adds {r['fast_extra_mem_GiB']:.2f} GiB (static KV cache {r['fast_cache_GiB']:.2f} GiB, "
         f"graphs' buffers), peak {r['peak_mem_GiB']:.2f} GiB.",
         f"Fast vs eager logits (600-token prompt): relative error {r['fast_vs_eager_rel_err']:.2e}, "
         f"same argmax: {r['fast_vs_eager_same_argmax']}.",
