@@ -1,4 +1,4 @@
-"""`python -m index build|info`: build the n-gram index from traces, or describe one.
+"""`python -m index build|distill|info`: build the n-gram index from traces, distill traces, describe an index.
 
 build: --traces PATH [PATH ...] --out DIR [--tokenizer DIR]. Without --traces, the default sources
 (see index.sources) and the BFCL starter corpus; --bfcl / --no-bfcl override the starter corpus.
@@ -26,6 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--key-tokens", type=int, default=BuildParams.key_tokens)
     b.add_argument("--anchor-tokens", type=int, default=BuildParams.anchor_tokens)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = sub.add_parser("distill", help="write the target's own completions for recorded contexts as traces")
+    d.add_argument("--traces", nargs="+", type=Path, required=True)
+    d.add_argument("--out", type=Path, required=True, help="output OpenAI-format JSONL file")
+    d.add_argument("--model", help="target model (default: the bundled Gemma 3 270M)")
+    d.add_argument("--max-tokens", type=int, default=256, help="completion limit per turn")
+    d.add_argument("--max-prompt", type=int, default=4096, help="skip turns whose prompt is longer")
+    d.add_argument("--quiet", action="store_true")
     i = sub.add_parser("info", help="describe an index")
     i.add_argument("dir", type=Path, nargs="?")
     return p
@@ -48,6 +55,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k}: {v}")
         print(f"sources: {len(idx.meta.get('sources', {}))}")
         return 0
+
+    if args.command == "distill":
+        from index.distill import distill, load_distill_engine
+        from index.traces import ReadReport, iter_conversations
+
+        report = ReadReport()
+        convs = list(iter_conversations(args.traces, report))
+        if report.skipped:
+            print(report.summary(), file=sys.stderr)
+        if not convs:
+            print("error: no conversations in the traces", file=sys.stderr)
+            return 2
+        summary = distill(convs, args.out, load_distill_engine(args.model), args.max_tokens, args.max_prompt,
+                          progress=not args.quiet)
+        print(summary.text())
+        return 0 if summary.turns else 2
 
     from index.build import NoUsableTurns, build_index
 
