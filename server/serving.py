@@ -54,8 +54,8 @@ def load_engine(settings: Settings):
     target = load_target(settings.model, settings.quant, settings.dtype, settings.device)
     log.info("model %s: quant %s, dtype %s, device %s (loaded in %.1f s)", target.model_id, target.quant,
              str(target.dtype).removeprefix("torch."), target.device, time.perf_counter() - t0)
-    for note in target.notes:
-        log.info("  %s", note)
+    for line in target.notes:
+        log.info("  %s", line)
 
     drafter, note = None, "off (--no-draft): plain greedy decoding"
     if settings.draft:
@@ -71,13 +71,12 @@ def load_engine(settings: Settings):
     (log.info if drafter is not None or not settings.draft else log.warning)("drafting: %s", note)
 
     t0 = time.perf_counter()
-    # without a drafter the policy is never consulted: skip measuring its cost curve
-    # measured whenever drafting is on: an index may arrive later through a reload
+    # the cost curve is measured whenever drafting is on: an index may arrive later through a reload
     config = EngineConfig(max_draft=settings.drafter.max_draft, adaptive=settings.adaptive and settings.draft,
                           max_context=settings.max_context, fast_path=settings.fast_path)
     engine = Engine(target, drafter, config)
-    for note in engine.notes:
-        log.info("engine: %s", note)
+    for line in engine.notes:
+        log.info("engine: %s", line)
     cost = getattr(getattr(engine, "policy", None), "cost", None)
     if cost is not None and settings.adaptive and settings.draft:
         curve = " ".join(f"{n}:{c:.2f}" for n, c in enumerate(cost) if n >= 1)
