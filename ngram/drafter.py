@@ -12,11 +12,11 @@ A session serves one growing context: it encodes only the tokens appended since 
 context that does not extend the previous one is re-encoded in full), and it remembers its last index
 match, which bounds the next one (see match.longest_index_match).
 
-Choice between sources (index, online overlay, live context): each proposes its own draft; the
-longer match wins (it conditions on more context), then the larger expected accepted length (the sum
-of cumulative confidences). The search stops early when a draft is full length with confidence 1 and
-comes from the source whose last draft was accepted in full, or from an index match of the longest
-length (no other source could match longer).
+Choice between sources (index, online overlay, live context): they are asked in turn (the source
+whose last draft was accepted in full first, then in that order) until one fills the whole request
+(every drafted token is above the cut-off by construction); among the drafts seen, the longer match
+wins (it conditions on more context), then the larger expected accepted length (the sum of
+cumulative confidences).
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
 partly rejected one lowers it by one (never below `min_draft`), as transformers' assisted decoding
 does; cutting the limit to what was accepted cost a fifth of tau in replay on BFCL. Whether a draft
@@ -150,16 +150,15 @@ class DraftSession:
             sources.append(("overlay", lambda n: self._from_rows(self._overlay, self._overlay_rows, n, "overlay")))
         if cfg.use_context:
             sources.append(("context", lambda n: self._from_rows(self._context, self._context_rows, n, "context")))
-        # A source whose last draft was accepted in full is asked first; a full-length, certain
-        # draft from it ends the search (the others could at best tie it).
+        # A source whose last draft was accepted in full is asked first, then the index. The search
+        # stops at the first draft that fills the request above the cut-off: in replay on BFCL the
+        # sources asked later then changed tau by under 0.5% and cost a third of the latency.
         sources.sort(key=lambda s: s[0] != self._sticky)
         best = _NO_CANDIDATE
         for name, source in sources:
             best = _better(best, source(max_tokens))
-            if len(best[0]) == max_tokens and best[1][-1] >= 1.0 and best[2] == self._sticky:
+            if len(best[0]) == max_tokens:
                 break
-            if best[2] == "index" and best[3] >= drafter.max_index_match and len(best[0]) == max_tokens and best[1][-1] >= 1.0:
-                break  # no other source can match longer than the index's longest match
         self._last_source = best[2]
         tokens, confs, source, match_length = best
         if not tokens:
