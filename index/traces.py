@@ -258,15 +258,19 @@ def parse_openai_tools(raw: Any) -> list[dict]:
     return tools
 
 
-def _read_openai(source: str, lines: list[str], report: ReadReport) -> Iterator[Conversation]:
+def _json_lines(source: str, lines: list[str], report: ReadReport) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for every non-blank line; invalid JSON is skipped and reported."""
     for no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield no, json.loads(line)
         except ValueError as e:
             report.skip(source, no, f"invalid JSON: {e.msg}")
-            continue
+
+
+def _read_openai(source: str, lines: list[str], report: ReadReport) -> Iterator[Conversation]:
+    for no, obj in _json_lines(source, lines, report):
         if not isinstance(obj, dict) or "messages" not in obj:
             report.skip(source, no, "not an object with 'messages'")
             continue
@@ -364,14 +368,7 @@ def _claude_result_text(content: Any) -> str:
 
 def _read_claude(source: str, lines: list[str], report: ReadReport) -> Iterator[Conversation]:
     threads: dict[str, _ClaudeThread] = {}
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError as e:
-            report.skip(source, no, f"invalid JSON: {e.msg}")
-            continue
+    for no, ev in _json_lines(source, lines, report):
         if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
             report.skip(source, no, "not an event object with a 'type'")
             continue

@@ -97,6 +97,24 @@ class _Prepared:
     parse_calls: bool
 
 
+def _sse_errors(stream):
+    """Wrap an SSE generator method: once streaming has begun the status is sent, so an error is
+    reported as one last event in the OpenAI error shape (a generic message for unexpected ones)."""
+    async def guarded(self, req, prep, rid, *args) -> AsyncIterator[str]:
+        inner = stream(self, req, prep, rid, *args)
+        try:
+            async for line in inner:
+                yield line
+        except APIError as e:
+            yield _sse(e.body())
+        except Exception:
+            log.exception("stream %s failed", rid)
+            yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
+        finally:
+            await inner.aclose()  # a client that went away closes us: cancel the generation now
+    return guarded
+
+
 class Service:
     def __init__(self, engine, settings: Settings, drafter_note: str = ""):
         self.engine = engine
@@ -164,6 +182,7 @@ class Service:
         self._capture(req, prep, message)
         return chat_completion(rid, self.model_id, message, finish, run.usage())
 
+    @_sse_errors
     async def _chat_stream(self, req: ChatCompletionRequest, prep: _Prepared, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         chunk = lambda delta, finish=None: _sse(chat_chunk(rid, self.model_id, created, delta, finish,
@@ -187,25 +206,19 @@ class Service:
                 out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": arguments}}]}))
             return out
 
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for text in run.texts():
-                for line in deltas(*(parser.feed(text) if parser else (text, []))):
-                    yield line
-            if parser:
-                for line in deltas(*parser.finish()):
-                    yield line
-            finish = "tool_calls" if calls and run.finish == "stop" else run.finish
-            self._capture(req, prep, _assistant_message("".join(content), calls))
-            yield chunk({}, finish)
-            if req.include_usage:
-                yield _sse(chat_chunk(rid, self.model_id, created, None, None, run.usage(), True))
-            yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield _sse(e.body())
-        except Exception:
-            log.exception("stream %s failed", rid)
-            yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
+        yield chunk({"role": "assistant", "content": ""})
+        async for text in run.texts():
+            for line in deltas(*(parser.feed(text) if parser else (text, []))):
+                yield line
+        if parser:
+            for line in deltas(*parser.finish()):
+                yield line
+        finish = "tool_calls" if calls and run.finish == "stop" else run.finish
+        self._capture(req, prep, _assistant_message("".join(content), calls))
+        yield chunk({}, finish)
+        if req.include_usage:
+            yield _sse(chat_chunk(rid, self.model_id, created, None, None, run.usage(), True))
+        yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------ text completions
 
@@ -223,21 +236,16 @@ class Service:
         text = "".join([t async for t in run.texts()])
         return completion(rid, self.model_id, created, text, run.finish, run.usage())
 
+    @_sse_errors
     async def _complete_stream(self, req, prep, rid, created) -> AsyncIterator[str]:
         run = _Run(self, "completions", prep, None)
-        try:
-            async for text in run.texts():
-                if text:
-                    yield _sse(completion(rid, self.model_id, created, text, None, None, req.include_usage))
-            yield _sse(completion(rid, self.model_id, created, "", run.finish, None, req.include_usage))
-            if req.include_usage:
-                yield _sse(completion(rid, self.model_id, created, None, None, run.usage(), True))
-            yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield _sse(e.body())
-        except Exception:
-            log.exception("stream %s failed", rid)
-            yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
+        async for text in run.texts():
+            if text:
+                yield _sse(completion(rid, self.model_id, created, text, None, None, req.include_usage))
+        yield _sse(completion(rid, self.model_id, created, "", run.finish, None, req.include_usage))
+        if req.include_usage:
+            yield _sse(completion(rid, self.model_id, created, None, None, run.usage(), True))
+        yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------ helpers
 
