@@ -12,7 +12,7 @@ A session serves one growing context: it encodes only the tokens appended since 
 context that does not extend the previous one is re-encoded in full), and it remembers its last index
 match, which bounds the next one (see match.longest_index_match).
 
-Choice between sources (index, online overlay, live context): they are asked in turn (the source
+Choice between sources (live context, index, online overlay): they are asked in turn (the source
 whose last draft was accepted in full first, then in that order) until one fills the whole request
 (every drafted token is above the cut-off by construction); among the drafts seen, the longer match
 wins (it conditions on more context), then the larger expected accepted length (the sum of
@@ -144,15 +144,16 @@ class DraftSession:
         self._sync(context_ids)
         cfg, drafter = self.drafter.config, self.drafter
         sources = []
+        if cfg.use_context:
+            sources.append(("context", lambda n: self._from_rows(self._context, self._context_rows, n, "context")))
         if cfg.use_index and drafter.index is not None:
             sources.append(("index", self._from_index))
         if drafter.overlay is not None:
             sources.append(("overlay", lambda n: self._from_rows(self._overlay, self._overlay_rows, n, "overlay")))
-        if cfg.use_context:
-            sources.append(("context", lambda n: self._from_rows(self._context, self._context_rows, n, "context")))
-        # A source whose last draft was accepted in full is asked first, then the index. The search
-        # stops at the first draft that fills the request above the cut-off: in replay on BFCL the
-        # sources asked later then changed tau by under 0.5% and cost a third of the latency.
+        # A source whose last draft was accepted in full is asked first, then the request's own
+        # context (the most specific evidence), the index, the overlay. The search stops at the first
+        # draft that fills the request above the cut-off. In replay (bench outputs and BFCL) this
+        # order gave the best tau of the orders and stopping rules tried, at the lowest latency.
         sources.sort(key=lambda s: s[0] != self._sticky)
         best = _NO_CANDIDATE
         for name, source in sources:
