@@ -35,13 +35,13 @@ def _write_jsonl(path: Path, conversations) -> None:
             f.write(json.dumps({"messages": c.messages, "tools": c.tools}) + "\n")
 
 
-def _replay_tau(index_dir: Path | None, traces: Path) -> dict:
+def _replay_tau(index_dir: Path | None, traces: Path, *extra: str) -> dict:
     from ngram.replay import main as replay_main
     import contextlib
     import io
 
     buf = io.StringIO()
-    args = ["--traces", str(traces), "--json"] + (["--index", str(index_dir)] if index_dir else [])
+    args = ["--traces", str(traces), "--json", *extra] + (["--index", str(index_dir)] if index_dir else [])
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
         replay_main(args)
     return json.loads(buf.getvalue().strip().splitlines()[-1])
@@ -63,9 +63,14 @@ def distillation(engine, tmp: Path, n_train: int, n_hold: int, max_tokens: int) 
     build_index([tmp / "distilled"], tmp / "idx-distilled", progress=False)
     original = _replay_tau(tmp / "idx-original", tmp / "heldout-target.jsonl")
     distilled = _replay_tau(tmp / "idx-distilled", tmp / "heldout-target.jsonl")
+    # what the index alone predicts (the request's own context left out), where distillation acts
+    original_only = _replay_tau(tmp / "idx-original", tmp / "heldout-target.jsonl", "--no-context")
+    distilled_only = _replay_tau(tmp / "idx-distilled", tmp / "heldout-target.jsonl", "--no-context")
     return {"train_conversations": len(train), "heldout_conversations": len(held),
             "distill_seconds": d_train.seconds, "tau_original": original["tau"], "tau_distilled": distilled["tau"],
-            "tau_gain": distilled["tau"] / original["tau"], "prompt_lookup_tau": original["baseline"]["tau"]}
+            "tau_gain": distilled["tau"] / original["tau"], "prompt_lookup_tau": original["baseline"]["tau"],
+            "index_only_tau_original": original_only["tau"], "index_only_tau_distilled": distilled_only["tau"],
+            "index_only_tau_gain": distilled_only["tau"] / original_only["tau"]}
 
 
 def scenario(target, tmp: Path, batch: int, max_tokens: int) -> dict:
@@ -132,6 +137,7 @@ def scenario(target, tmp: Path, batch: int, max_tokens: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["distillation", "scenario"], help="run one part (the other keeps its last figures)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
     from ngram.drafter import NgramDrafter
@@ -145,13 +151,17 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         engine = Engine(target, NgramDrafter(None), EngineConfig())
         n_train, n_hold, batch = (8, 4, 3) if args.quick else (24, 8, 6)
-        results["distillation"] = distillation(engine, tmp, n_train, n_hold, 48)
-        results["scenario"] = scenario(target, tmp, batch, 48)
+        previous = json.loads((args.out / "learning.json").read_text()) if args.only and (args.out / "learning.json").exists() else {}
+        results["distillation"] = (distillation(engine, tmp, n_train, n_hold, 48) if args.only != "scenario"
+                                   else previous["distillation"])
+        results["scenario"] = scenario(target, tmp, batch, 48) if args.only != "distillation" else previous["scenario"]
     results["seconds"] = time.perf_counter() - started
     d, s = results["distillation"], results["scenario"]
     md = (f"Distillation ({d['train_conversations']} BFCL conversations distilled, {d['heldout_conversations']} held out): "
           f"replay tau on the target's own held-out replies {d['tau_original']:.2f} with the original traces' index, "
-          f"{d['tau_distilled']:.2f} with the distilled one ({d['tau_gain']:.2f}x; prompt lookup {d['prompt_lookup_tau']:.2f}).\n\n"
+          f"{d['tau_distilled']:.2f} with the distilled one ({d['tau_gain']:.2f}x; prompt lookup {d['prompt_lookup_tau']:.2f}); "
+          f"from the index alone (no live-context drafting) {d['index_only_tau_original']:.2f} -> "
+          f"{d['index_only_tau_distilled']:.2f} ({d['index_only_tau_gain']:.2f}x).\n\n"
           f"Scenario ({s['first_batch']} agent requests served and captured, index rebuilt (+{s['rebuilt_tokens']:,} tokens in all) "
           f"and reloaded, {s['second_batch']} new requests): replay tau {s['tau_starter']:.2f} -> {s['tau_rebuilt']:.2f} "
           f"({s['tau_gain']:.2f}x); served decode tokens/s median {s['tok_s_starter']:.2f} -> {s['tok_s_rebuilt']:.2f} "

@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft", type=int, default=DrafterConfig.max_draft)
     p.add_argument("--min-match", type=int, default=DrafterConfig.min_match)
     p.add_argument("--cutoff", type=float, default=DrafterConfig.confidence_cutoff)
+    p.add_argument("--no-context", action="store_true",
+                   help="Sailfish drafts from the index (and overlay) only, not the request's own context: "
+                        "what the index alone predicts")
     p.add_argument("--max-conversations", type=int, default=0)
     p.add_argument("--peers", nargs="*", default=[], choices=["suffix"],
                    help="also replay these peer drafters, seeded with the same index turns (suffix: "
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.dump, "w") as f:
             for ctx, target in turns:
                 f.write(json.dumps({"context": ctx.tolist(), "target": target.tolist()}) + "\n")
-    config = DrafterConfig(max_draft=args.max_draft, min_match=args.min_match, confidence_cutoff=args.cutoff)
+    config = DrafterConfig(max_draft=args.max_draft, min_match=args.min_match, confidence_cutoff=args.cutoff,
+                           use_context=not args.no_context)
     ours = replay(NgramDrafter(index, config), turns, args.max_draft).as_dict()
     base = replay(PromptLookupDrafter(max_draft=args.max_draft), turns, args.max_draft).as_dict()
     result = {**ours, "max_draft": args.max_draft, "index": str(args.index) if args.index else None, "baseline": base}
