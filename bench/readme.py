@@ -1,0 +1,53 @@
+"""Copy the latest benchmark tables into README.md: `python -m bench.readme`.
+
+Replaces everything between the README's `<!-- results -->` and `<!-- /results -->` markers with the
+Markdown that the benchmarks wrote under bench/results/, each under the command that produced it,
+so the README's numbers are always the files' numbers.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+RESULTS = Path("bench/results")
+SECTIONS = [
+    ("Drafter and index (issue bars: tau vs prompt lookup, latency, build speed, size, load time)",
+     "python -m bench.ngram_bench", "ngram.md", []),
+    ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
+     ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),
+    ("The learning loop: distillation, and serve / rebuild / reload", "python -m bench.learning", "learning.md", []),
+    ("The production shape on a GPU: Gemma 4 E4B, random init, int4 (H200)", "python -m bench.gpu_e4b (on the GPU machine)",
+     "gpu_e4b.md", []),
+    ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
+     "gpu_projection.md", []),
+]
+
+
+def section() -> str:
+    parts = []
+    for title, command, name, charts in SECTIONS:
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        body = path.read_text().strip()
+        body = re.sub(r"^# .*\n+", "", body)  # the file's own title, if any
+        body = re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + 3) + " ", body, flags=re.M)
+        images = "\n".join(f"![{c}](bench/results/{c})" for c in charts if (RESULTS / c).exists())
+        parts.append(f"### {title}\n\n`{command}`\n\n{body}\n" + (f"\n{images}\n" if images else ""))
+    return "\n".join(parts)
+
+
+def main() -> int:
+    readme = Path("README.md")
+    text = readme.read_text()
+    start, end = "<!-- results -->", "<!-- /results -->"
+    if start not in text or end not in text:
+        raise SystemExit("README.md has no <!-- results --> ... <!-- /results --> section")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{section()}\n{end}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
