@@ -166,7 +166,8 @@ def main(argv=None) -> int:
           f"and reloaded, {s['second_batch']} new requests): replay tau {s['tau_starter']:.2f} -> {s['tau_rebuilt']:.2f} "
           f"({s['tau_gain']:.2f}x); served decode tokens/s median {s['tok_s_starter']:.2f} -> {s['tok_s_rebuilt']:.2f} "
           f"(per-request ratio median {s['tok_s_gain_median']:.2f}x, {s['tok_s_gain_min']:.2f}..{s['tok_s_gain_max']:.2f}); "
-          f"outputs identical {s['identical']}/{s['second_batch']}. Run took {results['seconds'] / 60:.1f} min.\n")
+          f"outputs identical {s['identical']}/{s['second_batch']}. The last run ({args.only or 'both parts'}) took "
+          f"{results['seconds'] / 60:.1f} min.\n")
     write_results(args.out, "learning", results, md)
     print(md)
     return 0
