@@ -52,7 +52,8 @@ def markdown(r: dict) -> str:
               "", "| context | prefill tok/s | decode plain | decode drafted | identical |", "|---|---|---|---|---|"]
     for c in r["long_context"]:
         lines.append(f"| {c['context']:,} | {c['prefill_tok_s']:.0f} | {c['decode_tok_s_plain']:.2f} | {c['decode_tok_s_drafted']:.2f} | {c['identical']} |")
-    lines += ["", "| concurrent streams | throughput tok/s | identical to solo |", "|---|---|---|"]
+    if r["concurrency"]:
+        lines += ["", "| concurrent streams | throughput tok/s | identical to solo |", "|---|---|---|"]
     for n, c in r["concurrency"].items():
         lines.append(f"| {n} | {c['throughput_tok_s']:.2f} | {c['identical_to_solo']} |")
     return "\n".join(lines) + "\n"
