@@ -143,7 +143,7 @@ def build_index(
         detail = f"\n{summary.report.summary()}" if summary.report.skipped else ""
         raise NoUsableTurns(f"no usable assistant turns in {len(units)} source(s); nothing was written{detail}")
     generation = write_index(out_dir, turns, fingerprint, params, extra_meta={
-        "tokenizer": getattr(tok, "name_or_path", ""),
+        "tokenizer": Path(str(getattr(tok, "name_or_path", ""))).name,  # a name, not a machine path
         "sources": sources,
         "conversations": summary.conversations,
     })
