@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.contenders import LlamaCpp, Run, run_engine, run_hf_prompt_lookup
+from bench.contenders import LlamaCpp, run_engine, run_hf_prompt_lookup
 from bench.results import write_results
 from bench.workloads import WORKLOAD_VERSION, WORKLOADS, agentic_index_conversations
 

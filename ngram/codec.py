@@ -37,11 +37,6 @@ def encode_one(token_id: int) -> str:
     return chr(cp + _SURROGATE_SPAN if cp >= _SURROGATE_START else cp)
 
 
-def decode_char(ch: str) -> int:
-    cp = ord(ch)
-    return (cp - _SURROGATE_SPAN if cp >= _SURROGATE_START + _SURROGATE_SPAN else cp) - 1
-
-
 def decode(key: str) -> list[int]:
     out = []
     for c in key:

@@ -7,7 +7,7 @@ tokens the drafter matched before proposing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,9 +21,6 @@ class Draft:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
-
-    def truncated(self, n: int) -> "Draft":
-        return Draft(self.tokens[:n], self.confidence[:n], self.source, self.match_length)
 
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32))

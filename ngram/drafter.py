@@ -24,7 +24,7 @@ is worth verifying at all is the engine's decision (its cost model), not the dra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,10 +56,6 @@ class DrafterConfig:
     overlay_tokens: int = 262_144   # online overlay of served completions (0: off)
     use_index: bool = True
     use_context: bool = True
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 # A source's proposal before it becomes a Draft: (token ids, cumulative confidences, source, match length).

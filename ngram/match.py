@@ -1,10 +1,10 @@
 """Pure matching kernels over encoded token text (see ngram.codec): every input explicit, no state.
 
 Two sources of continuations:
-- the index trie (`longest_index_match`, `index_continuation`): its keys are the token windows starting
+- the index trie (`longest_index_match`, `scan_keys`): its keys are the token windows starting
   at every indexed position, so "s occurs in the corpus" == "some key starts with s". Every suffix of
   an occurring string occurs too, which makes the longest match binary-searchable.
-- the live request's context (`context_match`, `context_continuation`): `str.rfind` over the encoded
+- the live request's context (`context_match`, `context_rows`): `str.rfind` over the encoded
   context, most recent occurrences first.
 
 Both continue with a frequency-weighted walk over the agreeing set: at each depth the next token is the
@@ -16,8 +16,6 @@ id (index) or to the most recent occurrence (context), so results are determinis
 `prompt_lookup` is transformers' `prompt_lookup_num_tokens` algorithm (the baseline drafter).
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -144,11 +142,6 @@ def context_rows(text: str, starts: list[int], k: int, ahead: int) -> list[tuple
     n = len(starts)
     rows = [(text[s - k : s + ahead], RECENCY_SCALE + n - i) for i, s in enumerate(starts)]
     return sorted(r for r in rows if len(r[0]) > k)
-
-
-def context_continuation(text: str, starts: list[int], max_tokens: int, cutoff: float) -> tuple[list[int], list[float]]:
-    """Frequency-weighted continuation after the context occurrences (see context_rows)."""
-    return walk(context_rows(text, starts, 0, max_tokens), 0, max_tokens, cutoff)
 
 
 RECENCY_SCALE = 1000

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator, Protocol
 
 import numpy as np

@@ -31,7 +31,6 @@ past the committed position, where masks hide them until they are overwritten.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
