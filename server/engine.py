@@ -270,7 +270,7 @@ class Engine:
         self.max_context = context
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context capped at {context} tokens, KV cache "
-                          f"{fast.cache_bytes() / 2**30:.2f} GiB)")
+                          f"{fast.cache_bytes() / 2**30:.2f} GiB); {fast.step_kernel_note}")
         return fast
 
     def set_drafter(self, drafter: Drafter | None) -> None:

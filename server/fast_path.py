@@ -13,8 +13,16 @@ with the same meaning as `server/engine.py`'s functions:
 The forward is written out here (embedding and per-layer embeddings, RMSNorm, RoPE, attention with
 sliding/full layers and KV sharing, MLP, soft-capped tied LM head) on top of the HF modules'
 weights and norms, because transformers' own forward cannot be captured (`StaticCache` initializes
-lazily inside `update`) and torch.compile cannot trace quanto's int4 tensor subclass. Int4 layers
-call `aten._weight_int4pack_mm` (tinygemm, what quanto itself calls) on quanto's packed tensors.
+lazily inside `update`) and torch.compile cannot trace quanto's int4 tensor subclass. Prefill calls
+`aten._weight_int4pack_mm` (tinygemm, what quanto itself calls) on quanto's packed int4 tensors.
+
+Steps (decode and verify, 2..16 rows) on CUDA with bf16 activations run on Sailfish's Triton step
+kernels (`step_kernels`, on by default where they apply; `step_kernel_note` says which and why):
+server/small_m_matmul.py (int4 re-laid out once, bf16 LM head) and server/step_attention.py. They
+cost about the same for 2 and 16 rows (tinygemm's cost grows with rows) and are batch-invariant: a
+token's logits are bit-identical in a 16-token verify and in a one-token step, so drafted decoding
+equals plain decoding on this path, near-tied argmaxes included. 1-token steps run as 2-token
+steps (see `__init__`). Without them (CPU, fp32, other shapes) steps use tinygemm/cuBLAS.
 
 Cache layout, per layer that owns keys (KV-shared layers read their source layer's cache):
 - full attention: slot = position, `max_len` slots; a graph reads only the first `kv_len` slots,
@@ -32,7 +40,7 @@ past the committed position, where masks hide them until they are overwritten.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +133,7 @@ class _Layer:
     qkv: object | None = None       # fused q|k|v (int4 only), output split by qkv_sizes
     qkv_sizes: tuple = ()
     gate_up: object | None = None   # fused gate|up (int4 only)
+    step: "_Layer | None" = None    # the same layer with step-kernel linears (see _build_step_kernels)
 
 
 @dataclass
@@ -155,7 +164,7 @@ def unsupported_reason(model) -> str | None:
 class FastTarget:
     def __init__(self, model, max_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
                  prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
-                 fuse: bool | None = None, fuse_proj: bool = True):
+                 fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None):
         lm = model
         self.model = model
         text = lm.model
@@ -195,11 +204,19 @@ class FastTarget:
         self.lm_head = as_linear(lm.lm_head)
 
         self.layers = self._describe_layers(text, cfg)
-        if fuse_proj:
+        self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
+        if fuse_proj and not self.step_kernels:  # with step kernels, prefill uses the model's own layers
             self._fuse_projections()
         self.fused_layers = sum(layer.qkv is not None or layer.gate_up is not None for layer in self.layers)
         self._build_rope(text, cfg)
         self._allocate()
+        if self.step_kernels:
+            # torch.compile specializes a dimension of size 1, so 1-token steps would get fused
+            # elementwise kernels of their own (another reduction order in the norms): steps run with
+            # at least 2 rows (one padding token; the step kernels cost the same for 1 and 2 rows),
+            # so every step shares one compiled kernel per op and stays batch-invariant.
+            self.buckets = tuple(sorted({max(2, b) for b in self.buckets}))
+            self._build_step_kernels()
         self.pos = 0
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
@@ -238,6 +255,63 @@ class FastTarget:
                 layer.qkv, layer.qkv_sizes = fused, tuple(p.out_features for p in parts)
             if (fused := fuse_int4([layer.gate, layer.up])) is not None:
                 layer.gate_up = fused
+
+    def _want_step_kernels(self, asked: bool | None) -> tuple[bool, str]:
+        """Whether steps run on the batch-invariant Triton kernels (server/small_m_matmul.py,
+        server/step_attention.py), and why or why not (for the start-up notes)."""
+        if asked is False:
+            return False, "step kernels off (asked)"
+        why_not = None
+        if self.device.type != "cuda":
+            why_not = "step kernels need CUDA"
+        elif self.dtype != torch.bfloat16:
+            why_not = f"step kernels need bf16 activations (model is {self.dtype})"
+        elif self.max_bucket > 16:
+            why_not = f"step kernels take up to 16 tokens (largest bucket {self.max_bucket})"
+        else:
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                why_not = "Triton is not installed"
+        if why_not is None:
+            from server.small_m_matmul import unsupported_shape
+            for lin in self._all_linears():
+                if (why_not := unsupported_shape(lin)) is not None:
+                    break
+        if why_not is not None:
+            if asked:
+                raise ValueError(why_not)
+            return False, f"{why_not}: steps use tinygemm/cuBLAS (not batch-invariant)"
+        return True, "batch-invariant Triton step kernels (int4 small-M matmul, chunked attention)"
+
+    def _all_linears(self) -> list:
+        out = [self.lm_head] + ([self.ple_model_proj] if self.ple_dim else [])
+        for layer in self.layers:
+            out += [p for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down,
+                                layer.ple_gate, layer.ple_proj) if p is not None]
+        return out
+
+    def _build_step_kernels(self) -> None:
+        """Each layer gets `step`: a copy of its description whose linears are SmallMLinear (q|k|v
+        and gate|up concatenated), and one StepAttention per head size."""
+        from server.small_m_matmul import as_small_m, concat
+        from server.step_attention import StepAttention
+        for layer in self.layers:
+            small = {name: as_small_m(getattr(layer, name)) if getattr(layer, name) is not None else None
+                     for name in ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")}
+            parts = [small[n] for n in ("q", "k", "v") if small[n] is not None]
+            qkv = concat(parts) if len(parts) > 1 else None
+            layer.step = replace(layer, **small, qkv=qkv, qkv_sizes=tuple(p.out_features for p in parts),
+                                 gate_up=concat([small["gate"], small["up"]]), step=None)
+        self.lm_head_step = as_small_m(self.lm_head)
+        self.ple_model_proj_step = as_small_m(self.ple_model_proj) if self.ple_dim else None
+        self.step_attention = {}
+        for layer in self.layers:
+            d = layer.head_dim
+            slots = max(self.ring if l.sliding else self.max_len for l in self.layers if l.head_dim == d)
+            if d not in self.step_attention:
+                self.step_attention[d] = StepAttention(layer.kv_heads, self.num_heads // layer.kv_heads, d, slots,
+                                                       self.max_bucket, self.device)
 
     def _build_rope(self, text, cfg) -> None:
         """cos/sin tables for every position, computed by the HF rotary module itself."""
@@ -294,24 +368,29 @@ class FastTarget:
 
     # ------------------------------------------------------------ the forward
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T] (consecutive); writes their K/V."""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False) -> torch.Tensor:
+        """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T] (consecutive); writes their K/V.
+        `step`: a decode/verify step, run on the step kernels when they are on."""
         ops = self.ops
         T = ids.shape[0]
+        step = step and self.step_kernels
         h = self.embed(ids)                                              # [T, hidden]
         if self.ple_dim:
             tok = self.embed_ple(ids).reshape(T, self.n_layers, self.ple_dim)
-            proj = self.ple_model_proj(h).reshape(T, self.n_layers, self.ple_dim)
+            proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers, self.ple_dim)
             ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), self.ple_norm.eps, tok,
                                  self.ple_input_scale)
         # Sliding layers: record which position each written ring slot now holds, then mask by position.
         slots = pos % self.ring
         self.slot_pos.index_copy_(0, slots, pos)
-        sliding_mask, full_mask = ops.masks(self.slot_pos, self.full_pos[:kv_len], pos, self.window)
+        if not step:  # the step kernels mask by position themselves
+            sliding_mask, full_mask = ops.masks(self.slot_pos, self.full_pos[:kv_len], pos, self.window)
         cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
                    for s, (c, n) in self.rope.items()}
 
         for layer in self.layers:
+            if step:
+                layer = layer.step
             hf = layer.hf
             attn = hf.self_attn
             cos, sin = cos_sin[layer.sliding]
@@ -335,11 +414,15 @@ class FastTarget:
                 self.k_cache[layer.index].index_copy_(1, where, k.transpose(0, 1))
                 self.v_cache[layer.index].index_copy_(1, where, v.transpose(0, 1))
             kc, vc = self.k_cache[layer.source], self.v_cache[layer.source]
-            if layer.sliding:
-                mask = sliding_mask
+            if step:
+                a = self.step_attention[D](q, kc, vc, kv_len, pos, self.slot_pos if layer.sliding else None,
+                                           self.window, attn.scaling)
             else:
-                kc, vc, mask = kc[:, :kv_len], vc[:, :kv_len], full_mask
-            a = _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
+                if layer.sliding:
+                    mask = sliding_mask
+                else:
+                    kc, vc, mask = kc[:, :kv_len], vc[:, :kv_len], full_mask
+                a = _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
             h = ops.residual_norm(h, layer.o(a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
             x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
             if layer.gate_up is not None:
@@ -354,7 +437,7 @@ class FastTarget:
             if self.ple_dim:
                 x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
                 h = ops.residual_norm(h, x, _w(hf.post_per_layer_input_norm), hf.post_per_layer_input_norm.eps, scalar)
-        logits = self.lm_head(ops.rms(h, _w(self.final_norm), self.final_norm.eps))
+        logits = (self.lm_head_step if step else self.lm_head)(ops.rms(h, _w(self.final_norm), self.final_norm.eps))
         return ops.softcap(logits, self.softcap) if self.softcap else logits
 
     # ------------------------------------------------------------ steps
@@ -414,7 +497,7 @@ class FastTarget:
             graph.replay()
             logits = out
         else:
-            logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len)
+            logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len, step=True)
         self.pos += n
         return logits[:n]
 
@@ -448,13 +531,13 @@ class FastTarget:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(ids, pos, kv_len)
+                self._forward(ids, pos, kv_len, step=True)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(ids, pos, kv_len)
+                out = self._forward(ids, pos, kv_len, step=True)
             torch.cuda.synchronize()
             self._graphs[key] = (graph, out)
             self.timings.capture_s += time.perf_counter() - t0

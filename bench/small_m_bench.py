@@ -1,0 +1,168 @@
+"""The small-M matmul (server/small_m_matmul.py) against tinygemm on the E4B layer shapes (GPU).
+
+For every linear layer shape of one E4B decoder layer (and the LM head), on random quanto int4
+weights: relative error against the dequantized weight's bf16 product, bit-identity of row 0 between
+1-row and 16-row products (batch invariance), and kernel time for 1 and 16 rows (CUDA events over a
+CUDA graph of 50 calls, median of 7). Usage: python -m bench.small_m_bench [--out DIR]
+Writes DIR/small_m.json and DIR/small_m.md (default bench/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from bench.results import write_results
+from server.small_m_matmul import SmallMLinear
+
+# (name, N, K, count per forward) for the E4B text config: 35 sliding layers (head_dim 256), 7 full (512).
+SHAPES = [
+    ("qkv sliding", 3072, 2560, 35), ("qkv full", 6144, 2560, 7),
+    ("o sliding", 2560, 2048, 35), ("o full", 2560, 4096, 7),
+    ("gate|up", 20480, 2560, 42), ("down", 2560, 10240, 42),
+    ("ple gate", 256, 2560, 42), ("ple proj", 2560, 256, 42), ("ple model proj", 10752, 2560, 1),
+]
+LM_HEAD = ("lm head (bf16)", 262144, 2560, 1)
+
+
+def int4_linear(n: int, k: int):
+    from optimum.quanto import freeze, qint4, quantize
+    holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    quantize(holder, weights=qint4)  # quanto swaps a module's children, not the module itself
+    freeze(holder)
+    lin = holder[0]
+    from server.fast_path import Int4Linear, as_linear
+    fast = as_linear(lin)
+    if not isinstance(fast, Int4Linear):
+        raise RuntimeError(f"quanto did not give a tinygemm int4 weight ({type(lin.qweight).__name__})")
+    return lin.qweight, fast.packed, fast.scale_shift, fast.group_size
+
+
+def graph_time_us(fn, calls: int = 50, reps: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); g.replay(); e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def measure(name, n, k, count, dense: bool, configs) -> dict:
+    torch.manual_seed(0)
+    x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    x1 = x16[:1].clone()
+    if dense:
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        ref_w = weight
+        base = lambda x: torch.nn.functional.linear(x, weight)
+        make = lambda **kw: SmallMLinear.from_dense(weight, **kw)
+    else:
+        qw, packed, scale_shift, group = int4_linear(n, k)
+        ref_w = qw.dequantize()
+        base = lambda x: torch._weight_int4pack_mm(x, packed, group, scale_shift)
+        make = lambda **kw: SmallMLinear.from_int4(packed, scale_shift, group, n, k, **kw)
+    ref = (x16.float() @ ref_w.float().t())
+    row = {"name": name, "n": n, "k": k, "count": count,
+           "base_us_1": graph_time_us(lambda: base(x1)), "base_us_16": graph_time_us(lambda: base(x16))}
+    base_out = base(x16).float()
+    row["base_rel_err"] = ((base_out - ref).norm() / ref.norm()).item()
+    row["base_invariant"] = bool(torch.equal(base(x1)[0], base(x16)[0]))
+    best = None
+    for block_n, warps, stages, target, magic in configs:
+        if n % block_n:
+            continue
+        lin = make(block_n=block_n, num_warps=warps, num_stages=stages, target_programs=target, magic=magic)
+        out16 = lin(x16)
+        cand = {"block_n": block_n, "warps": warps, "stages": stages, "target": target, "magic": magic, "split": lin.split,
+                "rel_err": ((out16.float() - ref).norm() / ref.norm()).item(),
+                "invariant": bool(torch.equal(lin(x1)[0], out16[0])) and bool(torch.equal(lin(x16[:5])[3], out16[3])),
+                "us_1": graph_time_us(lambda: lin(x1)), "us_16": graph_time_us(lambda: lin(x16))}
+        row.setdefault("configs", []).append(cand)
+        if best is None or cand["us_16"] + cand["us_1"] < best["us_16"] + best["us_1"]:
+            best = cand
+    row["best"] = best
+    print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
+    return row
+
+
+# (name, head_dim, cache slots, sliding, context): E4B's full layers (the cache of a 8704-token
+# server) and sliding layers (a ring of window 512 + chunk 512).
+ATTENTION = [("full", 512, 8704, False, 1024), ("full", 512, 8704, False, 8192), ("sliding", 256, 1024, True, 1024),
+             ("sliding", 256, 1024, True, 8192)]
+
+
+def measure_attention(name, head_dim, slots, sliding, context) -> list:
+    from server.fast_path import _EAGER_OPS, _attention, _masks
+    from server.step_attention import StepAttention
+    torch.manual_seed(0)
+    kvh, group, window = 2, 4, 512
+    kc = torch.randn(kvh, slots, head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    slot_pos = torch.full((slots,), -1, dtype=torch.long, device="cuda")
+    if sliding:
+        span = torch.arange(max(0, context + 16 - slots), context + 16, device="cuda")
+        slot_pos[span % slots] = span
+    att = StepAttention(kvh, group, head_dim, slots, 16, "cuda")
+    out = []
+    for T in (1, 16):
+        qpos = torch.arange(context, context + T, device="cuda")
+        q = torch.randn(T, kvh * group, head_dim, device="cuda", dtype=torch.bfloat16)
+        sm, fm = _masks(slot_pos, torch.arange(slots, device="cuda"), qpos, window)
+        mask = sm if sliding else fm
+        ours = lambda: att(q, kc, vc, slots, qpos, slot_pos if sliding else None, window, 1.0)
+        base = lambda: _attention(q, kc, vc, mask, 1.0, _EAGER_OPS.masked_softmax)
+        ref = _attention(q.float(), kc.float(), vc.float(), mask, 1.0, _EAGER_OPS.masked_softmax)
+        o, b = ours().float(), base().float()
+        one = att(q[-1:], kc, vc, slots, qpos[-1:], slot_pos if sliding else None, window, 1.0)
+        base_one = _attention(q[-1:], kc, vc, mask[-1:], 1.0, _EAGER_OPS.masked_softmax)
+        row = {"name": name, "context": context, "T": T, "torch_us": graph_time_us(base), "ours_us": graph_time_us(ours),
+               "rel_err": ((o - ref).norm() / ref.norm()).item(), "torch_rel_err": ((b - ref).norm() / ref.norm()).item(),
+               "invariant": bool(torch.equal(one[0], ours()[-1])), "torch_invariant": bool(torch.equal(base_one[0], base()[-1]))}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.small_m_bench")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args(argv)
+    configs = [(64, 4, 4, 528, False), (32, 4, 3, 264, True), (64, 4, 4, 528, True), (128, 4, 4, 528, True)]
+    rows = [measure(*s, dense=False, configs=configs) for s in SHAPES]
+    rows.append(measure(*LM_HEAD, dense=True, configs=[(64, 4, 3, 264, False), (128, 4, 3, 264, False)]))
+    attention = [row for a in ATTENTION for row in measure_attention(*a)]
+    tot = {key: sum(r[key] * r["count"] for r in rows) / 1e3 for key in ("base_us_1", "base_us_16")}
+    ours = {f"us_{m}": sum(r["best"][f"us_{m}"] * r["count"] for r in rows) / 1e3 for m in (1, 16)}
+    results = {"device": torch.cuda.get_device_name(), "rows": rows, "attention": attention, "per_forward_ms": {"tinygemm/cuBLAS": tot, "small_m": ours}}
+    lines = [f"# Small-M matmul vs tinygemm/cuBLAS, E4B shapes ({results['device']})", "",
+             "| layer | N | K | x/forward | tinygemm 1 row us | 16 rows | ours 1 row us | 16 rows | ours config | rel err (tinygemm / ours) | row-invariant (tinygemm / ours) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["best"]
+        lines.append(f"| {r['name']} | {r['n']} | {r['k']} | {r['count']} | {r['base_us_1']:.1f} | {r['base_us_16']:.1f} | "
+                     f"{b['us_1']:.1f} | {b['us_16']:.1f} | n{b['block_n']} w{b['warps']} s{b['stages']} split {b['split']}{' magic' if b['magic'] else ''} | "
+                     f"{r['base_rel_err']:.1e} / {b['rel_err']:.1e} | {r['base_invariant']} / {b['invariant']} |")
+    lines += ["", f"Per forward (sum over layers): tinygemm/cuBLAS {tot['base_us_1']:.2f} ms (1 row), "
+              f"{tot['base_us_16']:.2f} ms (16 rows); small-M {ours['us_1']:.2f} ms / {ours['us_16']:.2f} ms."]
+    lines += ["", "| attention | context | T | torch bmm+softmax us | ours us | rel err vs fp32 (torch / ours) | row-invariant (torch / ours) |",
+              "|---|---|---|---|---|---|---|"]
+    for a in attention:
+        lines.append(f"| {a['name']} | {a['context']} | {a['T']} | {a['torch_us']:.1f} | {a['ours_us']:.1f} | "
+                     f"{a['torch_rel_err']:.1e} / {a['rel_err']:.1e} | {a['torch_invariant']} / {a['invariant']} |")
+    md = "\n".join(lines) + "\n"
+    write_results(args.out, "small_m", results, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

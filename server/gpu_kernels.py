@@ -1,0 +1,121 @@
+"""Triton kernels of the fast path's steps (imported only on CUDA): the small-M matmul
+(server/small_m_matmul.py states its contract) and step attention (server/step_attention.py)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
+                    M, N, K, stride_xm, k_per_split,
+                    INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    sub = tl.arange(0, 16)
+    row_ok = rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    for i in range(0, k_per_split // BLOCK_K):
+        k0 = k_begin + i * BLOCK_K
+        if INT4:
+            # One group of 128 codes per column: 16 words, word r holding k0 + 16 j + r in nibble j.
+            packed = tl.load(w_ptr + (k0 // 8 + sub[:, None]) * N + cols[None, :])
+            group = k0 // BLOCK_K
+            scale = tl.load(scale_ptr + group * N + cols)[None, :]
+            offset = tl.load(offset_ptr + group * N + cols)[None, :]
+            for j in tl.static_range(8):
+                nibble = (packed >> (4 * j)) & 0xF
+                if MAGIC:  # bf16 bits 0x4300 | c are 128 + c: no int->float conversion (a slow op)
+                    code = (nibble.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+                else:
+                    code = nibble.to(scale_ptr.dtype.element_ty)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + 16 * j + sub)[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                acc += tl.dot(x, (code * scale + offset).to(x.dtype))
+        else:  # dense bf16 W [N, K]: the tile W[cols, ks] transposed
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
+            acc += tl.dot(x, tl.load(w_ptr + cols[None, :] * K + ks[:, None]))
+    out_offsets = rows[:, None] * N + cols[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(partial_ptr + pid_k * BLOCK_M * N + out_offsets, acc)
+        # acq_rel: this slice's partial is visible to whoever sees the counter move past it.
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT):  # fixed order: the sum does not depend on arrival order
+                total += tl.load(partial_ptr + s * BLOCK_M * N + out_offsets, cache_modifier=".cg")
+            tl.store(out_ptr + out_offsets, total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit
+def _step_attention_chunk(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
+                          T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
+                          n_rows, n_chunks,
+                          G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Partial softmax-attention of one KV head's query rows (row = token t * G + head g) over one
+    chunk of BLOCK_S key slots: running max m, sum of exponentials l, unnormalized output acc."""
+    kvh = tl.program_id(0)
+    rb = tl.program_id(1)
+    chunk = tl.program_id(2)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = r // G
+    row_ok = t < T
+    qpos = tl.load(qpos_ptr + t, mask=row_ok, other=-1)
+    if not SLIDING:  # keys past the block's last query position are masked for every row: skip
+        if chunk * BLOCK_S > tl.max(qpos, 0):
+            return
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * G + r % G)[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    s_idx = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    k = tl.load(k_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * scaling
+    if SLIDING:
+        kp = tl.load(slot_pos_ptr + s_idx, mask=s_ok, other=-1)
+        visible = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > qpos[:, None] - window) & (kp[None, :] >= 0)
+    else:
+        visible = s_idx[None, :] <= qpos[:, None]
+    visible = visible & s_ok[None, :]
+    scores = tl.where(visible, scores, -1.0e30)  # finite: a row with no visible key gets l = 0
+    m = tl.max(scores, 1)
+    p = tl.where(visible, tl.exp(scores - m[:, None]), 0.0)
+    l = tl.sum(p, 1)
+    v = tl.load(v_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v)
+    ml = (kvh * n_rows + r) * n_chunks + chunk
+    tl.store(m_ptr + ml, m, mask=row_ok)
+    tl.store(l_ptr + ml, l, mask=row_ok)
+    tl.store(acc_ptr + ml[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _step_attention_combine(m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, n_rows, n_chunks, n_used,
+                            G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One query row: merge its chunks' partials in chunk order (a fixed order) into out[t, head]."""
+    kvh = tl.program_id(0)
+    r = tl.program_id(1)
+    t = r // G
+    if SLIDING:
+        last = n_used - 1
+    else:
+        last = tl.minimum(tl.load(qpos_ptr + t) // BLOCK_S, n_used - 1)
+    base = (kvh * n_rows + r) * n_chunks
+    m_max = -1.0e30
+    for c in range(0, last + 1):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + c))
+    d = tl.arange(0, D)
+    total = tl.zeros((D,), dtype=tl.float32)
+    denom = 0.0
+    for c in range(0, last + 1):
+        w = tl.exp(tl.load(m_ptr + base + c) - m_max)
+        denom += w * tl.load(l_ptr + base + c)
+        total += w * tl.load(acc_ptr + (base + c) * D + d)
+    tl.store(out_ptr + t * stride_ot + (kvh * G + r % G) * D + d, (total / denom).to(out_ptr.dtype.element_ty))

@@ -1,0 +1,195 @@
+"""Batch-invariant matmuls for decode and verify steps (1..16 rows) on the GPU, in Triton.
+
+Contract: `SmallMLinear.from_int4(packed, scale_shift, group_size, out_features)` (quanto's
+tinygemm-packed int4 weight, read once and re-laid out) or `SmallMLinear.from_dense(weight)`
+(bf16 [N, K], shared, not copied) gives a callable `y = lin(x)`, x [..., K] bf16 with at most
+`MAX_ROWS` rows, y [..., N] bf16.
+
+Why not tinygemm (quanto's kernel): its int4 matmul time grows with the number of rows (E4B:
+2.4 ms a step for 1 row, 5.8 ms for 16), so a 16-token verify cost 1.8x a decode step; and cuBLAS /
+tinygemm pick different kernels (different summation orders) for different row counts, so a
+token's logits in a 16-token verify differ in the last bits from the same token's logits in a
+1-token step, and near-tied argmaxes flip.
+
+Here one kernel serves every row count: rows are padded to one 16-row tile, the K axis is cut into
+the same fixed chunks whatever the rows, and the chunks' partial sums are added in a fixed order.
+Invariant: row i of the output is bit-identical whatever the other rows hold and however many
+there are (a tensor-core product's row i reads only row i of its left operand). That makes a
+verify step's logits equal the one-token steps', so drafted decoding is exactly plain decoding on
+this path, near-ties included.
+
+Int4 layout: `qweight` int32 [K/8, N]; within each group of 128 input features (16 words per
+column), nibble j of word r holds the 4-bit code of feature 16 j + r, so the kernel loads a group as
+one [16, BLOCK_N] tile and takes eight contiguous 16-feature slices from it by shifting;
+`scale`, `offset` bf16 [K/group, N] with W = code * scale + offset (tinygemm's
+(code - 8) * scale + shift, the -8 folded into offset). Codes become bf16 without an int-to-float
+conversion: the bits 0x4300 | code are the bf16 number 128 + code. Weights are streamed once per step, which
+is the floor: the kernel is bound by memory bandwidth at these row counts.
+
+Split-K: each (N tile, K slice) program writes its fp32 partial; the last program of an N tile to
+arrive (an atomic counter per tile) sums the slices in slice order and writes the output, then
+resets its counter, so one launch does the whole product and the order of the sum never depends on
+which program finished first.
+"""
+from __future__ import annotations
+
+import torch
+
+MAX_ROWS = 16
+BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's default)
+TARGET_PROGRAMS = 528  # ~4 per SM on an H100/H200: enough bytes in flight to approach the memory's rate
+NUM_STAGES = 4
+
+
+def _block_n(n: int) -> int:
+    """Output columns per program (0: N does not tile)."""
+    return 64 if n % 64 == 0 else 32 if n % 32 == 0 else 0
+
+
+def unsupported_shape(lin) -> str | None:
+    """None when `as_small_m(lin)` works, else why not."""
+    if getattr(lin, "packed", None) is not None:
+        k, n, group = lin.scale_shift.shape[0] * lin.group_size, lin.out_features, lin.group_size
+        if group != BLOCK_K:
+            return f"int4 group size {group} (step kernels take {BLOCK_K})"
+    else:
+        n, k = lin.weight.shape
+        if lin.weight.dtype != torch.bfloat16:
+            return f"{lin.weight.dtype} weights (step kernels take bf16 or int4)"
+    if k % BLOCK_K or not _block_n(n):
+        return f"a {n}x{k} weight does not tile by (32, {BLOCK_K})"
+    return None
+
+
+def as_small_m(lin) -> "SmallMLinear":
+    """The step kernel of one of server/fast_path.py's linears (Int4Linear or DenseLinear)."""
+    if getattr(lin, "packed", None) is not None:
+        k = lin.scale_shift.shape[0] * lin.group_size
+        return SmallMLinear.from_int4(lin.packed, lin.scale_shift, lin.group_size, lin.out_features, k)
+    return SmallMLinear.from_dense(lin.weight)
+
+
+def concat(parts: list) -> "SmallMLinear | None":
+    """One SmallMLinear computing the parts' outputs side by side (one launch instead of several),
+    or None when they differ in kind or input size. Copies the weights."""
+    if len({p.int4 for p in parts}) != 1 or len({p.k for p in parts}) != 1:
+        return None
+    n = sum(p.n for p in parts)
+    if parts[0].int4:
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts], 1).contiguous()
+        return SmallMLinear(cat("weight"), cat("scale"), cat("offset"), n, parts[0].k)
+    return SmallMLinear(torch.cat([p.weight for p in parts], 0), None, None, n, parts[0].k)
+
+
+def _plan(n: int, k: int, block_n: int, target_programs: int) -> int:
+    """Number of K slices: enough programs to fill the GPU, each slice a whole number of blocks."""
+    tiles = -(-n // block_n)
+    blocks = k // BLOCK_K
+    split = 1
+    for candidate in range(1, blocks + 1):
+        if blocks % candidate == 0:
+            split = candidate
+            if tiles * candidate >= target_programs:
+                break
+    return split
+
+
+class SmallMLinear:
+    """y = x @ W^T for 1..MAX_ROWS rows, batch-invariant (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
+                 n: int, k: int, block_n: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
+                 target_programs: int = TARGET_PROGRAMS, magic: bool = True):
+        block_n = block_n or _block_n(n)
+        if k % BLOCK_K or not block_n or n % block_n:
+            raise ValueError(f"shape N={n}, K={k} does not tile by ({block_n}, {BLOCK_K})")
+        self.weight, self.scale, self.offset = weight, scale, offset
+        self.n, self.k, self.block_n, self.num_warps = n, k, block_n, num_warps
+        self.int4 = scale is not None
+        self.magic = magic and scale is not None and scale.dtype == torch.bfloat16
+        self.num_stages = num_stages
+        self.split = _plan(n, k, block_n, target_programs)
+        dev = weight.device
+        self.partial = torch.empty((self.split, MAX_ROWS, n), dtype=torch.float32, device=dev)
+        self.count = torch.zeros(-(-n // block_n), dtype=torch.int32, device=dev)
+        self.out_features = n
+
+    @classmethod
+    def from_int4(cls, packed: torch.Tensor, scale_shift: torch.Tensor, group_size: int, out_features: int,
+                  in_features: int, **kw) -> "SmallMLinear":
+        """From quanto's tinygemm int4 (packed codes, scale_shift [K/group, N, 2]); W = (code - 8) * scale + shift."""
+        if group_size != BLOCK_K:
+            raise ValueError(f"int4 group size {group_size} (this kernel supports {BLOCK_K})")
+        codes = unpack_tinygemm(packed, out_features, in_features)
+        scale = scale_shift[:, :, 0].contiguous()                                   # [K/group, N]
+        offset = (scale_shift[:, :, 1].float() - 8 * scale.float()).to(scale.dtype).contiguous()
+        return cls(pack_codes(codes), scale, offset, out_features, in_features, **kw)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, **kw) -> "SmallMLinear":
+        n, k = weight.shape
+        return cls(weight.contiguous(), None, None, n, k, **kw)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        m = x2.shape[0]
+        if m > MAX_ROWS:
+            raise ValueError(f"{m} rows exceed this kernel's {MAX_ROWS}")
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
+        from server.gpu_kernels import _small_m_kernel
+        grid = (self.n // self.block_n, self.split)
+        _small_m_kernel[grid](
+            x2, self.weight, self.scale if self.int4 else self.weight, self.offset if self.int4 else self.weight,
+            self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
+            INT4=self.int4, SPLIT=self.split, MAGIC=self.magic, BLOCK_M=MAX_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
+            num_warps=self.num_warps, num_stages=self.num_stages)
+        return out.reshape(*lead, self.n)
+
+    def dequantize(self) -> torch.Tensor:
+        """W [N, K] as the kernel sees it (bf16): for tests and reference products."""
+        if not self.int4:
+            return self.weight
+        codes = unpack_codes(self.weight).to(torch.float32)
+        scale = self.scale.float().repeat_interleave(BLOCK_K, 0).t()
+        offset = self.offset.float().repeat_interleave(BLOCK_K, 0).t()
+        return (codes * scale + offset).to(self.scale.dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.offset) if t is not None)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15) -> qweight int32 [K/8, N] in this module's layout: group b of 128
+    features, word r of the group, nibble j holds feature 128 b + 16 j + r."""
+    n, k = codes.shape
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int32) * 4
+    blocks = codes.to(torch.int32).t().reshape(k // BLOCK_K, 8, 16, n)            # [group, j, r, N]
+    return (blocks << shifts[None, :, None, None]).sum(1, dtype=torch.int32).reshape(k // 8, n).contiguous()
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_codes: qweight int32 [K/8, N] -> codes [N, K] (int32)."""
+    k8, n = qweight.shape
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
+    words = qweight.reshape(k8 // 16, 1, 16, n)                                    # [group, 1, r, N]
+    return ((words >> shifts[None, :, None, None]) & 0xF).reshape(k8 * 8, n).t().contiguous()
+
+
+def unpack_tinygemm(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The 4-bit codes [N, K] (int32, 0..15) of a tinygemm-packed weight, read back through
+    tinygemm itself (as quanto's own unpack does): an identity input with scale 1 and shift 8
+    returns each code exactly. Done in column chunks to bound the identity matrix's memory."""
+    group = 32
+    ones = torch.ones((in_features // group, out_features, 2), dtype=torch.bfloat16, device=packed.device)
+    ones[:, :, 1] = 8
+    codes = torch.empty((out_features, in_features), dtype=torch.int32, device=packed.device)
+    step = 2048
+    for start in range(0, in_features, step):
+        stop = min(in_features, start + step)
+        eye = torch.zeros((stop - start, in_features), dtype=torch.bfloat16, device=packed.device)
+        eye[:, start:stop] = torch.eye(stop - start, dtype=torch.bfloat16, device=packed.device)
+        codes[:, start:stop] = torch._weight_int4pack_mm(eye, packed, group, ones).t().to(torch.int32)
+    return codes
