@@ -18,6 +18,8 @@ SECTIONS = [
     ("The learning loop: distillation, and serve / rebuild / reload", "python -m bench.learning", "learning.md", []),
     ("The production shape on a GPU: Gemma 4 E4B, random init, int4 (H200)", "python -m bench.gpu_e4b (on the GPU machine)",
      "gpu_e4b.md", []),
+    ("The step kernels against tinygemm/cuBLAS, per E4B layer shape (H200)",
+     "python -m bench.small_m_bench (on the GPU machine)", "small_m.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
      "gpu_projection.md", []),
 ]

@@ -151,6 +151,9 @@ def main(argv=None) -> int:
         lines.append(f"| {r['name']} | {r['n']} | {r['k']} | {r['count']} | {r['base_us_1']:.1f} | {r['base_us_16']:.1f} | "
                      f"{b['us_1']:.1f} | {b['us_16']:.1f} | n{b['block_n']} w{b['warps']} s{b['stages']} split {b['split']}{' magic' if b['magic'] else ''} | "
                      f"{r['base_rel_err']:.1e} / {b['rel_err']:.1e} | {r['base_invariant']} / {b['invariant']} |")
+    lines += ["", "Ours: the fastest of the configurations tried for each shape (column tile n, warps w, pipeline "
+              "stages s, K slices, magic-number int4 decoding); the fast path runs one fixed configuration "
+              "(server/small_m_matmul.py), whose whole steps bench/gpu_e4b.py times."]
     lines += ["", f"Per forward (sum over layers): tinygemm/cuBLAS {tot['base_us_1']:.2f} ms (1 row), "
               f"{tot['base_us_16']:.2f} ms (16 rows); small-M {ours['us_1']:.2f} ms / {ours['us_16']:.2f} ms."]
     lines += ["", "| attention | context | T | torch bmm+softmax us | ours us | rel err vs fp32 (torch / ours) | row-invariant (torch / ours) |",
