@@ -13,33 +13,41 @@ _SURROGATE_SPAN = 0x800
 MAX_TOKEN_ID = 0x10FFFF - _SURROGATE_SPAN - 1
 
 
-def _to_code_points(ids: np.ndarray) -> np.ndarray:
-    cps = ids.astype(np.int64) + 1  # +1 keeps NUL out of keys
-    cps[cps >= _SURROGATE_START] += _SURROGATE_SPAN
-    return cps
-
-
 def encode(ids) -> str:
     """Token ids (any int sequence) -> key string, one character per token."""
     if len(ids) < 64:  # a Python join beats numpy set-up below this size
-        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
-        if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
-            raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
-        return "".join(map(encode_one, ids))
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        return encode_ints(ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids])
+    cps = np.asarray(ids, dtype=np.int64)
+    if cps.min() < 0 or cps.max() > MAX_TOKEN_ID:
         raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
-    return _to_code_points(arr).astype(np.uint32).tobytes().decode("utf-32-le")
+    cps = cps.astype(np.uint32)
+    cps += 1  # keeps NUL out of keys
+    cps += (cps >= _SURROGATE_START).view(np.uint8).astype(np.uint32) * _SURROGATE_SPAN
+    return cps.tobytes().decode("utf-32-le")
 
 
-def encode_one(token_id: int) -> str:
-    cp = token_id + 1
-    return chr(cp + _SURROGATE_SPAN if cp >= _SURROGATE_START else cp)
+def encode_ints(ids: list[int]) -> str:
+    """encode() for a list of Python ints (the cheapest path for a few tokens)."""
+    if len(ids) == 1:
+        i = ids[0]
+        if not 0 <= i <= MAX_TOKEN_ID:
+            raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
+        return chr(i + _SHIFTED if i >= _SHIFT_FROM else i + 1)
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
+    return "".join([chr(i + _SHIFTED if i >= _SHIFT_FROM else i + 1) for i in ids])
 
 
 def decode(key: str) -> list[int]:
-    out = []
-    for c in key:
-        cp = ord(c)
-        out.append((cp - _SURROGATE_SPAN if cp >= _SURROGATE_START + _SURROGATE_SPAN else cp) - 1)
-    return out
+    return [cp - _SHIFTED if cp >= _UNSHIFT_FROM else cp - 1 for cp in map(ord, key)]
+
+
+def decode_array(key: str) -> np.ndarray:
+    """decode() as an int32 array."""
+    return np.array(decode(key), dtype=np.int32)
+
+
+# id -> code point: id + 1, plus the surrogate span from the first id whose code point would be one
+_SHIFT_FROM = _SURROGATE_START - 1
+_SHIFTED = _SURROGATE_SPAN + 1
+_UNSHIFT_FROM = _SURROGATE_START + _SURROGATE_SPAN

@@ -9,14 +9,18 @@ Contract:
 when no source matches at least `min_match` tokens with confidence above the cut-off.
 
 A session serves one growing context: it encodes only the tokens appended since its last call (a
-context that does not extend the previous one is re-encoded in full), and it remembers its last index
-match, which bounds the next one (see match.longest_index_match).
+context that does not extend the previous one is encoded anew, only as much of it as is kept: past
+2 x context_window tokens the text is cut back to the last context_window), and it remembers each
+source's last rows and match. Rows that still agree with the appended tokens are followed without a
+search; otherwise the last match bounds the next one (a match grows by at most the appended tokens),
+which the index probes first (see match.longest_index_match) and the context search starts from.
 
 Choice between sources (live context, index, online overlay): they are asked in turn (the source
 whose last draft was accepted in full first, then in that order) until one fills the whole request
 (every drafted token is above the cut-off by construction); among the drafts seen, the longer match
 wins (it conditions on more context), then the larger expected accepted length (the sum of
-cumulative confidences).
+cumulative confidences). A source whose match is shorter than the best so far cannot win, so it is
+searched (its rows are kept for the next step) but not walked.
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
 partly rejected one lowers it by one (never below `min_draft`), as transformers' assisted decoding
 does; cutting the limit to what was accepted cost a fifth of tau in replay on BFCL. Whether a draft
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ngram.codec import encode
+from ngram.codec import decode_array, encode, encode_ints
 from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
 from ngram.lookup import IndexLookup
@@ -58,8 +62,8 @@ class DrafterConfig:
     use_context: bool = True
 
 
-# A source's proposal before it becomes a Draft: (token ids, cumulative confidences, source, match length).
-_NO_CANDIDATE: tuple = ([], [], "none", 0)
+# A source's proposal before it becomes a Draft: (encoded tokens, cumulative confidences, source, match length).
+_NO_CANDIDATE: tuple = ("", [], "none", 0)
 
 
 class NgramDrafter:
@@ -97,14 +101,14 @@ class _Followed:
         self.text_at = 0
         self.match = 0  # the last match length (0: none), which bounds the next one
 
-    def follow(self, text_len: int, text: str) -> tuple[int, list]:
-        if not self.rows:
-            return 0, []
+    def follow(self, text: str) -> tuple[int, list]:
+        """(depth, rows) that still agree with `text`; callers check that there are rows first."""
         appended = text[self.text_at :]
         if not appended:
             return self.depth, self.rows
-        depth = self.depth + len(appended)
-        rows = [r for r in self.rows if len(r[0]) > depth and r[0][self.depth : depth] == appended]
+        old = self.depth
+        depth = old + len(appended)
+        rows = [r for r in self.rows if len(r[0]) > depth and r[0][old:depth] == appended]
         return (depth, rows) if rows else (0, [])
 
     def keep(self, rows: list, depth: int, text_len: int) -> None:
@@ -119,48 +123,63 @@ class DraftSession:
     """Per-request state: encoded context, each source's followed rows, adaptive limit, counters."""
 
     def __init__(self, drafter: NgramDrafter):
+        cfg = drafter.config
         self.drafter = drafter
-        self.limit = drafter.config.max_draft
+        self.limit = cfg.max_draft
         self.drafted = 0
         self.accepted = 0
         self._text = ""
+        self._seen = 0          # context tokens consumed (the text may keep only the last ones)
         self._last_id = -1
         self._index = _Followed()
         self._context = _Followed()
         self._overlay = _Followed()
+        self._context_bound = (0, 0)  # (last context search's match, tokens seen then): bounds the next
         self._prompt_end = -1  # text offset where generation started (set by the first propose)
         self._sticky = ""       # the source whose last draft was accepted in full
         self._last_source = ""
-
-    def propose(self, context_ids, max_tokens: int) -> Draft:
-        max_tokens = min(max_tokens, self.limit)
-        n = len(context_ids)
-        if max_tokens <= 0 or n == 0:
-            return EMPTY_DRAFT
-        self._sync(context_ids)
-        cfg, drafter = self.drafter.config, self.drafter
-        sources = []
-        if cfg.use_context:
-            sources.append(("context", lambda n: self._from_rows(self._context, self._context_rows, n, "context")))
-        if cfg.use_index and drafter.index is not None:
-            sources.append(("index", self._from_index))
-        if drafter.overlay is not None:
-            sources.append(("overlay", lambda n: self._from_rows(self._overlay, self._overlay_rows, n, "overlay")))
+        self._cutoff = cfg.confidence_cutoff
+        self._min_match = cfg.min_match
         # A source whose last draft was accepted in full is asked first, then the request's own
         # context (the most specific evidence), the index, the overlay. The search stops at the first
         # draft that fills the request above the cut-off. In replay (bench outputs and BFCL) this
         # order gave the best tau of the orders and stopping rules tried, at the lowest latency.
-        sources.sort(key=lambda s: s[0] != self._sticky)
-        best = _NO_CANDIDATE
-        for name, source in sources:
-            best = _better(best, source(max_tokens))
+        sources = []
+        if cfg.use_context:
+            sources.append(("context", self._from_context))
+        if cfg.use_index and drafter.index is not None:
+            sources.append(("index", self._from_index))
+        if drafter.overlay is not None:
+            sources.append(("overlay", self._from_overlay))
+        self._sources = sources
+
+    def propose(self, context_ids, max_tokens: int) -> Draft:
+        max_tokens = min(max_tokens, self.limit)
+        if max_tokens <= 0 or len(context_ids) == 0:
+            return EMPTY_DRAFT
+        self._sync(context_ids)
+        sources = self._sources
+        if self._sticky and sources[0][0] != self._sticky:
+            sources = sorted(sources, key=lambda s: s[0] != self._sticky)
+        best, best_key = _NO_CANDIDATE, (0, 0.0)
+        for name, search in sources:
+            k, rows = search()
+            # The longer match wins, then the larger expected accepted length: a shorter match than
+            # the best so far cannot win, so its rows need no walk.
+            if rows and k >= best_key[0]:
+                drafted, confs = walk(rows, k, max_tokens, self._cutoff)
+                if name == "index":
+                    drafted, confs = self._continue_index(k, drafted, confs, max_tokens)
+                key = (k, sum(confs))
+                if key > best_key:
+                    best, best_key = (drafted, confs, name, k), key
             if len(best[0]) == max_tokens:
                 break
-        self._last_source = best[2]
-        tokens, confs, source, match_length = best
-        if not tokens:
+        drafted, confs, source, match_length = best
+        self._last_source = source
+        if not drafted:
             return EMPTY_DRAFT
-        return Draft(np.asarray(tokens, dtype=np.int32), np.asarray(confs, dtype=np.float32), source, match_length)
+        return Draft(decode_array(drafted), np.array(confs, dtype=np.float32), source, match_length)
 
     def finish(self, context_ids=None) -> None:
         """The request is complete (`context_ids`: its final prompt + completion, when the last
@@ -189,16 +208,23 @@ class DraftSession:
     def _sync(self, context_ids) -> None:
         """Bring the encoded text up to date with the context (append-only in the common case)."""
         n = len(context_ids)
-        have = len(self._text)
-        if have and n >= have and int(context_ids[have - 1]) == self._last_id:
-            if n > have:
-                self._text += encode(context_ids[have:])
-        else:
-            self._text = encode(context_ids)
-            self._index, self._context, self._overlay = _Followed(), _Followed(), _Followed()
-            self._prompt_end = len(self._text)
-        self._last_id = int(context_ids[n - 1])
+        seen = self._seen
         window = self.drafter.config.context_window
+        tail = _int_list(context_ids[seen - 1 :]) if seen and n >= seen else None
+        if tail and tail[0] == self._last_id:  # the context extends the one seen last
+            if n > seen:
+                text = self._text
+                self._text = ""  # `text` is now the only reference: += can extend it in place
+                text += encode_ints(tail[1:])
+                self._text = text
+            self._last_id = tail[-1]
+        else:  # a new context: only the part that would be kept is encoded
+            self._text = encode(context_ids[-window:] if n > 2 * window else context_ids)
+            self._index, self._context, self._overlay = _Followed(), _Followed(), _Followed()
+            self._context_bound = (0, 0)
+            self._prompt_end = len(self._text)
+            self._last_id = int(context_ids[n - 1])
+        self._seen = n
         if len(self._text) > 2 * window:  # bound memory and search time on very long contexts
             drop = len(self._text) - window
             self._text = self._text[drop:]
@@ -206,60 +232,64 @@ class DraftSession:
             for state in (self._index, self._context, self._overlay):
                 state.shift(drop)
 
-    def _from_index(self, max_tokens: int) -> tuple:
-        drafter, cfg = self.drafter, self.drafter.config
-        lookup, longest = drafter.lookup, drafter.max_index_match
+    def _from_index(self) -> tuple[int, list]:
+        """The index: follow its rows, else probe the bound the last match gives, else search."""
+        lookup, longest = self.drafter.lookup, self.drafter.max_index_match
         text, state = self._text, self._index
-        k, rows = state.follow(len(text), text)
+        k, rows = state.follow(text) if state.rows else (0, [])
         if not rows and state.match:  # the previous match bounds this one: probe the bound
             k = min(longest, len(text), state.match + len(text) - state.text_at)
             rows = lookup.scan(text[-k:])
         if not rows:
-            k = longest_index_match(lookup.has_prefix, text[-longest:], cfg.min_match, longest, k - 1 if k else None)
+            k = longest_index_match(lookup.has_prefix, text[-longest:], self._min_match, longest, k - 1 if k else None)
             rows = lookup.scan(text[-k:]) if k else []
         state.keep(rows, k, len(text))
-        if not rows:
-            return _NO_CANDIDATE
-        tokens, confs = walk(rows, k, max_tokens, cfg.confidence_cutoff)
-        # One scan reads at most key_tokens - k tokens ahead: continue from the extended text.
-        while tokens and len(tokens) < max_tokens:
-            # text[-k:] + tokens occurs (the walk followed keys), so any suffix of it does too
-            prefix = (text[-k:] + encode(tokens))[-longest:]
+        return k, rows
+
+    def _continue_index(self, k: int, drafted: str, confs: list, max_tokens: int) -> tuple[str, list]:
+        """One scan reads at most key_tokens - k tokens ahead: continue from the extended text."""
+        lookup, longest, text = self.drafter.lookup, self.drafter.max_index_match, self._text
+        while drafted and len(drafted) < max_tokens:
+            # text[-k:] + drafted occurs (the walk followed keys), so any suffix of it does too
+            prefix = (text[-k:] + drafted)[-longest:]
             base = confs[-1]
-            more, more_conf = walk(lookup.scan(prefix), len(prefix), max_tokens - len(tokens), cfg.confidence_cutoff / base)
+            more, more_conf = walk(lookup.scan(prefix), len(prefix), max_tokens - len(drafted), self._cutoff / base)
             if not more:
                 break
-            tokens.extend(more)
-            confs.extend(base * c for c in more_conf)
-        return tokens, confs, "index", k
+            drafted += more
+            confs += [base * c for c in more_conf]
+        return drafted, confs
 
-    def _from_rows(self, state: "_Followed", search, max_tokens: int, source: str) -> tuple:
-        """A source searched per step (live context, overlay): follow its rows, else search anew."""
-        text = self._text
-        k, rows = state.follow(len(text), text)
+    def _from_context(self) -> tuple[int, list]:
+        """The request's own context: follow its rows, else search anew (bounded by the last search)."""
+        text, state = self._text, self._context
+        k, rows = state.follow(text) if state.rows else (0, [])
         if not rows:
-            k, rows = search(text)
+            cfg = self.drafter.config
+            # a match grows by at most the tokens appended since the last search
+            last_k, seen_then = self._context_bound
+            bound = max(last_k, cfg.min_match - 1) + self._seen - seen_then
+            start = max(0, len(text) - cfg.context_window)
+            k, starts = context_match(text, cfg.min_match, cfg.max_match, cfg.context_occurrences, start, bound)
+            self._context_bound = (k, self._seen)
+            rows = context_rows(text, starts, k, ROW_TOKENS) if k else []
         state.keep(rows, k, len(text))
+        return k, rows
+
+    def _from_overlay(self) -> tuple[int, list]:
+        """The online overlay: follow its rows, else search anew."""
+        text, state = self._text, self._overlay
+        k, rows = state.follow(text) if state.rows else (0, [])
         if not rows:
-            return _NO_CANDIDATE
-        tokens, confs = walk(rows, k, max_tokens, self.drafter.config.confidence_cutoff)
-        return tokens, confs, source, k
-
-    def _context_rows(self, text: str) -> tuple[int, list]:
-        cfg = self.drafter.config
-        window = text[-cfg.context_window :]
-        k, starts = context_match(window, cfg.min_match, cfg.max_match, cfg.context_occurrences)
-        return (k, context_rows(window, starts, k, ROW_TOKENS)) if k else (0, [])
-
-    def _overlay_rows(self, text: str) -> tuple[int, list]:
-        cfg = self.drafter.config
-        return self.drafter.overlay.match(text[-cfg.max_match :], cfg.min_match, cfg.max_match,
-                                          cfg.context_occurrences, ROW_TOKENS)
+            cfg = self.drafter.config
+            k, rows = self.drafter.overlay.match(text[-cfg.max_match :], cfg.min_match, cfg.max_match,
+                                                 cfg.context_occurrences, ROW_TOKENS)
+        state.keep(rows, k, len(text))
+        return k, rows
 
 
-def _better(a: tuple, b: tuple) -> tuple:
-    """The longer match wins, then the larger expected accepted length."""
-    return b if (b[3], sum(b[1])) > (a[3], sum(a[1])) else a
+def _int_list(ids) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
 
 
 # How far past a match a context or overlay row reaches: later steps can follow it without a search.

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngram.codec import decode
-
 
 def longest_index_match(has_prefix, text: str, min_len: int, max_len: int, upper_hint: int | None = None) -> int:
     """Largest k in [min_len, max_len] such that text[-k:] occurs in the index (`has_prefix(s)` says
@@ -65,25 +63,39 @@ def scan_keys(trie, counts, prefix: str, scan_limit: int) -> list[tuple[str, int
     return rows
 
 
-def walk(rows: list[tuple[str, int]], depth: int, max_tokens: int, cutoff: float) -> tuple[list[int], list[float]]:
-    """The agreeing-set walk over (text, weight) rows, sorted by text, all agreeing up to `depth`.
+def walk(rows: list[tuple[str, int]], depth: int, max_tokens: int, cutoff: float) -> tuple[str, list[float]]:
+    """The agreeing-set walk over (text, weight) rows, sorted by text, all agreeing up to `depth` and
+    longer than it. Returns the drafted tokens as encoded text (see ngram.codec) and their cumulative
+    confidences.
 
     Sorted rows make two things cheap: the stretch on which all rows agree is the common prefix of
     the first and the last row, and the first row holding a tied token has the lowest token id.
     """
-    out = ""  # drafted tokens as encoded text, decoded once at the end
+    stop = depth + max_tokens
+    out: list[str] = []  # drafted stretches, joined at the end
     confs: list[float] = []
     conf = 1.0
-    while rows and len(out) < max_tokens:
-        first, last = rows[0][0], rows[-1][0]
-        end = min(len(first), len(last), depth + max_tokens - len(out))
-        same = depth
-        while same < end and first[same] == last[same]:
-            same += 1
+    while rows and depth < stop:
+        first = rows[0][0]
+        if len(rows) == 1:  # one row left: it is the draft, at no cost in confidence
+            piece = first[depth:stop]
+            out.append(piece)
+            confs += [conf] * len(piece)
+            break
+        last = rows[-1][0]
+        end = min(len(first), len(last), stop)
+        if first[depth:end] == last[depth:end]:
+            same = end
+        else:
+            same = depth  # they differ before `end`
+            while first[same] == last[same]:
+                same += 1
         if same > depth:  # every row agrees here: no cost in confidence
-            out += first[depth:same]
-            confs.extend([conf] * (same - depth))
+            out.append(first[depth:same])
+            confs += [conf] * (same - depth)
             depth = same
+            if depth >= stop:
+                break
             rows = [r for r in rows if len(r[0]) > depth]
             continue
         tally: dict[str, int] = {}
@@ -96,35 +108,42 @@ def walk(rows: list[tuple[str, int]], depth: int, max_tokens: int, cutoff: float
         conf *= tally[best] / total
         if conf < cutoff:
             break
-        out += best
+        out.append(best)
         confs.append(conf)
         depth += 1
         rows = [r for r in rows if r[0][depth - 1] == best and len(r[0]) > depth]
-    return decode(out), confs
+    return "".join(out), confs
 
 
-def context_match(text: str, min_len: int, max_len: int, max_occurrences: int) -> tuple[int, list[int]]:
-    """Longest k in [min_len, max_len] such that text[-k:] also occurs ending before the last token.
+def context_match(text: str, min_len: int, max_len: int, max_occurrences: int, start: int = 0,
+                  upper_hint: int | None = None) -> tuple[int, list[int]]:
+    """Longest k in [min_len, max_len] such that text[-k:] also occurs in text[start:] ending before
+    the last token.
 
     Returns (k, starts): start offsets of the continuation after up to `max_occurrences` earlier
     occurrences, most recent first. (0, []) when nothing of length >= min_len matches.
+    `upper_hint`: a known upper bound on k (see longest_index_match); it narrows the search.
     """
     n = len(text)
-    hi = min(max_len, n - 1)
+    hi = min(max_len, n - start - 1, upper_hint if upper_hint is not None else max_len)
     lo = min_len
-    if hi < lo or text.rfind(text[-lo:], 0, n - 1) < 0:
+    if hi < lo:
         return 0, []
-    while lo < hi:  # invariant: text[-lo:] occurs earlier
+    found = text.rfind(text[-lo:], start, n - 1)  # the most recent occurrence of text[-lo:]
+    if found < 0:
+        return 0, []
+    while lo < hi:  # invariant: text[-lo:] occurs earlier, most recently at `found`
         mid = (lo + hi + 1) // 2
-        if text.rfind(text[-mid:], 0, n - 1) >= 0:
-            lo = mid
+        at = text.rfind(text[-mid:], start, n - 1)
+        if at >= 0:
+            lo, found = mid, at
         else:
             hi = mid - 1
     pattern = text[-lo:]
-    starts: list[int] = []
-    end = n - 1
+    starts = [found + lo]
+    end = found + lo - 1
     while len(starts) < max_occurrences:
-        at = text.rfind(pattern, 0, end)
+        at = text.rfind(pattern, start, end)
         if at < 0:
             break
         starts.append(at + lo)

@@ -18,20 +18,20 @@ def test_codec_round_trip_covers_surrogate_gap_and_large_ids():
 def test_walk_takes_the_heavier_branch_and_multiplies_confidence():
     # after "A": B (weight 3) vs C (weight 1); after "AB": D always
     rows = sorted([(encode([1, 2, 4]), 3), (encode([1, 3, 5]), 1)])
-    tokens, confs = walk(rows, 1, 8, cutoff=0.0)
-    assert tokens == [2, 4]
+    drafted, confs = walk(rows, 1, 8, cutoff=0.0)
+    assert decode(drafted) == [2, 4]
     assert confs == pytest.approx([0.75, 0.75])
 
 
 def test_walk_tie_goes_to_lower_token_id():
     rows = sorted([(encode([1, 9, 4]), 2), (encode([1, 7, 5]), 2)])
-    tokens, confs = walk(rows, 1, 8, cutoff=0.0)
-    assert tokens == [7, 5] and confs[0] == pytest.approx(0.5)
+    drafted, confs = walk(rows, 1, 8, cutoff=0.0)
+    assert decode(drafted) == [7, 5] and confs[0] == pytest.approx(0.5)
 
 
 def test_walk_stops_at_the_cutoff():
     rows = sorted([(encode([1, 2]), 1), (encode([1, 3]), 1), (encode([1, 4]), 1)])
-    assert walk(rows, 1, 8, cutoff=0.5) == ([], [])
+    assert walk(rows, 1, 8, cutoff=0.5) == ("", [])
 
 
 def test_context_match_finds_longest_suffix_and_most_recent_first():
@@ -118,6 +118,21 @@ def test_session_follows_a_growing_context_like_a_fresh_one(tmp_path):
     for t in turns[3][3:] + turns[5]:
         ctx = ctx + [t]
         assert session.propose(ctx, 6).tokens.tolist() == drafter.propose(ctx, 6).tokens.tolist()
+
+
+def test_session_past_the_context_window_matches_a_fresh_one():
+    # the session keeps between window and 2 x window tokens and cuts back; a fresh session encodes
+    # only the last window tokens: both search the same window, so they must draft the same
+    rng = np.random.default_rng(1)
+    drafter = NgramDrafter(None, DrafterConfig(max_draft=6, grow=0, min_draft=6, context_window=12, overlay_tokens=0))
+    session = drafter.session()
+    ctx, sources = [], set()
+    for t in rng.integers(0, 6, size=80).tolist():
+        ctx = ctx + [t]
+        mine, fresh = session.propose(ctx, 6), drafter.propose(ctx, 6)
+        assert (mine.tokens.tolist(), mine.source) == (fresh.tokens.tolist(), fresh.source)
+        sources.add(mine.source)
+    assert sources == {"context", "none"}
 
 
 def test_prompt_lookup_drafter_is_fixed_length():
