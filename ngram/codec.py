@@ -42,11 +42,6 @@ def decode(key: str) -> list[int]:
     return [cp - _SHIFTED if cp >= _UNSHIFT_FROM else cp - 1 for cp in map(ord, key)]
 
 
-def decode_array(key: str) -> np.ndarray:
-    """decode() as an int32 array."""
-    return np.array(decode(key), dtype=np.int32)
-
-
 # id -> code point: id + 1, plus the surrogate span from the first id whose code point would be one
 _SHIFT_FROM = _SURROGATE_START - 1
 _SHIFTED = _SURROGATE_SPAN + 1

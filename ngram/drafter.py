@@ -14,6 +14,8 @@ context that does not extend the previous one is encoded anew, only as much of i
 source's last rows and match. Rows that still agree with the appended tokens are followed without a
 search; otherwise the last match bounds the next one (a match grows by at most the appended tokens),
 which the index probes first (see match.longest_index_match) and the context search starts from.
+A fresh index match's draft comes from IndexLookup.draft, memoized per matched suffix (tool-call
+traffic matches the same suffixes again and again); followed rows are walked as they are.
 
 Choice between sources (live context, index, online overlay): they are asked in turn (the source
 whose last draft was accepted in full first, then in that order) until one fills the whole request
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ngram.codec import decode_array, encode, encode_ints
+from ngram.codec import decode, encode, encode_ints
 from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
 from ngram.lookup import IndexLookup
@@ -76,7 +78,9 @@ class NgramDrafter:
         if index is not None:  # a match must leave room in the keys for continuation tokens
             max_match = min(max_match, index.params.key_tokens - 16)
         self.max_index_match = max_match
-        self.lookup = IndexLookup(index, self.config.scan_limit) if index is not None else None
+        self.lookup = (IndexLookup(index, self.config.scan_limit, max_draft=self.config.max_draft,
+                                   cutoff=self.config.confidence_cutoff, longest=max_match)
+                       if index is not None else None)
         self.overlay = Overlay(self.config.overlay_tokens) if self.config.overlay_tokens > 0 else None
 
     def session(self) -> "DraftSession":
@@ -163,13 +167,17 @@ class DraftSession:
             sources = sorted(sources, key=lambda s: s[0] != self._sticky)
         best, best_key = _NO_CANDIDATE, (0, 0.0)
         for name, search in sources:
-            k, rows = search()
+            k, found = search()
             # The longer match wins, then the larger expected accepted length: a shorter match than
-            # the best so far cannot win, so its rows need no walk.
-            if rows and k >= best_key[0]:
-                drafted, confs = walk(rows, k, max_tokens, self._cutoff)
-                if name == "index":
-                    drafted, confs = self._continue_index(k, drafted, confs, max_tokens)
+            # the best so far cannot win, so it needs no walk.
+            if found and k >= best_key[0]:
+                if type(found) is str:  # a fresh index match: its draft is memoized per suffix
+                    drafted, confs = self.drafter.lookup.draft(found)
+                    drafted, confs = drafted[:max_tokens], confs[:max_tokens]
+                else:                   # rows that agree with the context
+                    drafted, confs = walk(found, k, max_tokens, self._cutoff)
+                    if name == "index":
+                        drafted, confs = self.drafter.lookup.extend(self._text[-k:], drafted, confs, max_tokens)
                 key = (k, sum(confs))
                 if key > best_key:
                     best, best_key = (drafted, confs, name, k), key
@@ -179,7 +187,7 @@ class DraftSession:
         self._last_source = source
         if not drafted:
             return EMPTY_DRAFT
-        return Draft(decode_array(drafted), np.array(confs, dtype=np.float32), source, match_length)
+        return Draft(decode(drafted), confs, source, match_length)
 
     def finish(self, context_ids=None) -> None:
         """The request is complete (`context_ids`: its final prompt + completion, when the last
@@ -232,33 +240,26 @@ class DraftSession:
             for state in (self._index, self._context, self._overlay):
                 state.shift(drop)
 
-    def _from_index(self) -> tuple[int, list]:
-        """The index: follow its rows, else probe the bound the last match gives, else search."""
+    def _from_index(self) -> tuple[int, list | str]:
+        """The index: the rows followed from the last step while some still agree with the context
+        (no trie lookup), else (k, text[-k:]) for a fresh longest match, whose rows are kept for the
+        next step; (0, []) when nothing matches. The previous match plus the tokens appended since
+        bounds k, so the bound is probed first."""
         lookup, longest = self.drafter.lookup, self.drafter.max_index_match
         text, state = self._text, self._index
         k, rows = state.follow(text) if state.rows else (0, [])
-        if not rows and state.match:  # the previous match bounds this one: probe the bound
-            k = min(longest, len(text), state.match + len(text) - state.text_at)
-            rows = lookup.scan(text[-k:])
-        if not rows:
-            k = longest_index_match(lookup.has_prefix, text[-longest:], self._min_match, longest, k - 1 if k else None)
-            rows = lookup.scan(text[-k:]) if k else []
-        state.keep(rows, k, len(text))
-        return k, rows
-
-    def _continue_index(self, k: int, drafted: str, confs: list, max_tokens: int) -> tuple[str, list]:
-        """One scan reads at most key_tokens - k tokens ahead: continue from the extended text."""
-        lookup, longest, text = self.drafter.lookup, self.drafter.max_index_match, self._text
-        while drafted and len(drafted) < max_tokens:
-            # text[-k:] + drafted occurs (the walk followed keys), so any suffix of it does too
-            prefix = (text[-k:] + drafted)[-longest:]
-            base = confs[-1]
-            more, more_conf = walk(lookup.scan(prefix), len(prefix), max_tokens - len(drafted), self._cutoff / base)
-            if not more:
-                break
-            drafted += more
-            confs += [base * c for c in more_conf]
-        return drafted, confs
+        if rows:
+            state.keep(rows, k, len(text))
+            return k, rows
+        n = len(text)
+        bound = min(longest, n, state.match + n - state.text_at) if state.match else longest
+        k = longest_index_match(lookup.has_prefix, text[-longest:], self._min_match, longest, bound)
+        if not k:
+            state.keep([], 0, n)
+            return 0, []
+        prefix = text[-k:]
+        state.keep(lookup.scan(prefix), k, n)
+        return k, prefix
 
     def _from_context(self) -> tuple[int, list]:
         """The request's own context: follow its rows, else search anew (bounded by the last search)."""
@@ -320,4 +321,4 @@ class PromptLookupDrafter:
 def _draft(tokens: list[int], confs: list[float], source: str, match_length: int) -> Draft:
     if not tokens:
         return EMPTY_DRAFT
-    return Draft(np.asarray(tokens, dtype=np.int32), np.asarray(confs, dtype=np.float32), source, match_length)
+    return Draft(tokens, confs, source, match_length)

@@ -71,7 +71,7 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
         t0 = time.perf_counter()
         draft = session.propose(full[: n_ctx + pos], min(max_draft, remaining))
         stats.latencies_us.append((time.perf_counter() - t0) * 1e6)
-        proposed = draft.tokens[:remaining]
+        proposed = np.asarray(draft.tokens[:remaining], dtype=np.int64)
         agree = proposed == target[pos : pos + proposed.shape[0]]
         accepted = int(proposed.shape[0] if agree.all() else np.argmin(agree))
         session.feedback(int(proposed.shape[0]), accepted)
