@@ -146,8 +146,10 @@ class DraftSession:
         self._min_match = cfg.min_match
         # A source whose last draft was accepted in full is asked first, then the request's own
         # context (the most specific evidence), the index, the overlay. The search stops at the first
-        # draft that fills the request above the cut-off. In replay (bench outputs and BFCL) this
-        # order gave the best tau of the orders and stopping rules tried, at the lowest latency.
+        # draft that fills the request above the cut-off. This is the cheapest order measured; on
+        # the BFCL held-out replay, asking every source every step (the longest match wins) gave
+        # about 12% more tau at about twice the proposal latency, and the index first about 10%
+        # more (less on single-turn calls): a trade-off the default leaves on the latency side.
         sources = []
         if cfg.use_context:
             sources.append(("context", self._from_context))

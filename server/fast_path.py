@@ -308,8 +308,8 @@ class FastTarget:
         self.step_attention = {}
         for layer in self.layers:
             d = layer.head_dim
-            slots = max(self.ring if l.sliding else self.max_len for l in self.layers if l.head_dim == d)
-            if d not in self.step_attention:
+            if d not in self.step_attention:  # one per head size, sized for its largest cache
+                slots = max(self.ring if l.sliding else self.max_len for l in self.layers if l.head_dim == d)
                 self.step_attention[d] = StepAttention(layer.kv_heads, self.num_heads // layer.kv_heads, d, slots,
                                                        self.max_bucket, self.device)
 
