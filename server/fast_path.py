@@ -68,6 +68,7 @@ class Int4Linear:
 class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
+        self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -297,12 +298,17 @@ class FastTarget:
         from server.small_m_matmul import as_small_m, concat
         from server.step_attention import StepAttention
         for layer in self.layers:
+            # q|k|v and gate|up are concatenated from temporary parts, which are not kept: there the
+            # step view keeps the model's own layers, for their sizes (a step calls the fused one).
             small = {name: as_small_m(getattr(layer, name)) if getattr(layer, name) is not None else None
-                     for name in ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")}
-            parts = [small[n] for n in ("q", "k", "v") if small[n] is not None]
-            qkv = concat(parts) if len(parts) > 1 else None
-            layer.step = replace(layer, **small, qkv=qkv, qkv_sizes=tuple(p.out_features for p in parts),
-                                 gate_up=concat([small["gate"], small["up"]]), step=None)
+                     for name in ("o", "down", "ple_gate", "ple_proj")}
+            for names, fused in ((("q", "k", "v"), "qkv"), (("gate", "up"), "gate_up")):
+                parts = {n: as_small_m(getattr(layer, n)) for n in names if getattr(layer, n) is not None}
+                joined = concat(list(parts.values())) if len(parts) > 1 else None
+                small.update({fused: joined} if joined is not None else parts)
+                if fused == "qkv" and joined is not None:
+                    small["qkv_sizes"] = tuple(p.out_features for p in parts.values())
+            layer.step = replace(layer, **small, step=None)
         self.lm_head_step = as_small_m(self.lm_head)
         self.ple_model_proj_step = as_small_m(self.ple_model_proj) if self.ple_dim else None
         self.step_attention = {}

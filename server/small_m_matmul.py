@@ -112,7 +112,10 @@ class SmallMLinear:
         dev = weight.device
         self.partial = torch.empty((self.split, MAX_ROWS, n), dtype=torch.float32, device=dev)
         self.count = torch.zeros(-(-n // block_n), dtype=torch.int32, device=dev)
-        self.out_features = n
+
+    @property
+    def out_features(self) -> int:
+        return self.n
 
     @classmethod
     def from_int4(cls, packed: torch.Tensor, scale_shift: torch.Tensor, group_size: int, out_features: int,
