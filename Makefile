@@ -9,7 +9,7 @@ PORT    ?= 22343
 venv: $(STAMP)
 
 # torch is installed first and pinned (constraints.txt) so nothing pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt ngram/_speedups.c
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -6,6 +6,8 @@ surrogate or NUL, and covers ids 0 .. MAX_TOKEN_ID (the 262,144-token Gemma voca
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 _SURROGATE_START = 0xD800
@@ -46,3 +48,13 @@ def decode(key: str) -> list[int]:
 _SHIFT_FROM = _SURROGATE_START - 1
 _SHIFTED = _SURROGATE_SPAN + 1
 _UNSHIFT_FROM = _SURROGATE_START + _SURROGATE_SPAN
+
+
+PYTHON_TWINS = {"encode_ints": encode_ints, "decode": decode}
+
+try:  # the C twins (ngram/_speedups.c, see ngram.match): same results, faster
+    from ngram import _speedups
+except ImportError:
+    _speedups = None
+if _speedups is not None and not os.environ.get("SAILFISH_PURE_PYTHON"):
+    encode_ints, decode = _speedups.encode_ints, _speedups.decode

@@ -42,6 +42,7 @@ from ngram.overlay import Overlay
 from ngram.match import (
     context_rows,
     context_match,
+    follow_rows,
     longest_index_match,
     prompt_lookup,
     walk,
@@ -110,10 +111,8 @@ class _Followed:
         appended = text[self.text_at :]
         if not appended:
             return self.depth, self.rows
-        old = self.depth
-        depth = old + len(appended)
-        rows = [r for r in self.rows if len(r[0]) > depth and r[0][old:depth] == appended]
-        return (depth, rows) if rows else (0, [])
+        rows = follow_rows(self.rows, self.depth, appended)
+        return (self.depth + len(appended), rows) if rows else (0, [])
 
     def keep(self, rows: list, depth: int, text_len: int) -> None:
         self.rows, self.depth, self.text_at = rows, depth, text_len

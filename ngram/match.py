@@ -14,8 +14,16 @@ the walk stops before the cumulative confidence would drop below the cut-off. Ti
 id (index) or to the most recent occurrence (context), so results are deterministic.
 
 `prompt_lookup` is transformers' `prompt_lookup_num_tokens` algorithm (the baseline drafter).
+
+`walk`, `follow_rows`, `context_match` and `context_rows` run as C when the extension
+ngram/_speedups.c is built (pip install builds it where a compiler exists): an exact port, same
+results bit for bit (tests/test_speedups.py), only faster. The Python definitions below are the
+reference and the fallback; PYTHON_TWINS keeps them reachable either way. SAILFISH_PURE_PYTHON=1
+forces the fallback.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -115,6 +123,12 @@ def walk(rows: list[tuple[str, int]], depth: int, max_tokens: int, cutoff: float
     return "".join(out), confs
 
 
+def follow_rows(rows: list[tuple[str, int]], depth: int, appended: str) -> list[tuple[str, int]]:
+    """The rows that continue with `appended` at `depth` and reach past it (order kept)."""
+    end = depth + len(appended)
+    return [r for r in rows if len(r[0]) > end and r[0][depth:end] == appended]
+
+
 def context_match(text: str, min_len: int, max_len: int, max_occurrences: int, start: int = 0,
                   upper_hint: int | None = None) -> tuple[int, list[int]]:
     """Longest k in [min_len, max_len] such that text[-k:] also occurs in text[start:] ending before
@@ -179,3 +193,15 @@ def prompt_lookup(ctx: np.ndarray, max_tokens: int, max_ngram: int = 2) -> list[
             if start < end:
                 return ctx[start:end].tolist()
     return []
+
+
+PYTHON_TWINS = {"walk": walk, "follow_rows": follow_rows, "context_match": context_match, "context_rows": context_rows}
+
+try:
+    from ngram import _speedups
+except ImportError:  # not built here: the Python twins serve
+    _speedups = None
+if _speedups is not None and not os.environ.get("SAILFISH_PURE_PYTHON"):
+    assert RECENCY_SCALE == 1000  # the C context_rows' default scale
+    walk, follow_rows = _speedups.walk, _speedups.follow_rows
+    context_match, context_rows = _speedups.context_match, _speedups.context_rows

@@ -1,0 +1,83 @@
+"""The C kernels (ngram/_speedups.c) return exactly what their Python twins return: same strings, same
+floats bit for bit, same order, on random inputs built to hit every branch (repeats, ties, rows that
+end early, every string kind). Skipped only where the extension was not built."""
+import random
+
+import pytest
+
+from ngram import codec, match
+from ngram.codec import encode
+
+speedups = pytest.importorskip("ngram._speedups")
+
+# token ids whose code points fall in each string kind: latin-1, UCS-2, UCS-4, around the surrogate shift
+ALPHABETS = [[0, 1, 2, 3], [5, 300, 0xD7FE, 0xD7FF, 0xD800], [70_000, 70_001, 262_143, 1, 2]]
+
+
+def _text(rng: random.Random, n: int, alphabet: list[int]) -> str:
+    return encode([rng.choice(alphabet) for _ in range(n)])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_walk_matches_python(seed):
+    rng = random.Random(seed)
+    alphabet = rng.choice(ALPHABETS)
+    depth = rng.randrange(0, 4)
+    prefix = _text(rng, depth, alphabet)
+    rows = [(prefix + _text(rng, rng.randrange(1, 12), alphabet), rng.randrange(1, 6))
+            for _ in range(rng.randrange(1, 20))]
+    rows.sort()
+    if seed % 5 == 0:
+        rng.shuffle(rows)  # not a caller's input, but the port is exact even so
+    for max_tokens in (0, 1, 3, 16):
+        for cutoff in (0.0, 0.3, 0.9):
+            want = match.PYTHON_TWINS["walk"](list(rows), depth, max_tokens, cutoff)
+            assert speedups.walk(list(rows), depth, max_tokens, cutoff) == want
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_context_match_and_rows_match_python(seed):
+    rng = random.Random(seed)
+    alphabet = rng.choice(ALPHABETS)[: rng.randrange(2, 5)]
+    text = _text(rng, rng.randrange(0, 300), alphabet)
+    for min_len, max_len, occ, start, hint in [(2, 16, 8, 0, None), (1, 4, 3, 10, None), (3, 32, 1, 0, 5),
+                                               (2, 16, 8, len(text) // 2, 7), (5, 2, 8, 0, None)]:
+        want = match.PYTHON_TWINS["context_match"](text, min_len, max_len, occ, start, hint)
+        assert speedups.context_match(text, min_len, max_len, occ, start, hint) == want
+        k, starts = want
+        for ahead in (0, 1, 32):
+            assert speedups.context_rows(text, starts, k, ahead) == match.PYTHON_TWINS["context_rows"](text, starts, k, ahead)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_follow_rows_matches_python(seed):
+    rng = random.Random(seed)
+    alphabet = rng.choice(ALPHABETS)[:2]
+    rows = sorted((_text(rng, rng.randrange(1, 10), alphabet), i) for i in range(rng.randrange(0, 12)))
+    for depth in range(0, 4):
+        for n in range(0, 4):
+            appended = _text(rng, n, alphabet)
+            got = speedups.follow_rows(rows, depth, appended)
+            assert got == match.PYTHON_TWINS["follow_rows"](rows, depth, appended)
+
+
+def test_codec_matches_python():
+    ids = [0, 1, 0xD7FE, 0xD7FF, 0xD800, 65_535, 262_143, codec.MAX_TOKEN_ID]
+    assert speedups.encode_ints(ids) == codec.PYTHON_TWINS["encode_ints"](ids)
+    assert speedups.encode_ints([]) == ""
+    text = speedups.encode_ints(ids)
+    assert speedups.decode(text) == codec.PYTHON_TWINS["decode"](text) == ids
+    for bad in ([-1], [codec.MAX_TOKEN_ID + 1]):
+        with pytest.raises(ValueError, match="token id out of range"):
+            speedups.encode_ints(bad)
+
+
+def test_bad_rows_raise_instead_of_crashing():
+    with pytest.raises(TypeError):
+        speedups.walk([("ab", 1), "not a row"], 0, 4, 0.3)
+    with pytest.raises(TypeError):
+        speedups.follow_rows([(1, 2)], 0, "a")
+
+
+def test_the_package_uses_the_c_kernels_when_built():
+    assert match.walk is speedups.walk and codec.decode is speedups.decode
