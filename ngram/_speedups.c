@@ -15,6 +15,7 @@ PyUnicode_READ so any string kind works.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 /* Code point <-> token id (ngram.codec): id + 1, plus the surrogate span from 0xD7FF on. */
 #define SURROGATE_START 0xD800
@@ -316,6 +317,55 @@ done:
     return result;
 }
 
+/* encode_buffer(int array) -> key string: encode_ints for anything with the buffer protocol holding
+   signed or unsigned integers of 1, 2, 4 or 8 bytes (a numpy id array), read without a list. */
+static PyObject *encode_buffer(PyObject *self, PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return NULL;
+    PyObject *result = NULL;
+    const char *fmt = view.format ? view.format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    char code = fmt[0];
+    Py_ssize_t n = view.ndim == 1 ? view.shape[0] : 0;
+    Py_ssize_t step = view.ndim == 1 && view.strides ? view.strides[0] : view.itemsize;
+    int is_signed = code == 'b' || code == 'h' || code == 'i' || code == 'l' || code == 'q' || code == 'n';
+    int is_unsigned = code == 'B' || code == 'H' || code == 'I' || code == 'L' || code == 'Q' || code == 'N';
+    if (view.ndim != 1 || fmt[1] != 0 || !(is_signed || is_unsigned) ||
+        !(view.itemsize == 1 || view.itemsize == 2 || view.itemsize == 4 || view.itemsize == 8)) {
+        PyErr_SetString(PyExc_TypeError, "encode_buffer expects a 1-d buffer of integers");
+        goto done;
+    }
+    Py_UCS4 *buf = PyMem_Malloc(sizeof(Py_UCS4) * (n ? n : 1));
+    if (!buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *p = view.buf;
+    for (Py_ssize_t i = 0; i < n; i++, p += step) {
+        long long id;
+        switch (view.itemsize) {
+            case 1: id = is_signed ? (long long)*(const int8_t *)p : (long long)*(const uint8_t *)p; break;
+            case 2: id = is_signed ? (long long)*(const int16_t *)p : (long long)*(const uint16_t *)p; break;
+            case 4: id = is_signed ? (long long)*(const int32_t *)p : (long long)*(const uint32_t *)p; break;
+            default: {
+                uint64_t u = *(const uint64_t *)p;
+                id = (!is_signed && u > (uint64_t)MAX_TOKEN_ID) ? -1 : (long long)u;
+            }
+        }
+        if (id < 0 || id > MAX_TOKEN_ID) {
+            PyErr_Format(PyExc_ValueError, "token id out of range 0..%d", MAX_TOKEN_ID);
+            PyMem_Free(buf);
+            goto done;
+        }
+        buf[i] = (Py_UCS4)(id >= SHIFT_FROM ? id + SURROGATE_SPAN + 1 : id + 1);
+    }
+    result = PyUnicode_FromKindAndData(PyUnicode_4BYTE_KIND, buf, n);
+    PyMem_Free(buf);
+done:
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* decode(key string) -> list of token ids */
 static PyObject *decode(PyObject *self, PyObject *key) {
     if (!PyUnicode_Check(key)) {
@@ -346,6 +396,7 @@ static PyMethodDef methods[] = {
     {"context_rows", (PyCFunction)(void (*)(void))context_rows, METH_VARARGS | METH_KEYWORDS, "see ngram.match.context_rows"},
     {"encode_ints", encode_ints, METH_O, "see ngram.codec.encode_ints"},
     {"decode", decode, METH_O, "see ngram.codec.decode"},
+    {"encode_buffer", encode_buffer, METH_O, "encode_buffer(int array): see ngram.codec.encode"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -72,6 +72,25 @@ def test_codec_matches_python():
             speedups.encode_ints(bad)
 
 
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint32", "uint16", "int8", "uint64"])
+def test_encode_buffer_matches_python(dtype):
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 127 if dtype == "int8" else 65_536 if dtype == "uint16" else 262_144, 500)
+    arr = ids.astype(dtype)
+    want = codec.PYTHON_TWINS["encode_ints"](ids.tolist())
+    assert speedups.encode_buffer(arr) == want == codec.encode(arr)
+    assert speedups.encode_buffer(arr[::-3]) == codec.PYTHON_TWINS["encode_ints"](ids[::-3].tolist())
+    assert speedups.encode_buffer(arr[:0]) == ""
+    for bad in (np.array([-1]), np.array([codec.MAX_TOKEN_ID + 1]), np.array([2**63], dtype=np.uint64)):
+        with pytest.raises(ValueError, match="token id out of range"):
+            speedups.encode_buffer(bad)
+    with pytest.raises(TypeError):
+        speedups.encode_buffer(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(TypeError):
+        speedups.encode_buffer(np.zeros(3, dtype=np.float32))
+
+
 def test_bad_rows_raise_instead_of_crashing():
     with pytest.raises(TypeError):
         speedups.walk([("ab", 1), "not a row"], 0, 4, 0.3)
