@@ -289,6 +289,91 @@ fail:
     return NULL;
 }
 
+/* overlay_rows(text, offsets, tail, key_tokens, min_match, max_match, max_occurrences, candidates, ahead,
+   separator) -> (k, rows): see ngram.match.overlay_rows */
+static PyObject *overlay_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"text", "offsets", "tail", "key_tokens", "min_match", "max_match", "max_occurrences",
+                             "candidates", "ahead", "separator", NULL};
+    PyObject *text, *offsets, *tail, *separator;
+    Py_ssize_t key_tokens, min_match, max_match, max_occ, candidates, ahead;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "UO!UnnnnnnU", kwlist, &text, &PyList_Type, &offsets, &tail,
+                                     &key_tokens, &min_match, &max_match, &max_occ, &candidates, &ahead, &separator))
+        return NULL;
+    if (PyUnicode_GET_LENGTH(separator) != 1) {
+        PyErr_SetString(PyExc_ValueError, "separator must be one character");
+        return NULL;
+    }
+    Py_UCS4 sep = PyUnicode_READ_CHAR(separator, 0);
+    int tkind = PyUnicode_KIND(text), lkind = PyUnicode_KIND(tail);
+    const void *tdata = PyUnicode_DATA(text), *ldata = PyUnicode_DATA(tail);
+    Py_ssize_t tlen = PyUnicode_GET_LENGTH(text), llen = PyUnicode_GET_LENGTH(tail);
+    Py_ssize_t n_off = PyList_GET_SIZE(offsets);
+    Py_ssize_t first = candidates > 0 ? (n_off > candidates ? n_off - candidates : 0) : n_off;
+    /* offsets[first:] reversed: most recent first; keep (k, off) pairs */
+    Py_ssize_t n_found = n_off - first;
+    Py_ssize_t *ks = PyMem_Malloc(sizeof(Py_ssize_t) * (n_found ? n_found : 1) * 2);
+    if (!ks) return PyErr_NoMemory();
+    Py_ssize_t *offs = ks + (n_found ? n_found : 1);
+    Py_ssize_t best = 0;
+    for (Py_ssize_t j = 0; j < n_found; j++) {
+        Py_ssize_t off = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, n_off - 1 - j));
+        if (off == -1 && PyErr_Occurred()) {
+            PyMem_Free(ks);
+            return NULL;
+        }
+        Py_ssize_t k = key_tokens, limit = max_match;
+        if (off < limit) limit = off;
+        if (llen < limit) limit = llen;
+        if (off > tlen) limit = key_tokens;  /* out of range: Python would raise on a read; never extend */
+        while (k < limit && PyUnicode_READ(tkind, tdata, off - k - 1) == PyUnicode_READ(lkind, ldata, llen - k - 1)) k++;
+        ks[j] = k;
+        offs[j] = off;
+        if (j == 0 || k > best) best = k;
+    }
+    PyObject *rows = NULL, *result = NULL;
+    if (n_found == 0 || best < min_match) {
+        result = Py_BuildValue("(n[])", (Py_ssize_t)0);
+        goto done;
+    }
+    Py_ssize_t n_hits = 0;
+    for (Py_ssize_t j = 0; j < n_found && n_hits < max_occ; j++)
+        if (ks[j] == best) n_hits++;
+    rows = PyList_New(0);
+    if (!rows) goto done;
+    Py_ssize_t i = 0;
+    for (Py_ssize_t j = 0; j < n_found && i < n_hits; j++) {
+        if (ks[j] != best) continue;
+        Py_ssize_t off = offs[j];
+        Py_ssize_t a = off - best, b = off + ahead;
+        if (a < 0) a = 0;  /* never: off >= best by construction */
+        if (b > tlen) b = tlen;
+        Py_ssize_t end = b;
+        for (Py_ssize_t c = a + best; c < b; c++)
+            if (PyUnicode_READ(tkind, tdata, c) == sep) {
+                end = c;
+                break;
+            }
+        if (end - a > best) {
+            PyObject *row = Py_BuildValue("(NL)", PyUnicode_Substring(text, a, end), (long long)(1000 + n_hits - i));
+            if (!row || PyList_Append(rows, row) < 0) {
+                Py_XDECREF(row);
+                goto done;
+            }
+            Py_DECREF(row);
+        }
+        i++;
+    }
+    if (PyList_Sort(rows) < 0) goto done;
+    if (PyList_GET_SIZE(rows) == 0)
+        result = Py_BuildValue("(n[])", (Py_ssize_t)0);
+    else
+        result = Py_BuildValue("(nO)", best, rows);
+done:
+    Py_XDECREF(rows);
+    PyMem_Free(ks);
+    return result;
+}
+
 /* encode_ints(list of ints) -> key string, one code point per token (ngram.codec) */
 static PyObject *encode_ints(PyObject *self, PyObject *ids) {
     PyObject *seq = PySequence_Fast(ids, "encode_ints expects a sequence of ints");
@@ -394,6 +479,8 @@ static PyMethodDef methods[] = {
     {"follow_rows", (PyCFunction)(void (*)(void))follow_rows, METH_VARARGS | METH_KEYWORDS, "follow_rows(rows, depth, appended): see ngram.match.follow_rows"},
     {"context_match", (PyCFunction)(void (*)(void))context_match, METH_VARARGS | METH_KEYWORDS, "see ngram.match.context_match"},
     {"context_rows", (PyCFunction)(void (*)(void))context_rows, METH_VARARGS | METH_KEYWORDS, "see ngram.match.context_rows"},
+    {"overlay_rows", (PyCFunction)(void (*)(void))overlay_rows, METH_VARARGS | METH_KEYWORDS,
+     "see ngram.match.overlay_rows"},
     {"encode_ints", encode_ints, METH_O, "see ngram.codec.encode_ints"},
     {"decode", decode, METH_O, "see ngram.codec.decode"},
     {"encode_buffer", encode_buffer, METH_O, "encode_buffer(int array): see ngram.codec.encode"},

@@ -17,12 +17,13 @@ which the index probes first (see match.longest_index_match) and the context sea
 A fresh index match's draft comes from IndexLookup.draft, memoized per matched suffix (tool-call
 traffic matches the same suffixes again and again); followed rows are walked as they are.
 
-Choice between sources (index, live context, online overlay): they are asked in turn (the source
-whose last draft was accepted in full first, then in that order) until one fills the whole request
-(every drafted token is above the cut-off by construction); among the drafts seen, the longer match
-wins (it conditions on more context), then the larger expected accepted length (the sum of
-cumulative confidences). A source whose match is shorter than the best so far cannot win, so it is
-searched (its rows are kept for the next step) but not walked.
+Choice between sources (index, live context, online overlay): the longer match wins (it conditions
+on more context), then the larger expected accepted length (the sum of cumulative confidences), as
+if every source were asked every step. They are asked lazily: the source whose last draft was
+accepted in full first, then in that order; once the best draft fills the request, a source is
+skipped when the longest match it could have (its last match plus the tokens appended since, see the
+`_*_bound` methods) cannot exceed the best one's. A source whose match is shorter than the best so
+far is searched (its rows are kept for the next step) but not walked.
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
 partly rejected one lowers it by one (never below `min_draft`), as transformers' assisted decoding
 does; cutting the limit to what was accepted cost a fifth of tau in replay on BFCL. Whether a draft
@@ -143,19 +144,18 @@ class DraftSession:
         self._last_source = ""
         self._cutoff = cfg.confidence_cutoff
         self._min_match = cfg.min_match
-        # A source whose last draft was accepted in full is asked first, then the index, the
-        # request's own context, the overlay; the search stops at the first draft that fills the
-        # request. Measured on the BFCL held-out replay (python -m bench.ngram_bench), the index first
-        # gives about 10% more tau than the context first (multi-turn 11.0 vs 8.4, single-turn 3.6 vs
-        # 3.8) at a few microseconds more per proposal; asking every source every step (the longest
-        # match wins) adds only about 1.5% more tau for 60% more proposal time.
+        # Order matters only for cost (the choice is by match length, see the module docstring):
+        # the index first, because its followed rows usually give the longest match. Measured on the
+        # BFCL held-out replay, stopping at the first full draft instead cost either 10% of tau with
+        # the context first (multi-turn 9.0 vs 11.4) or, with the index first, 40% on outputs that
+        # copy their own context (the bundled model's agentic workload, 5.7 vs 9.5).
         sources = []
         if cfg.use_index and drafter.index is not None:
-            sources.append(("index", self._from_index))
+            sources.append(("index", self._from_index, self._index_bound))
         if cfg.use_context:
-            sources.append(("context", self._from_context))
+            sources.append(("context", self._from_context, self._context_bound_now))
         if drafter.overlay is not None:
-            sources.append(("overlay", self._from_overlay))
+            sources.append(("overlay", self._from_overlay, self._overlay_bound))
         self._sources = sources
 
     def propose(self, context_ids, max_tokens: int) -> Draft:
@@ -167,7 +167,9 @@ class DraftSession:
         if self._sticky and sources[0][0] != self._sticky:
             sources = sorted(sources, key=lambda s: s[0] != self._sticky)
         best, best_key = _NO_CANDIDATE, (0, 0.0)
-        for name, search in sources:
+        for name, search, bound in sources:
+            if len(best[0]) == max_tokens and best_key[0] >= bound():
+                continue  # a full draft whose match this source cannot outgrow
             k, found = search()
             # The longer match wins, then the larger expected accepted length: a shorter match than
             # the best so far cannot win, so it needs no walk.
@@ -182,8 +184,6 @@ class DraftSession:
                 key = (k, sum(confs))
                 if key > best_key:
                     best, best_key = (drafted, confs, name, k), key
-            if len(best[0]) == max_tokens:
-                break
         drafted, confs, source, match_length = best
         self._last_source = source
         if not drafted:
@@ -241,6 +241,38 @@ class DraftSession:
             for state in (self._index, self._context, self._overlay):
                 state.shift(drop)
 
+    # The longest match each source could return now (a source is skipped when that cannot beat a
+    # full draft's match). Followed rows can grow by the tokens appended since; a fresh match by at
+    # most that past the last one (every part of an occurring string occurs), and a search that
+    # found nothing had a match below min_match.
+    def _index_bound(self) -> int:
+        state = self._index
+        if state.rows:
+            return state.depth + len(self._text) - state.text_at
+        return self._fresh_index_bound()
+
+    def _fresh_index_bound(self) -> int:
+        state, longest = self._index, self.drafter.max_index_match
+        if state.match < 0:  # never searched
+            return longest
+        return min(longest, max(state.match, self._min_match - 1) + len(self._text) - state.text_at)
+
+    def _context_bound_now(self) -> int:
+        state = self._context
+        if state.rows:
+            return state.depth + len(self._text) - state.text_at
+        return min(self.drafter.config.max_match, self._fresh_context_bound())
+
+    def _fresh_context_bound(self) -> int:
+        last_k, seen_then = self._context_bound
+        return max(last_k, self._min_match - 1) + self._seen - seen_then
+
+    def _overlay_bound(self) -> int:
+        state = self._overlay
+        if state.rows:
+            return state.depth + len(self._text) - state.text_at
+        return self.drafter.config.max_match  # the overlay keeps no match between searches
+
     def _from_index(self) -> tuple[int, list | str]:
         """The index: the rows followed from the last step while some still agree with the context
         (no trie lookup), else (k, text[-k:]) for a fresh longest match, whose rows are kept for the
@@ -253,10 +285,7 @@ class DraftSession:
             state.keep(rows, k, len(text))
             return k, rows
         n = len(text)
-        # A match grows by at most the tokens appended since the last search (every part of an
-        # occurring string occurs); a search that found nothing had a match below min_match.
-        bound = (min(longest, n, max(state.match, self._min_match - 1) + n - state.text_at)
-                 if state.match >= 0 else longest)
+        bound = min(n, self._fresh_index_bound())
         k = longest_index_match(lookup.has_prefix, text[-longest:], self._min_match, longest, bound)
         prefix = text[-k:] if k else ""
         state.keep(lookup.scan(prefix) if k else [], k, n)
@@ -269,9 +298,7 @@ class DraftSession:
         k, rows = state.follow(text) if state.rows else (0, [])
         if not rows:
             cfg = self.drafter.config
-            # a match grows by at most the tokens appended since the last search
-            last_k, seen_then = self._context_bound
-            bound = max(last_k, cfg.min_match - 1) + self._seen - seen_then
+            bound = self._fresh_context_bound()
             start = max(0, len(text) - cfg.context_window)
             k, starts = context_match(text, cfg.min_match, cfg.max_match, cfg.context_occurrences, start, bound)
             self._context_bound = (k, self._seen)

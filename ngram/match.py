@@ -15,7 +15,7 @@ id (index) or to the most recent occurrence (context), so results are determinis
 
 `prompt_lookup` is transformers' `prompt_lookup_num_tokens` algorithm (the baseline drafter).
 
-`walk`, `follow_rows`, `context_match` and `context_rows` run as C when the extension
+`walk`, `follow_rows`, `context_match`, `context_rows` and `overlay_rows` run as C when the extension
 ngram/_speedups.c is built (pip install builds it where a compiler exists): an exact port, same
 results bit for bit (tests/test_speedups.py), only faster. The Python definitions below are the
 reference and the fallback; PYTHON_TWINS keeps them reachable either way. SAILFISH_PURE_PYTHON=1
@@ -165,6 +165,38 @@ def context_match(text: str, min_len: int, max_len: int, max_occurrences: int, s
     return lo, starts
 
 
+def overlay_rows(text: str, offsets: list[int], tail: str, key_tokens: int, min_match: int, max_match: int,
+                 max_occurrences: int, candidates: int, ahead: int, separator: str) -> tuple[int, list]:
+    """Rows for `walk` from a text searched through a map of key_tokens-grams (ngram.overlay):
+    `offsets` are the positions right after occurrences of tail's last key_tokens tokens, in text
+    order. The last `candidates` of them are extended backwards against `tail` (up to max_match);
+    the longest extension k wins if k >= min_match, and its up to `max_occurrences` most recent
+    occurrences become rows (matched k tokens + up to `ahead` tokens, cut at `separator`), weighted
+    like context_rows. (0, []) when nothing qualifies."""
+    found: list[tuple[int, int]] = []  # (match length, offset), most recent first
+    for off in reversed(offsets[-candidates:]):
+        k = key_tokens
+        limit = min(max_match, off, len(tail))
+        while k < limit and text[off - k - 1] == tail[-k - 1]:
+            k += 1
+        found.append((k, off))
+    best = max(k for k, _ in found) if found else 0
+    if best < min_match:
+        return 0, []
+    hits = [off for k, off in found if k == best][:max_occurrences]
+    n = len(hits)
+    rows = []
+    for i, off in enumerate(hits):
+        row = text[off - best : off + ahead]
+        cut = row.find(separator, best)
+        if cut >= 0:
+            row = row[:cut]
+        if len(row) > best:
+            rows.append((row, RECENCY_SCALE + n - i))
+    rows.sort()
+    return (best, rows) if rows else (0, [])
+
+
 def context_rows(text: str, starts: list[int], k: int, ahead: int) -> list[tuple[str, int]]:
     """Rows for `walk` from context occurrences (continuation offsets `starts`, most recent first):
     each row is the matched k tokens plus up to `ahead` tokens after them.
@@ -195,7 +227,8 @@ def prompt_lookup(ctx: np.ndarray, max_tokens: int, max_ngram: int = 2) -> list[
     return []
 
 
-PYTHON_TWINS = {"walk": walk, "follow_rows": follow_rows, "context_match": context_match, "context_rows": context_rows}
+PYTHON_TWINS = {"walk": walk, "follow_rows": follow_rows, "context_match": context_match, "context_rows": context_rows,
+                "overlay_rows": overlay_rows}
 
 try:
     from ngram import _speedups
@@ -205,3 +238,4 @@ if _speedups is not None and not os.environ.get("SAILFISH_PURE_PYTHON"):
     assert RECENCY_SCALE == 1000  # the C context_rows' default scale
     walk, follow_rows = _speedups.walk, _speedups.follow_rows
     context_match, context_rows = _speedups.context_match, _speedups.context_rows
+    overlay_rows = _speedups.overlay_rows

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from ngram.match import RECENCY_SCALE
+from ngram.match import overlay_rows
 
 KEY_TOKENS = 3
 SEPARATOR = chr(0x10FFFF)  # above every code point ngram.codec produces
@@ -58,29 +58,8 @@ class Overlay:
         min_match = max(min_match, KEY_TOKENS)
         if len(tail) < min_match:
             return 0, []
-        text = self._text
         offsets = self._after.get(tail[-KEY_TOKENS:])
         if not offsets:
             return 0, []
-        found: list[tuple[int, int]] = []  # (match length, offset), most recent first
-        for off in reversed(offsets[-_MAX_CANDIDATES:]):
-            k = KEY_TOKENS
-            limit = min(max_match, off, len(tail))
-            while k < limit and text[off - k - 1] == tail[-k - 1]:
-                k += 1
-            found.append((k, off))
-        best = max(k for k, _ in found)
-        if best < min_match:
-            return 0, []
-        hits = [off for k, off in found if k == best][:max_occurrences]
-        n = len(hits)
-        rows = []
-        for i, off in enumerate(hits):
-            row = text[off - best : off + ahead]
-            cut = row.find(SEPARATOR, best)
-            if cut >= 0:
-                row = row[:cut]
-            if len(row) > best:
-                rows.append((row, RECENCY_SCALE + n - i))
-        rows.sort()
-        return (best, rows) if rows else (0, [])
+        return overlay_rows(self._text, offsets, tail, KEY_TOKENS, min_match, max_match, max_occurrences,
+                            _MAX_CANDIDATES, ahead, SEPARATOR)

@@ -72,6 +72,23 @@ def test_context_match_and_rows_match_python(seed, speedups):
             assert speedups.context_rows(text, starts, k, ahead) == match.PYTHON_TWINS["context_rows"](text, starts, k, ahead)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_overlay_rows_matches_python(seed, speedups):
+    from ngram.overlay import _MAX_CANDIDATES, KEY_TOKENS, SEPARATOR, Overlay
+
+    rng = random.Random(seed)
+    alphabet = rng.choice(ALPHABETS)[: rng.randrange(2, 4)]
+    overlay = Overlay(max_tokens=4096)
+    for _ in range(rng.randrange(1, 12)):
+        overlay.add(_text(rng, rng.randrange(4, 60), alphabet))
+    for _ in range(10):
+        tail = _text(rng, rng.randrange(3, 30), alphabet)
+        offsets = overlay._after.get(tail[-KEY_TOKENS:], [])
+        for min_match, max_match, occ, cand, ahead in [(3, 16, 8, _MAX_CANDIDATES, 32), (5, 8, 2, 4, 3), (3, 64, 1, 1, 0)]:
+            args = (overlay._text, offsets, tail, KEY_TOKENS, min_match, max_match, occ, cand, ahead, SEPARATOR)
+            assert speedups.overlay_rows(*args) == match.PYTHON_TWINS["overlay_rows"](*args)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_follow_rows_matches_python(seed, speedups):
     rng = random.Random(seed)
