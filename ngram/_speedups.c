@@ -451,6 +451,13 @@ done:
     return result;
 }
 
+/* encode(ids) -> key string: a list or tuple goes through encode_ints, anything else with the buffer
+   protocol (a numpy id array) through encode_buffer. */
+static PyObject *encode(PyObject *self, PyObject *ids) {
+    if (PyList_Check(ids) || PyTuple_Check(ids) || !PyObject_CheckBuffer(ids)) return encode_ints(self, ids);
+    return encode_buffer(self, ids);
+}
+
 /* decode(key string) -> list of token ids */
 static PyObject *decode(PyObject *self, PyObject *key) {
     if (!PyUnicode_Check(key)) {
@@ -483,6 +490,7 @@ static PyMethodDef methods[] = {
      "see ngram.match.overlay_rows"},
     {"encode_ints", encode_ints, METH_O, "see ngram.codec.encode_ints"},
     {"decode", decode, METH_O, "see ngram.codec.decode"},
+    {"encode", encode, METH_O, "encode(ids): see ngram.codec.encode"},
     {"encode_buffer", encode_buffer, METH_O, "encode_buffer(int array): see ngram.codec.encode"},
     {NULL, NULL, 0, NULL},
 };

@@ -17,8 +17,6 @@ MAX_TOKEN_ID = 0x10FFFF - _SURROGATE_SPAN - 1
 
 def encode(ids) -> str:
     """Token ids (any int sequence) -> key string, one character per token."""
-    if _encode_buffer is not None and isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu":
-        return _encode_buffer(ids)
     if len(ids) < 64:  # a Python join beats numpy set-up below this size
         return encode_ints(ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids])
     cps = np.asarray(ids, dtype=np.int64)
@@ -52,12 +50,11 @@ _SHIFTED = _SURROGATE_SPAN + 1
 _UNSHIFT_FROM = _SURROGATE_START + _SURROGATE_SPAN
 
 
-PYTHON_TWINS = {"encode_ints": encode_ints, "decode": decode}
-_encode_buffer = None
+PYTHON_TWINS = {"encode": encode, "encode_ints": encode_ints, "decode": decode}
 
 try:  # the C twins (ngram/_speedups.c, see ngram.match): same results, faster
     from ngram import _speedups
 except ImportError:
     _speedups = None
 if _speedups is not None and not os.environ.get("SAILFISH_PURE_PYTHON"):
-    encode_ints, decode, _encode_buffer = _speedups.encode_ints, _speedups.decode, _speedups.encode_buffer
+    encode, encode_ints, decode = _speedups.encode, _speedups.encode_ints, _speedups.decode

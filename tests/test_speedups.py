@@ -119,7 +119,8 @@ def test_encode_buffer_matches_python(dtype, speedups):
     ids = np.random.default_rng(0).integers(0, 127 if dtype == "int8" else 65_536 if dtype == "uint16" else 262_144, 500)
     arr = ids.astype(dtype)
     want = codec.PYTHON_TWINS["encode_ints"](ids.tolist())
-    assert speedups.encode_buffer(arr) == want == codec.encode(arr)
+    assert speedups.encode_buffer(arr) == want == codec.encode(arr) == codec.PYTHON_TWINS["encode"](arr)
+    assert speedups.encode(arr) == speedups.encode(ids.tolist()) == speedups.encode(tuple(ids.tolist())) == want
     assert speedups.encode_buffer(arr[::-3]) == codec.PYTHON_TWINS["encode_ints"](ids[::-3].tolist())
     assert speedups.encode_buffer(arr[:0]) == ""
     for bad in (np.array([-1]), np.array([codec.MAX_TOKEN_ID + 1]), np.array([2**63], dtype=np.uint64)):
