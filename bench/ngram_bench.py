@@ -7,7 +7,9 @@
    function and key (a seeded shuffle), so copies are realistic variants, not duplicates.
 2. Replay of the BFCL v4 held-out split against that index, grouped as multi_turn / live / single
    (simple, multiple, parallel): tau, acceptance, draft latency p50/p99 for Sailfish and for the
-   prompt-lookup baseline (transformers' algorithm, same max draft), and the ratio of the two taus.
+   prompt-lookup baseline (transformers' algorithm, same max draft), and the ratio of the two taus;
+   and, where arctic-inference is installed (`make bench` installs it), the same for SuffixDecoding
+   seeded with the index's turns.
 Writes bench/results/ngram.json and bench/results/ngram.md.
 """
 from __future__ import annotations
@@ -123,15 +125,31 @@ def main(argv=None) -> int:
             for ctx, target in conversation_turns(fmt, tok, conv.messages, conv.tools):
                 groups[_group(conv.source)].append((np.asarray(ctx), np.asarray(target)))
         groups["all"] = [t for g in list(groups.values()) for t in g]
+        suffix = _suffix_decoding(index, args.max_draft)
         results["replay"] = {}
         for name, turns in groups.items():
             ours = replay(NgramDrafter(index, DrafterConfig(max_draft=args.max_draft)), turns, args.max_draft).as_dict()
             base = replay(PromptLookupDrafter(max_draft=args.max_draft), turns, args.max_draft).as_dict()
             results["replay"][name] = {"sailfish": ours, "prompt_lookup": base, "tau_ratio": ours["tau"] / base["tau"]}
+            if suffix is not None:
+                results["replay"][name]["suffix_decoding"] = replay(suffix(), turns, args.max_draft).as_dict()
     md = _markdown(results)
     write_results(args.out, "ngram", results, md)
     print(md)
     return 0
+
+
+def _suffix_decoding(index, max_draft: int):
+    """A factory of fresh SuffixDecoding drafters seeded with the index's turns, or None when
+    arctic-inference is not installed."""
+    try:
+        from ngram.peers import SuffixDecodingDrafter
+
+        SuffixDecodingDrafter([], max_draft)
+    except ImportError:
+        return None
+    seed = list(index.turns())
+    return lambda: SuffixDecodingDrafter(seed, max_draft)
 
 
 def _markdown(r: dict) -> str:
@@ -151,6 +169,13 @@ def _markdown(r: dict) -> str:
         s, pl = g["sailfish"], g["prompt_lookup"]
         lines.append(f"| {name} | {s['turns']} | {s['tau']:.2f} | {pl['tau']:.2f} | {g['tau_ratio']:.2f}x | "
                      f"{s['acceptance_rate']:.2f} | {pl['acceptance_rate']:.2f} | {s['draft_us_p50']:.0f} | {s['draft_us_p99']:.0f} |")
+    peers = [(name, g["suffix_decoding"]) for name, g in r["replay"].items() if "suffix_decoding" in g]
+    if peers:
+        lines += ["", "SuffixDecoding (arctic-inference), seeded with the index's turns, on the same held-out turns:", "",
+                  "| turns | tau SuffixDecoding | tau Sailfish / SuffixDecoding | p50 us | p99 us |", "|---|---|---|---|---|"]
+        for name, sd in peers:
+            ours = r["replay"][name]["sailfish"]["tau"]
+            lines.append(f"| {name} | {sd['tau']:.2f} | {ours / sd['tau']:.2f}x | {sd['draft_us_p50']:.0f} | {sd['draft_us_p99']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
