@@ -1,9 +1,11 @@
 /* ngram._speedups: the drafter's per-step kernels in C, each an exact port of its pure-Python twin.
 
 Contract: every function here returns exactly what the Python function of the same name returns for
-the same arguments (same strings, same floats bit for bit, same list order); tests/test_speedups.py
-checks that on random inputs. Python twins: ngram.match.walk, ngram.match.follow_rows,
-ngram.match.context_match, ngram.match.context_rows, ngram.codec.encode_ints, ngram.codec.decode.
+the same valid arguments (same strings, same floats bit for bit, same list order); tests/test_speedups.py
+checks that on random inputs. Invalid arguments (a negative depth, rows not longer than the depth
+walked, ids out of range, non-integer arrays) raise; nothing reads outside a string. Python twins:
+ngram.match.walk, .follow_rows, .context_match, .context_rows, .overlay_rows; ngram.codec.encode,
+.encode_ints, .decode (encode_buffer is encode for buffer-protocol arrays).
 ngram.match and ngram.codec use these when the extension is built and fall back to their own code
 otherwise (a machine without a compiler, a Python the extension was not built for), so the drafter's
 output never depends on which one runs; only its latency does.
@@ -62,6 +64,10 @@ static PyObject *walk(PyObject *self, PyObject *args, PyObject *kwargs) {
     double cutoff;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onnd", kwlist, &rows_arg, &depth, &max_tokens, &cutoff))
         return NULL;
+    if (depth < 0) {
+        PyErr_SetString(PyExc_ValueError, "depth must be >= 0");
+        return NULL;
+    }
     PyObject *rows_obj = PySequence_Fast(rows_arg, "rows must be a sequence of (str, int) tuples");
     if (!rows_obj) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(rows_obj);
@@ -109,6 +115,11 @@ static PyObject *walk(PyObject *self, PyObject *args, PyObject *kwargs) {
            order (Python's dict order; rows are sorted, so that is the lowest token). */
         long long total = 0, best_weight = -1;
         Py_UCS4 best = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i].len <= depth) {  /* callers keep rows longer than depth; Python raises here too */
+                PyErr_SetString(PyExc_IndexError, "string index out of range");
+                goto done;
+            }
         for (Py_ssize_t i = 0; i < n; i++) {
             Py_UCS4 ch = CH(&rows[i], depth);
             total += rows[i].weight;
@@ -162,6 +173,10 @@ static PyObject *follow_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_ssize_t depth;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!nU", kwlist, &PyList_Type, &rows_obj, &depth, &appended))
         return NULL;
+    if (depth < 0) {
+        PyErr_SetString(PyExc_ValueError, "depth must be >= 0");
+        return NULL;
+    }
     Py_ssize_t n = PyList_GET_SIZE(rows_obj), m = PyUnicode_GET_LENGTH(appended);
     int akind = PyUnicode_KIND(appended);
     const void *adata = PyUnicode_DATA(appended);
@@ -171,7 +186,7 @@ static PyObject *follow_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyObject *item = PyList_GET_ITEM(rows_obj, i);
         Row row;
         if (read_row(item, &row) < 0) goto fail;
-        if (depth < 0 || row.len <= depth + m) continue;
+        if (row.len <= depth + m) continue;
         Py_ssize_t j = 0;
         while (j < m && CH(&row, depth + j) == PyUnicode_READ(akind, adata, j)) j++;
         if (j == m && PyList_Append(out, item) < 0) goto fail;

@@ -135,6 +135,14 @@ def test_encode_buffer_matches_python(dtype, speedups):
 def test_bad_rows_raise_instead_of_crashing(speedups):
     with pytest.raises(TypeError):
         speedups.walk([("ab", 1), "not a row"], 0, 4, 0.3)
+    with pytest.raises(IndexError):  # rows must be longer than the depth walked (Python raises too)
+        speedups.walk([("ab", 1), ("ac", 1)], 2, 4, 0.3)
+    with pytest.raises(IndexError):
+        match.PYTHON_TWINS["walk"]([("ab", 1), ("ac", 1)], 2, 4, 0.3)
+    with pytest.raises(ValueError):
+        speedups.walk([("ab", 1)], -1, 4, 0.3)
+    with pytest.raises(ValueError):
+        speedups.follow_rows([("ab", 1)], -1, "a")
     with pytest.raises(TypeError):
         speedups.follow_rows([(1, 2)], 0, "a")
 
