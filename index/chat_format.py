@@ -261,7 +261,7 @@ def _declaration(tool: dict) -> str:
     return _declaration_of_json(key)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)  # a few hundred tools at most in real traces; schemas can be large
 def _declaration_of_json(tool_json: str) -> str:
     return _render_declaration(json.loads(tool_json))
 
