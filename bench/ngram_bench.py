@@ -142,12 +142,12 @@ def main(argv=None) -> int:
 def _suffix_decoding(index, max_draft: int):
     """A factory of fresh SuffixDecoding drafters seeded with the index's turns, or None when
     arctic-inference is not installed."""
-    try:
-        from ngram.peers import SuffixDecodingDrafter
+    import importlib.util
 
-        SuffixDecodingDrafter([], max_draft)
-    except ImportError:
+    if importlib.util.find_spec("arctic_inference") is None:
         return None
+    from ngram.peers import SuffixDecodingDrafter
+
     seed = list(index.turns())
     return lambda: SuffixDecodingDrafter(seed, max_draft)
 

@@ -52,9 +52,13 @@ _UNSHIFT_FROM = _SURROGATE_START + _SURROGATE_SPAN
 
 PYTHON_TWINS = {"encode": encode, "encode_ints": encode_ints, "decode": decode}
 
-try:  # the C twins (ngram/_speedups.c, see ngram.match): same results, faster
-    from ngram import _speedups
+# The C twins (ngram/_speedups.c, see ngram.match): same results, faster. SPEEDUPS is the module, or
+# None where it was not built or SAILFISH_PURE_PYTHON=1 asks for the Python twins; ngram.match uses it too.
+try:
+    from ngram import _speedups as SPEEDUPS
 except ImportError:
-    _speedups = None
-if _speedups is not None and not os.environ.get("SAILFISH_PURE_PYTHON"):
-    encode, encode_ints, decode = _speedups.encode, _speedups.encode_ints, _speedups.decode
+    SPEEDUPS = None
+if os.environ.get("SAILFISH_PURE_PYTHON"):
+    SPEEDUPS = None
+if SPEEDUPS is not None:
+    encode, encode_ints, decode = SPEEDUPS.encode, SPEEDUPS.encode_ints, SPEEDUPS.decode

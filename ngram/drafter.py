@@ -101,13 +101,12 @@ class _Followed:
     the occurrences of the new, longer suffix (a match can grow by at most the appended tokens), so
     while some remain, no search is needed."""
 
-    __slots__ = ("rows", "depth", "text_at", "match")
+    __slots__ = ("rows", "depth", "text_at")
 
     def __init__(self) -> None:
         self.rows: list = []
-        self.depth = 0
+        self.depth = -1  # the last match length (0: none, -1: never searched), which bounds the next one
         self.text_at = 0
-        self.match = -1  # the last match length (0: none, -1: never searched), which bounds the next one
 
     def follow(self, text: str) -> tuple[int, list]:
         """(depth, rows) that still agree with `text`; callers check that there are rows first."""
@@ -119,7 +118,10 @@ class _Followed:
 
     def keep(self, rows: list, depth: int, text_len: int) -> None:
         self.rows, self.depth, self.text_at = rows, depth, text_len
-        self.match = depth if rows else 0
+
+    def reach(self, text_len: int) -> int:
+        """The longest match the kept rows can grow to by `text_len` (the appended tokens added)."""
+        return self.depth + text_len - self.text_at
 
     def shift(self, dropped: int) -> None:
         self.text_at = max(0, self.text_at - dropped)
@@ -251,20 +253,18 @@ class DraftSession:
     # found nothing had a match below min_match.
     def _index_bound(self) -> int:
         state = self._index
-        if state.rows:
-            return state.depth + len(self._text) - state.text_at
-        return self._fresh_index_bound()
+        return state.reach(len(self._text)) if state.rows else self._fresh_index_bound()
 
     def _fresh_index_bound(self) -> int:
         state, longest = self._index, self.drafter.max_index_match
-        if state.match < 0:  # never searched
+        if state.depth < 0:  # never searched
             return longest
-        return min(longest, max(state.match, self._min_match - 1) + len(self._text) - state.text_at)
+        return min(longest, max(state.depth, self._min_match - 1) + len(self._text) - state.text_at)
 
     def _context_bound_now(self) -> int:
         state = self._context
         if state.rows:
-            return state.depth + len(self._text) - state.text_at
+            return state.reach(len(self._text))
         return min(self.drafter.config.max_match, self._fresh_context_bound())
 
     def _fresh_context_bound(self) -> int:
@@ -274,7 +274,7 @@ class DraftSession:
     def _overlay_bound(self) -> int:
         state = self._overlay
         if state.rows:
-            return state.depth + len(self._text) - state.text_at
+            return state.reach(len(self._text))
         return self.drafter.config.max_match  # the overlay keeps no match between searches
 
     def _from_index(self) -> tuple[int, list | str]:
@@ -292,8 +292,7 @@ class DraftSession:
         bound = min(n, self._fresh_index_bound())
         k = longest_index_match(lookup.has_prefix, text[-longest:], self._min_match, longest, bound)
         prefix = text[-k:] if k else ""
-        state.keep(lookup.scan(prefix) if k else [], k, n)
-        state.match = k  # even when k's only occurrences end keys (no rows to keep)
+        state.keep(lookup.scan(prefix) if k else [], k, n)  # k is kept even when its occurrences end keys
         return (k, prefix) if k else (0, [])
 
     def _from_context(self) -> tuple[int, list]:

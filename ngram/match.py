@@ -23,9 +23,9 @@ forces the fallback.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from ngram.codec import SPEEDUPS
 
 
 def longest_index_match(has_prefix, text: str, min_len: int, max_len: int, upper_hint: int | None = None) -> int:
@@ -230,12 +230,8 @@ def prompt_lookup(ctx: np.ndarray, max_tokens: int, max_ngram: int = 2) -> list[
 PYTHON_TWINS = {"walk": walk, "follow_rows": follow_rows, "context_match": context_match, "context_rows": context_rows,
                 "overlay_rows": overlay_rows}
 
-try:
-    from ngram import _speedups
-except ImportError:  # not built here: the Python twins serve
-    _speedups = None
-if _speedups is not None and not os.environ.get("SAILFISH_PURE_PYTHON"):
+if SPEEDUPS is not None:  # built, and not switched off (see ngram.codec)
     assert RECENCY_SCALE == 1000  # the C context_rows' default scale
-    walk, follow_rows = _speedups.walk, _speedups.follow_rows
-    context_match, context_rows = _speedups.context_match, _speedups.context_rows
-    overlay_rows = _speedups.overlay_rows
+    walk, follow_rows = SPEEDUPS.walk, SPEEDUPS.follow_rows
+    context_match, context_rows = SPEEDUPS.context_match, SPEEDUPS.context_rows
+    overlay_rows = SPEEDUPS.overlay_rows
