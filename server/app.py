@@ -76,13 +76,14 @@ def create_app(service: Service) -> Starlette:
         return _respond(await service.complete(req, request.receive))
 
     async def models(request: Request) -> Response:
-        return JSONResponse(model_list(service.model_id, service.created))
+        return JSONResponse(model_list(service.model_id, service.created, service.engine.max_context))
 
     async def health(request: Request) -> Response:
         return JSONResponse(service.health())
 
     async def metrics(request: Request) -> Response:
-        text = service.metrics.render(service.scheduler.waiting, service.scheduler.running)
+        text = service.metrics.render(service.scheduler.waiting, service.scheduler.running,
+                                      service.engine.prefix_summary())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def reload_index(request: Request) -> Response:

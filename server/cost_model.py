@@ -1,8 +1,7 @@
 """When drafting pays: the verify cost curve and the per-step draft / no-draft rule.
 
-Contract: `measure_cost_curve(model, ...)` times forward passes of 1..K new tokens on a warm cache
-and returns `cost[n]`, the time of an n-token forward relative to a 1-token forward
-(`cost[1] == 1`). `DraftPolicy` holds that curve and the rule's constants; a per-request
+Contract: `server.backend.measure_cost_curve(backend, ...)` gives `cost[n]`, the time of an n-token
+forward relative to a 1-token forward (`cost[1] == 1`). `DraftPolicy` holds that curve and the rule's constants; a per-request
 `AcceptanceTracker` holds the request's acceptance history. `DraftPolicy.choose(draft, tracker)`
 returns how many drafted tokens to verify this step (0 = decode plainly).
 
@@ -26,11 +25,9 @@ cost nothing and never count toward a probe.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 MARGIN = 0.05                 # demanded gain over plain decoding, for timing noise
 ALPHA_PRIOR_ACCEPTED = 2.0    # prior pseudo-counts: alpha starts at 2/3
@@ -101,68 +98,3 @@ class DraftPolicy:
 def flat_policy(max_draft: int = 15) -> DraftPolicy:
     """A policy for a verify step that costs the same as a plain step (e.g. tests)."""
     return DraftPolicy(np.ones(max_draft + 2))
-
-
-@torch.no_grad()
-def measure_cost_curve(model, max_tokens: int = 16, context_len: int = 256, repeats: int = 3,
-                       points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)) -> np.ndarray:
-    """Forward time for n new tokens on a `context_len` cache, relative to n = 1.
-
-    Each length is timed `repeats` times after a warm-up and the fastest run kept: on a shared
-    machine interference only ever adds time (single runs of 2-20x the usual were seen).
-
-    Measures the lengths in `points` (plus max_tokens) and interpolates the rest linearly. The curve
-    is kept as measured, not forced monotone: on CPU fp32 a 2-token forward can cost more than a
-    4-token one (a slow GEMM path), and the rule should see that. Returns cost[0..max_tokens].
-    """
-    from server.engine import forward, new_cache, rollback
-
-    device = next(model.parameters()).device
-    vocab = model.config.get_text_config().vocab_size
-    gen = torch.Generator().manual_seed(0)
-    context = torch.randint(3, vocab, (1, context_len), generator=gen).to(device)
-    cache = new_cache(model)
-    forward(model, context, cache, logits_to_keep=1)
-    pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
-    timings = {}
-    for n in pts:
-        x = torch.randint(3, vocab, (1, n), generator=gen).to(device)
-        samples = []
-        for r in range(repeats + 1):  # the first run of each shape is a warm-up
-            t0 = time.perf_counter()
-            forward(model, x, cache, logits_to_keep=n).argmax(-1).cpu()
-            if r:
-                samples.append(time.perf_counter() - t0)
-            rollback(cache, n)
-        timings[n] = min(samples)
-    rel = np.interp(np.arange(max_tokens + 1), pts, [timings[p] / timings[1] for p in pts])
-    rel[0] = 0.0
-    rel[1] = 1.0
-    return rel
-
-
-@torch.no_grad()
-def measure_fast_cost_curve(fast, max_tokens: int = 16, context_len: int = 256, repeats: int = 5,
-                            points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)) -> np.ndarray:
-    """`measure_cost_curve` through a `server.fast_path.FastTarget` (its captured steps, padded to
-    buckets): fastest of `repeats` per length, interpolated between `points`; cost[1] == 1."""
-    vocab = fast.cfg.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    fast.prefill(torch.randint(3, vocab, (context_len,), generator=gen).tolist())
-    pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
-    timings = {}
-    for n in pts:
-        ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-        samples = []
-        for r in range(repeats + 1):  # the first run of each shape is a warm-up
-            t0 = time.perf_counter()
-            fast.step(ids).argmax(-1).cpu()
-            if r:
-                samples.append(time.perf_counter() - t0)
-            fast.rollback(n)
-        timings[n] = min(samples)
-    fast.reset()
-    rel = np.interp(np.arange(max_tokens + 1), pts, [timings[p] / timings[1] for p in pts])
-    rel[0] = 0.0
-    rel[1] = 1.0
-    return rel

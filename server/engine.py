@@ -2,31 +2,30 @@
 
 Contract: `Engine.generate(prompt_ids, params)` yields `GenerationChunk`s whose tokens are exactly
 what plain greedy decoding of the target yields (same stop tokens, stop strings and max_tokens),
-whether or not drafts are used; drafting only changes how many forward passes it takes. The engine
-works on token ids; the tokenizer is used only to detokenize for stop strings and text deltas.
-It is synchronous and not thread-safe: the server serializes calls.
+whether or not drafts are used and whether or not the prompt's prefix came from the prefix cache;
+drafting only changes how many forward passes it takes, and the cache how many prompt tokens are
+computed. The engine works on token ids; the tokenizer is used only to detokenize for stop strings
+and text deltas. It is synchronous and not thread-safe: the server serializes calls.
+
+The engine talks to the model only through a `server.backend.Backend`: the GPU fast path
+(`server.fast_path.FastTarget`: static KV cache, CUDA graphs) where it applies, else transformers
+(`server.eager_backend.EagerBackend`); `engine.notes` says which runs and why. Both keep finished
+sequences for prefix reuse under a memory budget (`EngineConfig.prefix_cache_bytes`, default
+sized from free memory; `prefix_cache=False` is the old behaviour, every prompt from position 0).
 
 One step of the loop: the last committed token is "pending" (not yet in the KV cache). A plain step
-feeds it alone (`decode_one`); a verify step feeds it followed by n drafted tokens (`verify`) and
-rolls the cache back past the first rejected token (`rollback`). Sliding-window cache layers keep
-their past entries until the rollback that follows every forward
-(`DynamicSlidingWindowLayer.activate_past_recording`), so rollback stays exact for contexts
-longer than the window; KV-shared layers (Gemma 4) own no keys and are skipped.
+feeds it alone; a verify step feeds it followed by n drafted tokens and rolls the cache back past
+the first rejected token (`server.backend.accept` is the rule). When the request ends (finished,
+cancelled or disconnected) the KV of the committed tokens is handed back to the backend for reuse;
+after an error inside a forward it is discarded.
 
 Counters: `drafts` = non-empty drafts proposed, `verify_steps` = forwards that verified a draft,
 `plain_steps` = one-token forwards, `drafted_tokens` / `accepted_tokens` = drafted tokens verified /
-accepted, `completion_tokens` = generated tokens including a final stop token (which is never emitted).
-
-GPU fast path: on CUDA, for a model `server.fast_path` supports (Gemma 4 text), with
-`EngineConfig.fast_path` on (the server's `--no-fast-path` turns it off), the engine builds a
-`FastTarget` at start-up (static KV cache, CUDA graphs per draft bucket), captures its graphs, caps
-`max_context` at what its cache holds, measures the cost curve through it, and runs prefill, plain
-steps and verifies through it instead of the DynamicCache functions below. `engine.notes` says which
-path runs and why.
+accepted, `completion_tokens` = generated tokens including a final stop token (which is never
+emitted), `cached_tokens` = prompt tokens reused from the prefix cache.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator, Protocol
@@ -35,10 +34,8 @@ import numpy as np
 import torch
 
 from ngram.draft import Draft
-from server.cost_model import (AcceptanceTracker, DraftPolicy, flat_policy, measure_cost_curve,
-                               measure_fast_cost_curve)
-
-DEFAULT_FAST_BUCKETS = (1, 2, 4, 8, 16)  # fast-path step sizes, each one CUDA graph
+from server.backend import Backend, accept, measure_cost_curve
+from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 
 
 class DrafterSession(Protocol):
@@ -58,11 +55,13 @@ class GenerationParams:
     draft: bool = True          # False = plain decoding, the baseline
     temperature: float = 0.0    # >0: sampled decoding without drafting
     seed: int | None = None
+    prefix_cache: bool = True   # False: compute the whole prompt and keep nothing
 
 
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0
     drafts: int = 0
     drafted_tokens: int = 0
@@ -97,73 +96,10 @@ class EngineConfig:
     cost_context: int = 256               # cache length the cost curve is measured at
     max_context: int | None = None        # None: the model's max_position_embeddings
     fast_path: bool = True                # CUDA + supported model: static cache and CUDA graphs
-    fast_max_context: int = 8192          # fast path: context its static cache holds (full-attention
-                                          # layers read every slot each step, so bigger costs time)
-
-
-# ---------------------------------------------------------------- model primitives (torch only)
-
-def new_cache(model):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False):
-            layer.activate_past_recording()
-    return cache
-
-
-def forward(model, ids: torch.Tensor, cache, logits_to_keep: int) -> torch.Tensor:
-    """Logits [logits_to_keep, vocab] for the last positions of `ids` [1, n]; appends n to the cache."""
-    kwarg = _cache_kwarg(model)
-    return model(input_ids=ids, use_cache=True, logits_to_keep=logits_to_keep, **{kwarg: cache}).logits[0]
-
-
-def rollback(cache, n: int) -> None:
-    """Drop the last n positions from every layer that owns keys (also trims sliding layers to their window)."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None:
-            layer.crop(-n)
-
-
-def prefill(model, cache, prompt_ids: list[int]) -> torch.Tensor:
-    device = next(model.parameters()).device
-    logits = forward(model, torch.tensor([prompt_ids], device=device), cache, logits_to_keep=1)
-    rollback(cache, 0)
-    return logits[-1]
-
-
-def decode_one(model, cache, token: int) -> torch.Tensor:
-    device = next(model.parameters()).device
-    logits = forward(model, torch.tensor([[token]], device=device), cache, logits_to_keep=1)
-    rollback(cache, 0)
-    return logits[-1]
-
-
-# Acceptance rule (greedy): feed [pending, d1..dn]; g_i is the target's argmax after d_i (g_0 after
-# pending). d_i is accepted iff d_1..d_i equal g_0..g_{i-1}. With k accepted, the step yields
-# d_1..d_k plus g_k, exactly the k+1 tokens plain decoding would give; d_{k+1}..d_n leave the cache.
-def verify(model, cache, pending: int, draft: list[int]) -> list[int]:
-    device = next(model.parameters()).device
-    ids = torch.tensor([[pending, *draft]], device=device)
-    target = forward(model, ids, cache, logits_to_keep=len(draft) + 1).argmax(-1).tolist()
-    k = 0
-    while k < len(draft) and draft[k] == target[k]:
-        k += 1
-    rollback(cache, len(draft) - k)
-    return draft[:k] + [target[k]]
-
-
-_CACHE_KWARGS: dict[type, str] = {}
-
-
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x takes `cache=`; older releases `past_key_values=`."""
-    cls = type(model)
-    if cls not in _CACHE_KWARGS:
-        params = inspect.signature(model.forward).parameters
-        _CACHE_KWARGS[cls] = "cache" if "cache" in params else "past_key_values"
-    return _CACHE_KWARGS[cls]
+    fast_max_context: int | None = None   # fast path: cap on its static cache (None: the model's
+                                          # context, or what GPU memory allows)
+    prefix_cache: bool = True             # keep finished sequences and reuse shared prefixes
+    prefix_cache_bytes: int | None = None # budget for kept sequences (None: sized from free memory)
 
 
 # ---------------------------------------------------------------- text: deltas and stop strings
@@ -219,58 +155,92 @@ class TextStream:
 # ---------------------------------------------------------------- the engine
 
 class Engine:
-    def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None):
+    def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None,
+                 backend: Backend | None = None):
         self.config = config or EngineConfig()
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.model_id = target.model_id
         text_config = self.model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
         self.max_context = self.config.max_context or text_config.max_position_embeddings
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._drafter = drafter
         self.notes: list[str] = []
-        self.fast = self._build_fast_path()
+        self.backend = backend if backend is not None else self._build_backend()
+        self.max_context = min(self.max_context, self.backend.max_context)
+        if self.backend.max_step - 1 < self.config.max_draft:
+            self.notes.append(f"drafts capped at {self.backend.max_step - 1} tokens (the backend's largest step "
+                              f"is {self.backend.max_step}; max_draft was {self.config.max_draft})")
+            self.config = replace(self.config, max_draft=self.backend.max_step - 1)
         if not self.config.adaptive:
             self.policy = flat_policy(self.config.max_draft)
         else:
             curve = self.config.cost_curve
-            if curve is None and self.fast is not None:
-                curve = measure_fast_cost_curve(self.fast, self.config.max_draft + 1, self.config.cost_context)
-            elif curve is None:
-                curve = measure_cost_curve(self.model, self.config.max_draft + 1, self.config.cost_context)
+            if curve is None:
+                curve = measure_cost_curve(self.backend, self.vocab_size, self.config.max_draft + 1,
+                                           self.config.cost_context)
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
-                                             "accepted_tokens", "verify_steps", "plain_steps", "probes")}
+                                             "accepted_tokens", "verify_steps", "plain_steps", "probes",
+                                             "cached_tokens")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0)
 
-    def _build_fast_path(self):
-        """The FastTarget when the fast path applies (graphs captured here), else None; notes say why."""
-        device = next(self.model.parameters()).device
-        if not self.config.fast_path:
-            self.notes.append("eager path: fast path off (--no-fast-path)")
-            return None
-        if device.type != "cuda":
-            self.notes.append(f"eager path: no CUDA (device {device.type}); the fast path needs CUDA graphs")
-            return None
-        from server.fast_path import FastTarget, unsupported_reason
+    @property
+    def fast(self):
+        """The FastTarget when the GPU fast path serves, else None."""
+        from server.fast_path import FastTarget
+        return self.backend if isinstance(self.backend, FastTarget) else None
 
-        reason = unsupported_reason(self.model)
-        if reason is not None:
-            self.notes.append(f"eager path: {reason}")
-            return None
-        if self.config.max_draft + 1 > DEFAULT_FAST_BUCKETS[-1]:
-            self.notes.append(f"fast path: drafts capped at {DEFAULT_FAST_BUCKETS[-1] - 1} tokens "
-                              f"(its largest step is {DEFAULT_FAST_BUCKETS[-1]}; max_draft was {self.config.max_draft})")
-            self.config = replace(self.config, max_draft=DEFAULT_FAST_BUCKETS[-1] - 1)
-        context = min(self.max_context, self.config.fast_max_context)
+    def _prefix_budget(self, device: torch.device) -> int:
+        """Bytes for kept sequences: the configured budget, else 20% of free memory, at most 8 GiB on the CPU."""
+        if not self.config.prefix_cache:
+            return 0
+        if self.config.prefix_cache_bytes is not None:
+            return int(self.config.prefix_cache_bytes)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(0.2 * free)
+        return int(min(0.2 * _available_host_memory(), 8 * 2**30))
+
+    def _build_backend(self) -> Backend:
+        """The fast path when it applies (graphs captured here), else transformers; notes say why."""
+        from server.eager_backend import EagerBackend
+
+        device = next(self.model.parameters()).device
+        why_not = None
+        if not self.config.fast_path:
+            why_not = "eager path: fast path off (--no-fast-path)"
+        elif device.type != "cuda":
+            why_not = f"eager path: no CUDA (device {device.type}); the fast path needs CUDA graphs"
+        else:
+            from server.fast_path import unsupported_reason
+
+            reason = unsupported_reason(self.model)
+            why_not = f"eager path: {reason}" if reason is not None else None
+        if why_not is None:
+            return self._build_fast_path()
+        self.notes.append(why_not)
+        budget = self._prefix_budget(device)
+        backend = EagerBackend(self.model, budget, max_context=self.max_context, max_step=self.config.max_draft + 1)
+        self.notes.append(_prefix_note(budget))
+        return backend
+
+    def _build_fast_path(self):
+        from server.fast_path import DEFAULT_BUCKETS, FastTarget, plan_fast_memory
+
+        cfg = self.config
+        budget = (0 if not cfg.prefix_cache else cfg.prefix_cache_bytes)
+        plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget)
         # A padded step may write up to one bucket past the last committed position: room for it.
-        fast = FastTarget(self.model, max_len=context + DEFAULT_FAST_BUCKETS[-1], buckets=DEFAULT_FAST_BUCKETS)
+        fast = FastTarget(self.model, max_len=plan.context + DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS,
+                          min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes)
         seconds = fast.warmup()
-        self.max_context = context
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
-                          f"{seconds:.1f} s; context capped at {context} tokens, KV cache "
-                          f"{fast.cache_bytes() / 2**30:.2f} GiB); {fast.step_kernel_note}")
+                          f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "
+                          f"{fast.cache_bytes() / 2**30:.2f} GiB; {plan.note}); {fast.step_kernel_note}")
+        self.notes.append(_prefix_note(plan.prefix_bytes))
         return fast
 
     def set_drafter(self, drafter: Drafter | None) -> None:
@@ -278,6 +248,9 @@ class Engine:
 
     def totals(self) -> dict:
         return dict(self._totals)
+
+    def prefix_summary(self) -> dict | None:
+        return self.backend.prefix_summary()
 
     def generate(self, prompt_ids: list[int], params: GenerationParams,
                  cancelled: Callable[[], bool] | None = None) -> Iterator[GenerationChunk]:
@@ -300,6 +273,7 @@ class Engine:
         if max_tokens <= 0:
             yield GenerationChunk([], "", "length", stats)
             return
+        backend = self.backend
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
         text = TextStream(self.tokenizer, tuple(params.stop_strings), prompt_ids[-4:])
         context = np.zeros(len(prompt_ids) + max_tokens, dtype=np.int32)
@@ -309,69 +283,78 @@ class Engine:
         generator = torch.Generator().manual_seed(params.seed) if sampling and params.seed is not None else None
         session = self._drafter.session() if (self._drafter is not None and params.draft and not sampling) else None
         tracker = AcceptanceTracker()
-        model, fast = self.model, self.fast
+        clean = False  # the backend's cache is consistent at every yield, and only there
+        try:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                pre = backend.start(prompt_ids, reuse=params.prefix_cache)
+                stats.cached_tokens = pre.reused
+                new = [self._pick(pre.logits, params, generator)]
+                stats.prefill_s = time.perf_counter() - t0
+                t_decode = time.perf_counter()
+                while True:
+                    # Commit one step's tokens one by one, exactly as plain decoding would.
+                    emitted, finish = [], None
+                    for token in new:
+                        stats.completion_tokens += 1
+                        context[length] = token
+                        length += 1
+                        if token in stop_ids:
+                            finish = "stop"
+                            break
+                        emitted.append(token)
+                        if text.add(token):
+                            finish = "stop"
+                            break
+                        if stats.completion_tokens >= max_tokens:
+                            finish = "length"
+                            break
+                    stats.decode_s = time.perf_counter() - t_decode
+                    if finish is not None and session is not None and hasattr(session, "finish"):
+                        session.finish(context[:length])  # a finished completion feeds the online overlay
+                    clean = True
+                    yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats)
+                    if finish is not None or (cancelled is not None and cancelled()):
+                        return
+                    clean = False
 
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            if fast is not None:
-                cache = None
-                new = [self._pick(fast.prefill(prompt_ids), params, generator)]
-            else:
-                cache = new_cache(model)
-                new = [self._pick(prefill(model, cache, prompt_ids), params, generator)]
-            stats.prefill_s = time.perf_counter() - t0
-            t_decode = time.perf_counter()
-            while True:
-                # Commit one step's tokens one by one, exactly as plain decoding would.
-                emitted, finish = [], None
-                for token in new:
-                    stats.completion_tokens += 1
-                    context[length] = token
-                    length += 1
-                    if token in stop_ids:
-                        finish = "stop"
-                        break
-                    emitted.append(token)
-                    if text.add(token):
-                        finish = "stop"
-                        break
-                    if stats.completion_tokens >= max_tokens:
-                        finish = "length"
-                        break
-                stats.decode_s = time.perf_counter() - t_decode
-                if finish is not None and session is not None and hasattr(session, "finish"):
-                    session.finish(context[:length])  # a finished completion feeds the online overlay
-                yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats)
-                if finish is not None or (cancelled is not None and cancelled()):
-                    return
-
-                pending = int(context[length - 1])
-                n, draft = 0, None
-                room = min(max_tokens - stats.completion_tokens - 1, self.policy.max_draft)
-                if session is not None and room > 0:
+                    pending = int(context[length - 1])
+                    n, draft = 0, None
+                    room = min(max_tokens - stats.completion_tokens - 1, self.policy.max_draft)
+                    if session is not None and room > 0:
+                        t = time.perf_counter()
+                        draft = session.propose(context[:length], room)
+                        if len(draft):
+                            stats.drafts += 1
+                            n, probe = self.policy.choose(draft.confidence[:room], draft.match_length, tracker)
+                        stats.draft_s += time.perf_counter() - t
                     t = time.perf_counter()
-                    draft = session.propose(context[:length], room)
-                    if len(draft):
-                        stats.drafts += 1
-                        n, probe = self.policy.choose(draft.confidence[:room], draft.match_length, tracker)
-                    stats.draft_s += time.perf_counter() - t
-                t = time.perf_counter()
-                if n > 0:
-                    proposal = [int(x) for x in draft.tokens[:n]]
-                    new = (fast.verify(pending, proposal) if fast is not None
-                           else verify(model, cache, pending, proposal))
-                    accepted = len(new) - 1
-                    stats.verify_steps += 1
-                    stats.probes += probe
-                    stats.drafted_tokens += n
-                    stats.accepted_tokens += accepted
-                    tracker.record(n, accepted, probe)
-                    session.feedback(n, accepted)
-                else:
-                    logits = fast.decode_one(pending) if fast is not None else decode_one(model, cache, pending)
-                    new = [self._pick(logits, params, generator)]
-                    stats.plain_steps += 1
-                stats.forward_s += time.perf_counter() - t
+                    if n > 0:
+                        proposal = [int(x) for x in draft.tokens[:n]]
+                        target = backend.step([pending, *proposal]).argmax(-1).tolist()
+                        accepted = accept(proposal, target)
+                        backend.rollback(n - accepted)
+                        new = proposal[:accepted] + [target[accepted]]
+                        stats.verify_steps += 1
+                        stats.probes += probe
+                        stats.drafted_tokens += n
+                        stats.accepted_tokens += accepted
+                        tracker.record(n, accepted, probe)
+                        session.feedback(n, accepted)
+                    else:
+                        new = [self._pick(backend.step([pending])[0], params, generator)]
+                        stats.plain_steps += 1
+                    stats.forward_s += time.perf_counter() - t
+        finally:
+            if clean:
+                # The KV holds every committed token but the last (still pending), plus any drafted
+                # tokens accepted past a stop; keep exactly the committed ones.
+                kept = length - 1
+                if backend.position > kept:
+                    backend.rollback(backend.position - kept)
+                backend.finish(context[:kept], kept - len(prompt_ids))
+            else:
+                backend.discard()
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: GenerationParams, generator) -> int:
@@ -379,6 +362,24 @@ class Engine:
             return int(logits.argmax())
         probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _prefix_note(budget: int) -> str:
+    if budget <= 0:
+        return "prefix cache: off (--no-prefix-cache): every prompt is prefilled from position 0"
+    return (f"prefix cache: up to {budget / 2**30:.2f} GiB of kept sequences (--prefix-cache-mb to change, "
+            f"--no-prefix-cache to turn off)")
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

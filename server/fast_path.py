@@ -42,8 +42,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from server.backend import Prefill, accept
+from server.fast_prefill import prefill_layers
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -162,10 +166,52 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+@dataclass
+class FastMemoryPlan:
+    context: int        # positions the static cache serves
+    prefix_bytes: int   # budget of the prefix cache's snapshots
+    note: str
+
+
+GIB = 2**30
+
+
+def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None) -> FastMemoryPlan:
+    """Size the fast path from free GPU memory: the model's whole context when it fits (or `cap`),
+    after a reserve for prefill activations, CUDA graphs and the step kernels' weights, then the
+    prefix cache: `prefix_bytes`, or by default 40% of what remains."""
+    text = model.model
+    dev = next(model.parameters()).device
+    elt = text.embed_tokens.weight.element_size()
+    per_pos = 0
+    for hf in text.layers:
+        attn = hf.self_attn
+        if getattr(attn, "is_kv_shared_layer", False) or getattr(attn, "sliding_window", None):
+            continue
+        if getattr(hf, "attention_type", None) == "sliding_attention":
+            continue
+        kv_heads = model.config.get_text_config().num_attention_heads // attn.num_key_value_groups
+        per_pos += 2 * kv_heads * attn.head_dim * elt
+    per_pos = max(per_pos, 1)
+    free, total = torch.cuda.mem_get_info(dev)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    reserve = 2 * GIB + int(0.05 * total) + weights // 2   # step-kernel copies are a fraction of the weights
+    context = min(max_context, cap or max_context)
+    room = free - reserve
+    if per_pos * context > 0.5 * room:
+        context = max(1024, int(0.5 * room / per_pos) // 1024 * 1024)
+    left = max(0, room - per_pos * context)
+    budget = int(0.4 * left) if prefix_bytes is None else int(prefix_bytes)
+    note = (f"{free / GIB:.1f} GiB free at start-up; static KV {per_pos * context / GIB:.2f} GiB for {context} "
+            f"tokens; reserve {reserve / GIB:.1f} GiB")
+    return FastMemoryPlan(context, budget, note)
+
+
 class FastTarget:
     def __init__(self, model, max_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
                  prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
-                 fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None):
+                 fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None,
+                 prefix_budget_bytes: int = 0, checkpoint_every: int | None = None):
         lm = model
         self.model = model
         text = lm.model
@@ -218,7 +264,16 @@ class FastTarget:
             # so every step shares one compiled kernel per op and stays batch-invariant.
             self.buckets = tuple(sorted({max(2, b) for b in self.buckets}))
             self._build_step_kernels()
+        self.max_step = self.max_bucket
+        self.max_context = self.max_len - self.max_bucket  # a padded step writes up to a bucket past
+        self.first_sliding_source = min((l.index for l in self.layers if l.sliding and l.source == l.index),
+                                        default=-1)
+        from server.fast_prefix import DEFAULT_CHECKPOINT_EVERY, FastPrefixCache
+        self.checkpoint_every = checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+        self.prefix = FastPrefixCache(self, prefix_budget_bytes, self.checkpoint_every)
+        self.notes: list[str] = []
         self.pos = 0
+        self._keep = False
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.timings = StepTimings()
@@ -457,10 +512,14 @@ class FastTarget:
                 return b
         raise ValueError(f"{n} tokens exceed the largest step bucket {self.max_bucket}")
 
+    @property
+    def position(self) -> int:
+        return self.pos
+
     def reset(self) -> None:
-        """Start a request: every slot becomes invisible (positions restart at 0)."""
+        """Forget everything: positions restart at 0, no kept live sequence."""
         self.pos = 0
-        self.slot_pos.fill_(-1)
+        self.prefix.reset()
 
     def rollback(self, n: int) -> None:
         if n < 0 or n > self.pos:
@@ -468,21 +527,41 @@ class FastTarget:
         self.pos -= n
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Reset, run the prompt in chunks (eager, not captured), return the last token's logits."""
+    def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
+        """Begin a sequence (server/backend.py): reuse the longest kept prefix, prefill the rest
+        layer by layer (server/fast_prefill.py), return the last prompt token's logits."""
         if not prompt_ids:
             raise ValueError("empty prompt")
-        self.reset()
-        logits = None
-        for start in range(0, len(prompt_ids), self.chunk):
-            chunk = prompt_ids[start:start + self.chunk]
-            end = start + len(chunk)
-            self._check_room(end)
-            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
-            pos = torch.arange(start, end, device=self.device)
-            logits = self._forward(ids, pos, self._kv_len(end))
+        self._check_room(len(prompt_ids))
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        begin = self.prefix.begin(prompt, reuse)
+        self.pos, self._keep = begin, reuse
+        t0 = time.perf_counter()
+        logits = prefill_layers(self, prompt_ids[begin:], begin, self.prefix.add_checkpoint)
+        self.prefix.note_written(begin, prompt[begin:], len(prompt) - begin)
         self.pos = len(prompt_ids)
-        return logits[-1]
+        self.timings.prefill_s += time.perf_counter() - t0
+        return Prefill(logits, begin)
+
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The last token's logits of `prompt_ids` computed from position 0 (nothing reused or kept)."""
+        return self.start(prompt_ids, reuse=False).logits
+
+    def finish(self, tokens, generated: int) -> None:
+        if len(tokens) != self.pos:
+            raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {self.pos}")
+        self.prefix.finish(self.pos, generated, self._keep)
+
+    def discard(self) -> None:
+        self.prefix.discard()
+
+    def prefix_summary(self) -> dict | None:
+        return self.prefix.summary()
+
+    @property
+    def store(self):
+        """The prefix cache's kept snapshots (None when it is off)."""
+        return self.prefix.store
 
     @torch.no_grad()
     def step(self, ids: list[int]) -> torch.Tensor:
@@ -504,20 +583,17 @@ class FastTarget:
             logits = out
         else:
             logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len, step=True)
+        self.prefix.note_written(self.pos, ids, T)
         self.pos += n
         return logits[:n]
 
     def decode_one(self, token: int) -> torch.Tensor:
         return self.step([token])[0]
 
-    # Acceptance rule (greedy), as in engine.verify: feed [pending, d1..dn]; g_i is the argmax after
-    # d_i (g_0 after pending); d_i is accepted iff d_1..d_i equal g_0..g_{i-1}. With k accepted the
-    # step yields d_1..d_k plus g_k, and the positions of d_{k+1}..d_n are rolled back.
     def verify(self, pending: int, draft: list[int]) -> list[int]:
+        """Verify `draft` after `pending` with server.backend.accept's rule; the accepted tokens + 1."""
         target = self.step([pending, *draft]).argmax(-1).tolist()
-        k = 0
-        while k < len(draft) and draft[k] == target[k]:
-            k += 1
+        k = accept(draft, target)
         self.rollback(len(draft) - k)
         return list(draft[:k]) + [target[k]]
 
@@ -558,6 +634,7 @@ class FastTarget:
         if not self.capture:
             return 0.0
         t0 = time.perf_counter()
+        self.prefix.discard()  # the warm-up writes K/V at arbitrary positions: no live sequence survives it
         saved_pos, saved_slots = self.pos, self.slot_pos.clone()
         if kv_lens is None:
             kv_lens, n = [], self.min_kv_len

@@ -1,7 +1,8 @@
 """Server metrics in the Prometheus text format (`GET /metrics`).
 
 Contract: `Metrics.record(...)` is called once per finished request (from the event loop);
-`Metrics.render(waiting, running)` returns the exposition text. The speculative-decoding counters
+`Metrics.render(waiting, running, prefix)` returns the exposition text (`prefix`: the backend's
+prefix-cache summary, or None when the cache is off). The speculative-decoding counters
 carry the names existing tooling reads (vLLM's, unprefixed): `spec_decode_num_drafts_total`,
 `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`. Latencies are
 histograms in seconds.
@@ -46,6 +47,17 @@ COUNTERS = (
     ("sailfish_generation_tokens_total", "Tokens generated (completion tokens)."),
     ("sailfish_verify_steps_total", "Target forwards that verified a draft."),
     ("sailfish_plain_steps_total", "Target forwards that decoded one token without a draft."),
+    ("sailfish_prefix_cache_hits_total", "Requests whose prompt reused a kept prefix."),
+    ("sailfish_prefix_cache_reused_tokens_total", "Prompt tokens whose KV came from the prefix cache."),
+    ("sailfish_prefix_cache_computed_tokens_total", "Prompt tokens computed (prefilled)."),
+)
+# (name, help, key in the backend's prefix summary) of the prefix cache's gauges
+PREFIX_GAUGES = (
+    ("sailfish_prefix_cache_bytes", "Memory the kept sequences use.", "bytes"),
+    ("sailfish_prefix_cache_budget_bytes", "The prefix cache's memory budget.", "budget_bytes"),
+    ("sailfish_prefix_cache_peak_bytes", "The most memory the kept sequences ever used.", "peak_bytes"),
+    ("sailfish_prefix_cache_entries", "Kept sequences.", "entries"),
+    ("sailfish_prefix_cache_evictions", "Kept sequences evicted to stay within the budget.", "evictions"),
 )
 HISTOGRAMS = (
     ("sailfish_request_latency_seconds", "Time from arrival to the last token."),
@@ -73,13 +85,16 @@ class Metrics:
             c["sailfish_generation_tokens_total"] += stats.completion_tokens
             c["sailfish_verify_steps_total"] += stats.verify_steps
             c["sailfish_plain_steps_total"] += stats.plain_steps
+            c["sailfish_prefix_cache_hits_total"] += stats.cached_tokens > 0
+            c["sailfish_prefix_cache_reused_tokens_total"] += stats.cached_tokens
+            c["sailfish_prefix_cache_computed_tokens_total"] += stats.prompt_tokens - stats.cached_tokens
         for name, value in (("sailfish_request_latency_seconds", latency),
                             ("sailfish_time_to_first_token_seconds", ttft),
                             ("sailfish_queue_wait_seconds", queue_wait)):
             if value is not None:
                 self.histograms[name].observe(value)
 
-    def render(self, waiting: int, running: int) -> str:
+    def render(self, waiting: int, running: int, prefix: dict | None = None) -> str:
         out = ["# HELP sailfish_requests_total Requests finished, by endpoint and outcome.",
                "# TYPE sailfish_requests_total counter"]
         for (endpoint, outcome), n in sorted(self.requests.items()):
@@ -90,6 +105,8 @@ class Metrics:
                                 ("sailfish_requests_running", "Requests the engine is generating.")):
             value = waiting if name.endswith("waiting") else running
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        for name, help_text, key in PREFIX_GAUGES if prefix is not None else ():
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {prefix.get(key, 0)}"]
         for name, help_text in HISTOGRAMS:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"] + self.histograms[name].lines(name)
         return "\n".join(out) + "\n"

@@ -302,9 +302,12 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, sailfish: dict) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, sailfish: dict, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts prompt tokens whose KV
+    came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "sailfish": sailfish}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, "sailfish": sailfish}
 
 
 def chat_completion(rid: str, model: str, message: dict, finish_reason: str, usage: dict) -> dict:
@@ -336,6 +339,9 @@ def completion(rid: str, model: str, created: int, text: str, finish_reason: str
     return body
 
 
-def model_list(model_id: str, created: int) -> dict:
-    return {"object": "list",
-            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "sailfish"}]}
+def model_list(model_id: str, created: int, context_length: int | None = None) -> dict:
+    """The model list; `max_model_len` (vLLM's name) and `context_length` give the served context."""
+    entry = {"id": model_id, "object": "model", "created": created, "owned_by": "sailfish"}
+    if context_length is not None:
+        entry.update(max_model_len=context_length, context_length=context_length)
+    return {"object": "list", "data": [entry]}

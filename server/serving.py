@@ -73,7 +73,10 @@ def load_engine(settings: Settings):
     t0 = time.perf_counter()
     # the cost curve is measured whenever drafting is on: an index may arrive later through a reload
     config = EngineConfig(max_draft=settings.drafter.max_draft, adaptive=settings.adaptive and settings.draft,
-                          max_context=settings.max_context, fast_path=settings.fast_path)
+                          max_context=settings.max_context, fast_path=settings.fast_path,
+                          fast_max_context=settings.fast_max_context, prefix_cache=settings.prefix_cache,
+                          prefix_cache_bytes=None if settings.prefix_cache_mb is None
+                          else settings.prefix_cache_mb * 2**20)
     engine = Engine(target, drafter, config)
     for line in engine.notes:
         log.info("engine: %s", line)
@@ -271,6 +274,7 @@ class Service:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,
+                "context_length": self.engine.max_context, "prefix_cache": self.engine.prefix_summary(),
                 "waiting": self.scheduler.waiting, "running": self.scheduler.running}
 
 
@@ -324,13 +328,13 @@ class _Run:
         s = self.stats
         if s is None:
             return usage_body(len(self.prep.prompt_ids), 0, {})
-        extra = {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+        extra = {"cached_tokens": s.cached_tokens, "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                  "drafts": s.drafts, "verify_steps": s.verify_steps, "plain_steps": s.plain_steps,
                  "acceptance_rate": round(s.accepted_tokens / s.drafted_tokens, 4) if s.drafted_tokens else None,
                  "decode_tokens_per_s": round(s.tokens_per_s, 2),
                  "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
                  "queue_s": round(self.queue_s, 4)}
-        return usage_body(s.prompt_tokens, s.completion_tokens, extra)
+        return usage_body(s.prompt_tokens, s.completion_tokens, extra, s.cached_tokens)
 
 
 async def _watch_disconnect(receive, job) -> None:

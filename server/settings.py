@@ -44,6 +44,15 @@ class Settings:
         "help": "context limit in tokens (default: the model's max_position_embeddings)"})
     adaptive: bool = field(default=True, metadata={
         "help": "decide per step whether a draft pays, from the measured verify cost curve"})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "keep finished sequences' KV and prefill only what a new prompt adds "
+                "(--no-prefix-cache: every prompt from position 0)"})
+    prefix_cache_mb: int | None = field(default=None, metadata={
+        "help": "memory for kept sequences in MiB (default: 20%% of free memory, at most 8 GiB on the CPU; "
+                "on the GPU fast path 40%% of what its static cache leaves)"})
+    fast_max_context: int | None = field(default=None, metadata={
+        "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "
+                "or what GPU memory allows)"})
     fast_path: bool = field(default=True, metadata={
         "help": "on CUDA, Gemma 4: static KV cache and CUDA graphs (--no-fast-path: transformers eager)"})
     watch_index: float = field(default=5.0, metadata={

@@ -120,11 +120,11 @@ def run(engine, prompt, **params):
     return tokens, text, chunks[-1].finish_reason, chunks[-1].stats
 
 
-def engine_for(model, tokenizer=None, drafter=None, **config):
+def engine_for(model, tokenizer=None, drafter=None, backend=None, **config):
     config.setdefault("adaptive", False)  # verify every draft in full: the strictest test
     target = LoadedTarget(model, tokenizer or IdTokenizer(), "test", "none", next(model.parameters()).dtype,
                           torch.device("cpu"), [])
-    return Engine(target, drafter, EngineConfig(**config))
+    return Engine(target, drafter, EngineConfig(**config), backend=backend)
 
 
 def prompts_for(vocab, lengths, seed=0):

@@ -113,8 +113,7 @@ def test_engine_through_fast_path_equals_eager_engine(tiny):
     """The engine's loop on a FastTarget (uncaptured, so it runs on CPU) yields the eager engine's
     tokens, plain and drafted, including prompts longer than the window (8) and rejected drafts."""
     eager = engine_for(tiny)
-    fast = engine_for(tiny)
-    fast.fast = FastTarget(tiny, max_len=256, prefill_chunk=16, capture=False, min_kv_len=16)
+    fast = engine_for(tiny, backend=FastTarget(tiny, max_len=256, prefill_chunk=16, capture=False, min_kv_len=16))
     for seed, plen in ((0, 3), (1, 20), (2, 45)):
         prompt = prompt_of(plen, tiny.config.vocab_size, seed)
         plain, *_ = run(eager, prompt, max_tokens=40, draft=False)

@@ -78,6 +78,9 @@ class ScriptedEngine:
         self.log: list[tuple[str, int, bool]] = []   # (prompt tail, tokens emitted, stopped early)
         self.lock = threading.Lock()
 
+    def prefix_summary(self):
+        return None  # no KV cache to keep
+
     def generate(self, prompt_ids, params, cancelled=None):
         prompt = self.tokenizer.decode(prompt_ids)
         with self.lock:

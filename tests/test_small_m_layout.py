@@ -45,3 +45,16 @@ def test_unsupported_shapes_say_why():
 def test_cpu_fast_target_says_step_kernels_need_cuda():
     fast = FastTarget(tiny_gemma4(seed=1), max_len=64, capture=False)
     assert not fast.step_kernels and "CUDA" in fast.step_kernel_note
+
+
+def test_prefill_dequantization_equals_the_layout():
+    """server/fast_prefill.py turns the step kernels' int4 codes into W^T for its dense GEMMs."""
+    from server.fast_prefill import _dequant_codes
+
+    g = torch.Generator().manual_seed(2)
+    n, k = 96, 3 * BLOCK_K
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
+    offset = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
+    want = SmallMLinear(pack_codes(codes), scale, offset, n, k).dequantize()
+    assert torch.equal(_dequant_codes(pack_codes(codes), scale, offset), want.t())

@@ -1,0 +1,120 @@
+"""The kept sequences of the prefix cache: token ids with their KV, least recently used first out.
+
+Contract: `PrefixStore(budget_bytes)` holds `KeptSequence`s whose `nbytes` sum to at most the
+budget. `best(prompt)` returns the kept sequence sharing the longest common prefix with the prompt
+(and its length); `pop` takes one out (the caller owns its KV now); `put` keeps one, evicting the
+least recently used until the budget holds (a sequence larger than the whole budget is not kept).
+The KV object is opaque here: each backend (server/eager_backend.py, server/fast_path.py) stores
+its own kind and states its size. `record(reused, computed)` counts one request's prompt tokens
+for the statistics that `/metrics`, `/health` and `usage` report.
+
+Why the longest common prefix and not an exact match: an agent resends the whole conversation,
+and a client may re-render the last assistant turn (other whitespace, a normalised tool call), so
+the new prompt leaves the kept sequence somewhere inside its last turn; everything before that
+point is still exact and reused.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class KeptSequence:
+    tokens: np.ndarray   # int32 ids of the positions the KV holds, in order
+    kv: object           # the backend's own state for those positions
+    nbytes: int          # what the KV costs in memory (counted against the budget)
+    generated: int = 0   # how many of the last tokens were generated rather than prompted
+
+
+@dataclass
+class PrefixStats:
+    requests: int = 0
+    hits: int = 0                # requests that reused at least one token
+    reused_tokens: int = 0
+    computed_tokens: int = 0     # prompt tokens prefilled
+    evictions: int = 0
+    peak_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two int arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class PrefixStore:
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self._entries: OrderedDict[int, KeptSequence] = OrderedDict()  # oldest first
+        self._next = 0
+        self.stats = PrefixStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def entries(self) -> list[KeptSequence]:
+        return list(self._entries.values())
+
+    def best(self, prompt: np.ndarray) -> tuple[KeptSequence | None, int]:
+        """The kept sequence with the longest common prefix (most recent on ties), and that length."""
+        best, best_len = None, 0
+        for entry in reversed(self._entries.values()):
+            n = common_prefix(entry.tokens, prompt)
+            if n > best_len:
+                best, best_len = entry, n
+        return best, best_len
+
+    def pop(self, entry: KeptSequence) -> None:
+        for key, e in self._entries.items():
+            if e is entry:
+                del self._entries[key]
+                return
+        raise KeyError("not a kept sequence of this store")
+
+    def touch(self, entry: KeptSequence) -> None:
+        """Mark as just used (moves to the back of the eviction order)."""
+        for key, e in self._entries.items():
+            if e is entry:
+                self._entries.move_to_end(key)
+                return
+
+    def put(self, entry: KeptSequence) -> bool:
+        """Keep `entry`, evicting the least recently used to fit; False when it alone exceeds the budget."""
+        if entry.nbytes > self.budget or len(entry.tokens) == 0:
+            return False
+        while self._entries and self.bytes + entry.nbytes > self.budget:
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
+        self._entries[self._next] = entry
+        self._next += 1
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.bytes)
+        return True
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def record(self, reused: int, computed: int) -> None:
+        s = self.stats
+        s.requests += 1
+        s.hits += reused > 0
+        s.reused_tokens += reused
+        s.computed_tokens += computed
+
+    def summary(self) -> dict:
+        """What /health shows: budget, use, peak, entries, counters."""
+        return {"budget_bytes": self.budget, "bytes": self.bytes, "entries": len(self),
+                **self.stats.as_dict()}
+
