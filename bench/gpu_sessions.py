@@ -88,6 +88,33 @@ def cached_turn_ttft(engine, base, add, turns, vocab, gen=32):
     return out
 
 
+def profile_cached_turn(engine, vocab, add=1000):
+    """One more 1,000-token turn on the live conversation under torch.profiler: the top kernels,
+    and how long dequantizing every int4 weight once takes (printed, for the next optimisation)."""
+    from server.fast_prefill import _dequant
+
+    fast = engine.fast
+    rng = np.random.default_rng(2)
+    live = fast.prefix.tokens[:fast.prefix.live_len].tolist()
+    prompt = live + rng.integers(3, vocab, add).tolist()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        timed_generate(engine, prompt, 1, draft=False)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    lins = [lin for layer in fast.layers if layer.step is not None
+            for lin in (layer.step.qkv, layer.step.o, layer.step.gate_up, layer.step.down,
+                        layer.step.ple_gate, layer.step.ple_proj) if getattr(lin, "int4", False)]
+    deq = _dequant()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for lin in lins:
+        deq(lin.weight, lin.scale, lin.offset)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    print(f"dequantizing {len(lins)} int4 weights once: {seconds * 1e3:.1f} ms", flush=True)
+    return {"dequant_all_ms": seconds * 1e3, "linears": len(lins)}
+
+
 def session_prompts(start, add, turns, vocab, seed):
     """Each turn's new tokens (the first turn's: the whole start); the replies are the model's own."""
     rng = np.random.default_rng(seed)
@@ -112,6 +139,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke test of the whole run)")
+    ap.add_argument("--profile", action="store_true", help="profile one cached turn (printed)")
     args = ap.parse_args(argv)
 
     from bench.gpu_e4b import build_model, make_peaked
@@ -147,13 +175,22 @@ def main(argv=None) -> int:
     print("\n".join(engine.notes), flush=True)
     drafter = NgramDrafter(None)
 
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every section, so a run cut short still leaves what it measured
+        (args.out / "gpu_sessions.json").write_text(json.dumps(res, indent=1, default=str))
+
     lengths = (1024, 8192) if args.quick else (1024, 8192, 32768, 65536)
-    res["prefill"] = prefill_speed(engine, lengths, 2 if args.quick else 3, vocab)
+    res["prefill"] = prefill_speed(engine, lengths, 2, vocab)
+    save()
     base = 8192 if args.quick else 65536
     res["cached_turn"] = cached_turn_ttft(engine, base, 1000, 3 if args.quick else 5, vocab)
+    if args.profile:
+        res["profile"] = profile_cached_turn(engine, vocab)
+    save()
 
     sessions = {"swe": (16384 if not args.quick else 4096, 1000, 4 if args.quick else 10, 64),
-                "claude": (81920 if not args.quick else 8192, 100, 4 if args.quick else 10, 100)}
+                "claude": (81920 if not args.quick else 8192, 100, 4 if args.quick else 6, 100)}
     res["sessions"] = {}
     for name, (start, add, turns, gen) in sessions.items():
         if start + turns * (add + gen) >= engine.max_context:
@@ -178,11 +215,11 @@ def main(argv=None) -> int:
                 "decode_tps_median": statistics.median(x["decode_tps"] for x in r["turns"]),
                 "replies_equal_baseline": f"{same}/{len(base_replies)}", "turns": r["turns"]}
         res["sessions"][name] = {"start": start, "add": add, "gen": gen, "contenders": summary}
+        save()
     res["prefix_cache"] = engine.prefix_summary()
     res["mem_peak_GiB"] = torch.cuda.max_memory_allocated() / GIB
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_sessions.json").write_text(json.dumps(res, indent=1, default=str))
+    save()
     (args.out / "gpu_sessions.md").write_text(render(res))
     print(render(res))
     return 0

@@ -11,6 +11,10 @@ from pathlib import Path
 
 RESULTS = Path("bench/results")
 SECTIONS = [
+    ("Agent sessions on the GPU: Gemma 4 E4B shape, int4, prefix cache (H200)",
+     "python -m bench.gpu_sessions (on the GPU machine)", "gpu_sessions.md", []),
+    ("Agent sessions through the server, bundled model, CPU", "python -m bench.agent_sessions",
+     "agent_sessions.md", ["agent_sessions.png"]),
     ("Drafter and index (issue bars: tau vs prompt lookup, latency, build speed, size, load time)",
      "python -m bench.ngram_bench", "ngram.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",

@@ -239,7 +239,7 @@ class Engine:
         seconds = fast.warmup()
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "
-                          f"{fast.cache_bytes() / 2**30:.2f} GiB; {plan.note}); {fast.step_kernel_note}")
+                          f"{fast.cache_bytes() / 2**30:.2f} GiB; {plan.note}); {fast.step_kernel_note}; {fast.prefill_note}")
         self.notes.append(_prefix_note(plan.prefix_bytes))
         return fast
 

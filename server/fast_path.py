@@ -211,7 +211,8 @@ class FastTarget:
     def __init__(self, model, max_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
                  prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
                  fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None,
-                 prefix_budget_bytes: int = 0, checkpoint_every: int | None = None):
+                 prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
+                 prefill_dense: bool | None = None):
         lm = model
         self.model = model
         text = lm.model
@@ -264,6 +265,8 @@ class FastTarget:
             # so every step shares one compiled kernel per op and stays batch-invariant.
             self.buckets = tuple(sorted({max(2, b) for b in self.buckets}))
             self._build_step_kernels()
+        from server.fast_prefill import keep_dense_weights
+        self.prefill_note = keep_dense_weights(self, prefill_dense) if self.step_kernels else "prefill: model's own layers"
         self.max_step = self.max_bucket
         self.max_context = self.max_len - self.max_bucket  # a padded step writes up to a bucket past
         self.first_sliding_source = min((l.index for l in self.layers if l.sliding and l.source == l.index),
@@ -373,6 +376,16 @@ class FastTarget:
                 slots = max(self.ring if l.sliding else self.max_len for l in self.layers if l.head_dim == d)
                 self.step_attention[d] = StepAttention(layer.kv_heads, self.num_heads // layer.kv_heads, d, slots,
                                                        self.max_bucket, self.device)
+
+    def step_linears(self) -> list:
+        """Every step-kernel linear (empty without step kernels)."""
+        if not self.step_kernels:
+            return []
+        out = [self.lm_head_step] + ([self.ple_model_proj_step] if self.ple_dim else [])
+        for layer in self.layers:
+            out += [p for p in (layer.step.qkv, layer.step.q, layer.step.o, layer.step.gate_up, layer.step.down,
+                                layer.step.ple_gate, layer.step.ple_proj) if p is not None and hasattr(p, "int4")]
+        return out
 
     def _build_rope(self, text, cfg) -> None:
         """cos/sin tables for every position, computed by the HF rotary module itself."""

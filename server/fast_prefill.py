@@ -8,17 +8,19 @@ layers' K/V of positions c-window..c-1 (so a later request can resume at c exact
 last token's logits [vocab]. The cache must already hold positions 0..start-1, the sliding layers'
 last window of them in the ring (the caller's invariant, see server/fast_prefix.py).
 
-Why layer by layer: each layer's weights are turned into one dense bf16 matrix once per call
-(int4 codes dequantized by a compiled kernel) and multiplied with every new row in big cuBLAS
-GEMMs, instead of tinygemm's small-row int4 kernel chunk after chunk; and the KV-shared layers
-(Gemma 4: the last 18 of 42), which write no cache, run for the last token only (as transformers
-does with logits_to_keep). Attention goes through PyTorch's scaled_dot_product_attention in query
-blocks, keys cut to the blocks' reach (the window on sliding layers), so no [T, T] score matrix is
-ever built for a long prompt.
+Why layer by layer: every layer's int4 weights meet all new rows in big cuBLAS GEMMs on a dense
+bf16 W^T (kept once at start-up where memory allows, `keep_dense_weights`, else dequantized per
+call by a compiled kernel), instead of tinygemm's small-row int4 kernel chunk after chunk; and the
+KV-shared layers (Gemma 4: the last 18 of 42), which write no cache, run for the last token only
+(as transformers does with logits_to_keep). Attention is the step forward's math (bf16 products,
+fp32 masked softmax) in query blocks that read only the keys they can see (the window on sliding
+layers), so no [T, T] score matrix is ever built; SDPA's kernels were slower here (its memory-
+efficient kernel at head_dim 512, cuDNN's per-shape plans). No device-to-host syncs: positions
+are host integers.
 
-Numerics: the same math as the step forward (RMSNorm in fp32, the same RoPE tables, fp32 softmax
-inside SDPA), but other kernels, so a token's K/V from a prefill and from a step agree to rounding,
-not bit for bit; tests measure how often that changes a greedy token.
+Numerics: the same math as the step forward (RMSNorm in fp32, the same RoPE tables, fp32 softmax),
+but other kernels, so a token's K/V from a prefill and from a step agree to rounding, not bit for
+bit; tests measure how often that changes a greedy token.
 """
 from __future__ import annotations
 
@@ -43,19 +45,20 @@ def prefill_layers(fast, ids: list[int], start: int, checkpoint) -> torch.Tensor
         ple = ops.ple_inputs(proj, fast.ple_model_proj_scale, _w(fast.ple_norm), fast.ple_norm.eps, tok,
                              fast.ple_input_scale)
     rope = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :]) for s, (c, n) in fast.rope.items()}
-    sources: dict[int, tuple] = {}   # source layer -> (k, v, key positions) for its readers
+    sources: dict[int, tuple] = {}   # source layer -> (k, v, position of the first key) for its readers
     first_shared = next((layer.index for layer in fast.layers if layer.source != layer.index), fast.n_layers)
+    q0 = start                       # position of the first query row (host-side: no device syncs)
     for layer in fast.layers:
         if layer.index == first_shared:  # KV-shared layers write nothing: only the last row matters
-            h, pos, ple = h[-1:], pos[-1:], (ple[-1:] if ple is not None else None)
+            h, ple, q0 = h[-1:], (ple[-1:] if ple is not None else None), end - 1
             rope = {s: (c[-1:], n[-1:]) for s, (c, n) in rope.items()}
-        h = _layer(fast, layer, h, pos, ple, rope[layer.sliding], sources, start, end, checkpoint)
+        h = _layer(fast, layer, h, q0, ple, rope[layer.sliding], sources, start, end, checkpoint)
     x = ops.rms(h[-1:], _w(fast.final_norm), fast.final_norm.eps)
     logits = _rows(fast.lm_head, x)
     return (ops.softcap(logits, fast.softcap) if fast.softcap else logits)[0]
 
 
-def _layer(fast, layer, h, pos, ple, cos_sin, sources, start, end, checkpoint):
+def _layer(fast, layer, h, q0, ple, cos_sin, sources, start, end, checkpoint):
     ops, hf = fast.ops, layer.hf
     attn = hf.self_attn
     T, D = h.shape[0], layer.head_dim
@@ -76,8 +79,8 @@ def _layer(fast, layer, h, pos, ple, cos_sin, sources, start, end, checkpoint):
         k = ops.norm_rope(k_raw.view(T, layer.kv_heads, D), _w(attn.k_norm), attn.k_norm.eps, cos, sin)
         v = ops.rms(v_raw.view(T, layer.kv_heads, D), _w(attn.v_norm), attn.v_norm.eps)
         sources[layer.index] = _store_kv(fast, layer, k.transpose(0, 1), v.transpose(0, 1), start, end, checkpoint)
-    keys, values, kpos = sources[layer.source]
-    a = _attend(q, keys, values, kpos, pos, fast.window if layer.sliding else None, attn.scaling)
+    keys, values, k0 = sources[layer.source]
+    a = _attend(ops, q, keys, values, k0, q0, fast.window if layer.sliding else None, attn.scaling)
     h = ops.residual_norm(h, _rows(lin.o, a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
     x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
     x = _mlp(fast, lin, x)
@@ -110,13 +113,12 @@ def _store_kv(fast, layer, k, v, start, end, checkpoint):
     if not layer.sliding:
         kc[:, start:end].copy_(k)
         vc[:, start:end].copy_(v)
-        return kc[:, :end], vc[:, :end], torch.arange(end, device=dev)
+        return kc[:, :end], vc[:, :end], 0
     # Sliding: the window before `start` comes from the ring, then the new rows.
     lo = max(0, start - fast.window + 1)
     past = torch.arange(lo, start, device=dev)
     keys = torch.cat([kc.index_select(1, past % fast.ring), k], 1)
     values = torch.cat([vc.index_select(1, past % fast.ring), v], 1)
-    kpos = torch.arange(lo, end, device=dev)
     keep = torch.arange(max(start, end - fast.ring), end, device=dev)
     kc.index_copy_(1, keep % fast.ring, keys[:, keep - lo])
     vc.index_copy_(1, keep % fast.ring, values[:, keep - lo])
@@ -124,44 +126,67 @@ def _store_kv(fast, layer, k, v, start, end, checkpoint):
         fast.slot_pos.index_copy_(0, keep % fast.ring, keep)
     every = fast.checkpoint_every
     for c in range((start // every + 1) * every, end + 1, every):
-        rows = torch.arange(max(0, c - fast.window), c, device=dev) - lo
-        if rows.numel() and rows[0] >= 0:
-            checkpoint(c, layer.index, keys[:, rows], values[:, rows])
-    return keys, values, kpos
+        first = max(0, c - fast.window)   # >= lo, since c > start
+        checkpoint(c, layer.index, keys[:, first - lo:c - lo], values[:, first - lo:c - lo])
+    return keys, values, lo
 
 
-def _attend(q, keys, values, kpos, qpos, window, scaling):
-    """softmax(q k^T * scaling) v over keys at positions <= the query's (and > query - window).
-    q [T, H, D]; keys, values [KVH, S, D] at positions kpos (consecutive). Query head h reads KV
-    head h // (H / KVH), as transformers' repeat_kv: the heads of one KV head are folded into the
-    query rows, so the keys are never repeated."""
+def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling):
+    """softmax(q k^T * scaling) v over the keys at positions <= the query's (and > query - window).
+    q [T, H, D] at positions q0..q0+T-1; keys, values [KVH, S, D] at positions k0..k0+S-1. Query
+    head h reads KV head h // (H / KVH), as transformers' repeat_kv (the heads of one KV head are
+    folded into the rows, so keys are never repeated). The same products and fp32 masked softmax
+    as the step forward's `_attention`, one block of queries at a time: a block reads only the keys
+    it can see, and its score matrix stays under SCORE_BUDGET entries."""
     T, H, D = q.shape
     kvh, S = keys.shape[0], keys.shape[1]
     g = H // kvh
-    block = max(64, min(4096, SCORE_BUDGET // max(1, H * S)))
-    out = torch.empty((kvh, g, T, D), dtype=q.dtype, device=q.device)
+    span = lambda rows: rows + window if window else S
+    block = 4096
+    while block > 16 and H * block * span(block) > SCORE_BUDGET:
+        block //= 2
+    dev = q.device
     qg = q.view(T, kvh, g, D).permute(1, 2, 0, 3)                             # [KVH, g, T, D]
-    k0 = int(kpos[0])
-    qlo = int(qpos[0])
+    out = torch.empty((kvh, g, T, D), dtype=q.dtype, device=dev)
     for r in range(0, T, block):
         t = min(block, T - r)
-        first, last = qlo + r, qlo + r + t - 1          # positions are consecutive
+        first, last = q0 + r, q0 + r + t - 1
         hi = last - k0 + 1                               # keys past the block's last query: never visible
         lo = max(0, first - k0 - window + 1) if window else 0
-        kp = kpos[lo:hi]
-        qp = qpos[r:r + t]
+        kp = torch.arange(k0 + lo, k0 + hi, device=dev)
+        qp = torch.arange(first, last + 1, device=dev)
         mask = kp[None, :] <= qp[:, None]
         if window:
             mask &= kp[None, :] > qp[:, None] - window
-        qb = qg[:, :, r:r + t].reshape(1, kvh, g * t, D)
-        o = F.scaled_dot_product_attention(qb, keys[None, :, lo:hi], values[None, :, lo:hi],
-                                           attn_mask=mask.repeat(g, 1)[None, None], scale=scaling)
-        out[:, :, r:r + t] = o.view(kvh, g, t, D)
+        qb = qg[:, :, r:r + t].reshape(kvh, g * t, D)
+        scores = torch.bmm(qb, keys[:, lo:hi].transpose(1, 2)).view(kvh, g, t, hi - lo)
+        probs = ops.masked_softmax(scores, mask, scaling)
+        out[:, :, r:r + t] = torch.bmm(probs.view(kvh, g * t, hi - lo), values[:, lo:hi]).view(kvh, g, t, D)
     return out.permute(2, 0, 1, 3).reshape(T, H * D)
 
 
+def keep_dense_weights(fast, asked: bool | None) -> str:
+    """Keep a dense W^T of every int4 step-kernel weight for prefill (no dequantization per call)
+    when asked, or by default when it takes under a quarter of free GPU memory; a note says which."""
+    lins = [lin for lin in fast.step_linears() if getattr(lin, "int4", False)]
+    if not lins:
+        return "prefill: dense weights as loaded"
+    need = sum(lin.n * lin.k * lin.scale.element_size() for lin in lins)
+    if asked is None:
+        free, _ = torch.cuda.mem_get_info(fast.device) if fast.device.type == "cuda" else (0, 0)
+        asked = need < 0.25 * free
+    if not asked:
+        return f"prefill: int4 weights dequantized per call ({need / 2**30:.2f} GiB dense would not fit)"
+    for lin in lins:
+        lin.prefill_weight = _dequant_codes(lin.weight, lin.scale, lin.offset)
+    return f"prefill: dense bf16 copy of the int4 weights kept for prefill GEMMs ({need / 2**30:.2f} GiB)"
+
+
 def _rows(lin, x: torch.Tensor) -> torch.Tensor:
-    """lin(x) for many rows: one dense GEMM on the layer's weight, dequantized for this call."""
+    """lin(x) for many rows: one dense GEMM on the layer's weight (int4: dequantized)."""
+    dense = getattr(lin, "prefill_weight", None)
+    if dense is not None:
+        return x @ dense
     if getattr(lin, "int4", False):      # a step-kernel SmallMLinear on int4 codes: W^T [K, N] once
         return x @ _dequant()(lin.weight, lin.scale, lin.offset)
     if getattr(lin, "weight", None) is not None and getattr(lin, "packed", None) is None:
