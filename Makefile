@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 SPEEDUPS := .venv/.speedups-built
 PORT    ?= 22343
 
-.PHONY: venv test test-fast index serve bench bench-quick bench-full clean
+.PHONY: venv test test-fast index serve bench bench-quick bench-full fuzz clean
 
 venv: $(SPEEDUPS)
 
@@ -28,6 +28,10 @@ test: $(SPEEDUPS)
 
 test-fast: $(SPEEDUPS)
 	$(PY) -m pytest -q -m "not slow"
+
+# 10,000 hostile requests against a real server on the bundled model: no 5xx, memory steady (bench/fuzz.py).
+fuzz: $(SPEEDUPS)
+	$(PY) -m bench.fuzz --requests 10000
 
 index: $(SPEEDUPS)
 	$(PY) -m index build

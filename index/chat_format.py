@@ -32,7 +32,7 @@ Built-in Gemma 4 rendering rules (all of them live in this module; `_render` app
 """
 from __future__ import annotations
 
-import functools
+import collections
 import json
 import re
 from dataclasses import dataclass, field
@@ -48,11 +48,16 @@ END_MARKERS = (TURN_CLOSE, RESP_OPEN, "<end_of_turn>", "<eos>")
 # ---------------------------------------------------------------- the value syntax
 
 
-def format_value(value: Any) -> str:
+MAX_VALUE_DEPTH = 64  # deeper values are refused (ValueError) instead of exhausting the recursion limit
+
+
+def format_value(value: Any, depth: int = 0) -> str:
+    if depth > MAX_VALUE_DEPTH:
+        raise ValueError(f"a value nested deeper than {MAX_VALUE_DEPTH} levels")
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{format_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{format_value(v, depth + 1)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(format_value(v) for v in value) + "]"
+        return "[" + ",".join(format_value(v, depth + 1) for v in value) + "]"
     if isinstance(value, str):
         return QUOTE + value + QUOTE
     if value is None:
@@ -62,13 +67,29 @@ def format_value(value: Any) -> str:
     return json.dumps(value)
 
 
+def json_depth(value: Any, limit: int = MAX_VALUE_DEPTH) -> int:
+    """Nesting depth of decoded JSON (iterative: no recursion), counted up to `limit` + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _as_object(text: str | None) -> dict:
-    """A JSON-object string as a dict; anything else wrapped as {"value": ...}."""
+    """A JSON-object string as a dict; anything else (or JSON nested deeper than MAX_VALUE_DEPTH)
+    wrapped as {"value": ...}."""
     if not text:
         return {}
     try:
         parsed = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
+        return {"value": text}
+    if json_depth(parsed) >= MAX_VALUE_DEPTH:
         return {"value": text}
     return parsed if isinstance(parsed, dict) else {"value": parsed}
 
@@ -256,14 +277,44 @@ def _declaration(tool: dict) -> str:
     runs in C, several times faster than format_value)."""
     try:
         key = json.dumps(tool)
-    except (TypeError, ValueError):  # not JSON-shaped: render it directly
+    except (TypeError, ValueError, RecursionError):  # not JSON-shaped: render it directly
         return _render_declaration(tool)
-    return _declaration_of_json(key)
+    hit = _DECLARATIONS.get(key)
+    if hit is None:
+        hit = _render_declaration(tool)
+        _DECLARATIONS.put(key, hit)
+    return hit
 
 
-@functools.lru_cache(maxsize=1024)  # a few hundred tools at most in real traces; schemas can be large
-def _declaration_of_json(tool_json: str) -> str:
-    return _render_declaration(json.loads(tool_json))
+class _ByteBoundedCache:
+    """An LRU of rendered declarations bounded in bytes (keys and values counted as characters).
+    A declaration larger than `max_entry` is never cached: one huge schema (a request likely to be
+    refused for its length anyway) cannot evict the useful ones or hold memory."""
+
+    def __init__(self, max_bytes: int, max_entry: int):
+        self.max_bytes, self.max_entry = max_bytes, max_entry
+        self.entries: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: str) -> str | None:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: str) -> None:
+        size = len(key) + len(value)
+        if size > self.max_entry or key in self.entries:
+            return
+        self.entries[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            old_key, old_value = self.entries.popitem(last=False)
+            self.bytes -= len(old_key) + len(old_value)
+
+
+# Real traces repeat a few hundred tool schemas; 16 MB holds them, 256 KB is a very large schema.
+_DECLARATIONS = _ByteBoundedCache(16 * 2**20, 256 * 2**10)
 
 
 def _render_declaration(tool: dict) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -26,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, model_list
+from server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest, CompletionRequest, error_body,
+                             model_list, parse_body)
 from server.serving import Service
 
 log = logging.getLogger("sailfish.app")
@@ -38,11 +38,19 @@ def _error(status: int, message: str, type: str, param=None, code=None) -> JSONR
 
 
 async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from e
+    """The decoded body (server.protocol.parse_body), read no further than its size limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {MAX_BODY_BYTES}", None,
+                       "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes", None,
+                           "request_too_large")
+        chunks.append(chunk)
+    return parse_body(b"".join(chunks))
 
 
 def _respond(result) -> Response:
@@ -51,9 +59,10 @@ def _respond(result) -> Response:
     return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
-def _guarded(handler):
+def _guarded(handler, metrics=None):
     """Answer APIError and any unexpected exception in the error shape. Handled here rather than by
-    Starlette's server-error middleware, which re-raises and makes uvicorn drop the connection."""
+    Starlette's server-error middleware, which re-raises and makes uvicorn drop the connection. An
+    unexpected exception is logged with its traceback and counted (`sailfish_internal_errors_total`)."""
     async def route(request: Request) -> Response:
         try:
             return await handler(request)
@@ -61,6 +70,8 @@ def _guarded(handler):
             return JSONResponse(e.body(), status_code=e.status)
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.url.path)
+            if metrics is not None:
+                metrics.internal_error()
             return _error(500, "internal server error (details are in the server log)", "server_error",
                           code="internal_error")
     return route
@@ -106,13 +117,14 @@ def create_app(service: Service) -> Starlette:
         finally:
             service.scheduler.stop()
 
+    guard = lambda handler: _guarded(handler, service.metrics)
     routes = [
-        Route("/v1/models", _guarded(models), methods=["GET"]),
-        Route("/v1/chat/completions", _guarded(chat_completions), methods=["POST"]),
-        Route("/v1/completions", _guarded(completions), methods=["POST"]),
-        Route("/health", _guarded(health), methods=["GET"]),
-        Route("/metrics", _guarded(metrics), methods=["GET"]),
-        Route("/admin/reload-index", _guarded(reload_index), methods=["POST"]),
+        Route("/v1/models", guard(models), methods=["GET"]),
+        Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guard(completions), methods=["POST"]),
+        Route("/health", guard(health), methods=["GET"]),
+        Route("/metrics", guard(metrics), methods=["GET"]),
+        Route("/admin/reload-index", guard(reload_index), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})

@@ -47,6 +47,7 @@ COUNTERS = (
     ("sailfish_generation_tokens_total", "Tokens generated (completion tokens)."),
     ("sailfish_verify_steps_total", "Target forwards that verified a draft."),
     ("sailfish_plain_steps_total", "Target forwards that decoded one token without a draft."),
+    ("sailfish_internal_errors_total", "Requests answered with a 500 (an unexpected exception, logged)."),
     ("sailfish_prefix_cache_hits_total", "Requests whose prompt reused a kept prefix."),
     ("sailfish_prefix_cache_reused_tokens_total", "Prompt tokens whose KV came from the prefix cache."),
     ("sailfish_prefix_cache_computed_tokens_total", "Prompt tokens computed (prefilled)."),
@@ -93,6 +94,9 @@ class Metrics:
                             ("sailfish_queue_wait_seconds", queue_wait)):
             if value is not None:
                 self.histograms[name].observe(value)
+
+    def internal_error(self) -> None:
+        self.counters["sailfish_internal_errors_total"] += 1
 
     def render(self, waiting: int, running: int, prefix: dict | None = None) -> str:
         out = ["# HELP sailfish_requests_total Requests finished, by endpoint and outcome.",

@@ -12,13 +12,21 @@ return plain dicts shaped like OpenAI's responses and stream chunks.
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from index.chat_format import MAX_VALUE_DEPTH, json_depth
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_BODY_BYTES = 32 * 2**20   # a request body past this gets a 413 (an 80k-token conversation is ~0.4 MB)
+MAX_JSON_DEPTH = MAX_VALUE_DEPTH  # nesting of the body, and of any JSON string inside it (tool arguments)
+SEED_RANGE = (-2**63, 2**64 - 1)
+SAMPLING_EPS = 1e-5           # a temperature below this is greedy decoding (as vLLM), not a division by ~0
 # Tool names end up inside `call:NAME{` in the Gemma 4 format: no whitespace, braces or angle brackets.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
@@ -39,6 +47,34 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def _bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def parse_body(raw: bytes) -> Any:
+    """The decoded JSON of a request body, or an APIError: 413 past MAX_BODY_BYTES, 400 for invalid
+    JSON or nesting deeper than MAX_JSON_DEPTH."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", None,
+                       "request_too_large")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _bad(f"the request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", None,
+                   "too_deep") from None
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from e
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise _bad(f"the request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", None, "too_deep")
+    return body
+
+
+def _finite(name: str, value: Any) -> float:
+    try:
+        x = float(value)
+    except OverflowError:
+        raise _bad(f"'{name}' is out of range", name) from None
+    if not math.isfinite(x):
+        raise _bad(f"'{name}' must be a finite number", name)
+    return x
 
 
 # ---------------------------------------------------------------- field readers
@@ -78,13 +114,18 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _sampling(body: dict) -> tuple[float, int | None]:
-    temperature = float(_opt(body, "temperature", (int, float), 0.0, "a number"))
+    temperature = _finite("temperature", _opt(body, "temperature", (int, float), 0.0, "a number"))
     if not 0.0 <= temperature <= 2.0:
         raise _bad(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
+    if temperature < SAMPLING_EPS:
+        temperature = 0.0
     n = _opt(body, "n", int, 1, "an integer")
     if n != 1:
         raise _bad("only n=1 is supported", "n", "unsupported_value")
-    return temperature, _opt(body, "seed", int, None, "an integer")
+    seed = _opt(body, "seed", int, None, "an integer")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise _bad("'seed' must fit in 64 bits", "seed")
+    return temperature, seed
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -124,8 +165,23 @@ def _tool_call(call: Any, where: str) -> dict:
         arguments = "{}"
     if not isinstance(arguments, str):
         raise _bad(f"{where}: function.arguments must be a JSON string", where, "invalid_type")
+    if _string_too_deep(arguments):
+        raise _bad(f"{where}: function.arguments is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)",
+                   where, "too_deep")
     return {"id": str(call.get("id") or f"call_{uuid.uuid4().hex[:24]}"), "type": "function",
             "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def _string_too_deep(text: str) -> bool:
+    """Whether a JSON string nests deeper than MAX_JSON_DEPTH (a cheap bracket count first)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    try:
+        return json_depth(json.loads(text)) > MAX_JSON_DEPTH
+    except RecursionError:
+        return True
+    except ValueError:
+        return False  # not JSON: rendered as a string
 
 
 def parse_messages(raw: Any) -> list[dict]:
@@ -278,6 +334,8 @@ class CompletionRequest:
             raise APIError(400, "Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
         if not (isinstance(prompt, str) and prompt) and not is_ids:
             raise _bad("'prompt' must be a non-empty string or token id array (batches of one only)", "prompt")
+        if is_ids and min(prompt) < 0:
+            raise _bad("token ids in 'prompt' must not be negative", "prompt")
         if body.get("echo"):
             raise _bad("echo is not supported", "echo", "unsupported_value")
         if body.get("logprobs") is not None:

@@ -112,6 +112,7 @@ def _sse_errors(stream):
             yield _sse(e.body())
         except Exception:
             log.exception("stream %s failed", rid)
+            self.metrics.internal_error()
             yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
         finally:
             await inner.aclose()  # a client that went away closes us: cancel the generation now
@@ -158,7 +159,7 @@ class Service:
         text = fmt.render_prompt(messages, offered) + forced
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
-        self._check_context(len(prompt_ids), "messages")
+        self._check_context(len(prompt_ids), "messages", req.max_tokens)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
                                   temperature=req.temperature, seed=req.seed)
@@ -228,7 +229,11 @@ class Service:
     async def complete(self, req: CompletionRequest, receive=None) -> dict | AsyncIterator[str]:
         tok = self.engine.tokenizer
         prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
-        self._check_context(len(prompt_ids), "prompt")
+        vocab = getattr(self.engine, "vocab_size", None)
+        if isinstance(req.prompt, list) and vocab is not None and max(prompt_ids) >= vocab:
+            raise APIError(400, f"token id {max(prompt_ids)} in 'prompt' is outside the vocabulary (0..{vocab - 1})",
+                           "prompt", "invalid_value")
+        self._check_context(len(prompt_ids), "prompt", req.max_tokens)
         params = GenerationParams(max_tokens=req.max_tokens, stop_token_ids=frozenset(), stop_strings=req.stop,
                                   draft=True, temperature=req.temperature, seed=req.seed)
         prep = _Prepared(prompt_ids, params, "", [], False)
@@ -252,11 +257,16 @@ class Service:
 
     # ------------------------------------------------------------ helpers
 
-    def _check_context(self, n_prompt: int, param: str) -> None:
+    def _check_context(self, n_prompt: int, param: str, max_tokens: int | None = None) -> None:
+        """A prompt must leave room for one generated token; a max_tokens beyond the whole context can
+        never be honoured (up to it, generation stops at the context's end with finish_reason length)."""
         limit = self.engine.max_context
         if n_prompt >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                                 f"{n_prompt} tokens. Shorten the {param}.", param, "context_length_exceeded")
+        if max_tokens is not None and max_tokens > limit:
+            raise APIError(400, f"max_tokens is {max_tokens}, more than this model's context of {limit} tokens.",
+                           "max_tokens", "invalid_value")
 
     def _capture(self, req: ChatCompletionRequest, prep: _Prepared, message: dict) -> None:
         if self.trace_log is None:

@@ -426,3 +426,51 @@ def test_settings_cli():
     assert s.drafter.max_draft == 5 and s.drafter.confidence_cutoff == 0.5 and s.drafter.use_context is False
     d = Settings.from_args([])
     assert (d.host, d.port, d.draft, d.trace_log) == ("127.0.0.1", 22343, True, True)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("raw,status,code", [
+    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "too_deep"),          # past the C decoder's limit
+    (b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}", 400, "too_deep"),              # past ours (64)
+    (json.dumps({"messages": HI, "seed": 2**70}).encode(), 400, "invalid_value"),
+    (json.dumps({"messages": HI, "temperature": 10**400}).encode(), 400, "invalid_value"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "invalid_value"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400, "invalid_value"),
+    (json.dumps({"messages": HI, "max_tokens": 10**30}).encode(), 400, "invalid_value"),
+    (json.dumps({"messages": HI + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 3000 + "]" * 3000}}]}]}).encode(), 400, "too_deep"),
+])
+def test_hostile_bodies_get_a_4xx(server, raw, status, code):
+    r = httpx.post(server[2] + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_oversized_body_is_a_413_and_deep_tool_results_render_as_text(server):
+    from server.protocol import MAX_BODY_BYTES
+
+    r = httpx.post(server[2] + "/v1/chat/completions", content=b"x" * (MAX_BODY_BYTES + 1),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    deep = "{\"a\":" * 500 + "1" + "}" * 500   # a tool's output is text: kept as a string
+    r = httpx.post(server[2] + "/v1/chat/completions", json={"model": "m", "messages": HI + [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": deep}]})
+    assert r.status_code == 200, r.text
+
+
+def test_tiny_temperature_is_greedy_and_token_ids_are_checked():
+    from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+    assert ChatCompletionRequest.parse({"messages": HI, "temperature": 1e-320}).temperature == 0.0
+    with pytest.raises(APIError):
+        CompletionRequest.parse({"prompt": [5, -1]})
+    engine = ScriptedEngine()
+    engine.vocab_size = 300
+    service, thread = _serve(engine)
+    with thread as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": [2, 300], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert httpx.post(url + "/v1/completions", json={"prompt": [2, 299], "max_tokens": 2}).status_code == 200
