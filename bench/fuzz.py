@@ -254,13 +254,16 @@ def _disconnect(base_url: str, probe: Probe) -> None:
             pass
 
 
-def run_fuzz(base_url: str, n: int, seed: int = 0, api_key: str | None = None) -> FuzzReport:
+def run_fuzz(base_url: str, n: int, seed: int = 0, api_key: str | None = None, progress_every: int = 0) -> FuzzReport:
     report = FuzzReport()
     headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {api_key}"} if api_key else {})
     t0 = time.perf_counter()
     with httpx.Client(base_url=base_url, timeout=TIMEOUT_S, headers=headers) as client:
         for probe, _ in zip(hostile_requests(seed), range(n)):
             report.sent += 1
+            if progress_every and report.sent % progress_every == 0:
+                print(f"{report.sent}/{n} probes, {time.perf_counter() - t0:.0f} s, "
+                      f"{len(report.server_errors)} 5xx, {len(report.hangs)} hangs", flush=True)
             if probe.disconnect:
                 try:
                     _disconnect(base_url, probe)
@@ -305,16 +308,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=500, help="probes before the first memory reading")
+    ap.add_argument("--warmup", type=int, default=1000, help="probes before the first memory reading")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--prefix-cache-mb", type=int, default=256,
+                    help="the server's prefix cache budget (bounded, so resident memory reaches its level early)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fuzz.md")
     args = ap.parse_args(argv)
     from server.app import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "server", "--port", str(port), "--no-trace-log", "--default-max-tokens", "4",
-           "--watch-index", "0", "--no-adaptive", "--max-context", "2048"] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           "--watch-index", "0", "--no-adaptive", "--max-context", "2048", "--prefix-cache-mb",
+           str(args.prefix_cache_mb)] + (["--model", args.model] if args.model else [])
+    log_path = ROOT / "bench" / "results" / "tmp" / "fuzz-server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "w")   # a file, not a pipe: a full pipe would stall the server
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
@@ -325,11 +334,11 @@ def main(argv=None) -> int:
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start:\n{proc.stderr.read()[-3000:]}")
+                raise SystemExit(f"the server did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(1)
         warm = run_fuzz(base, args.warmup, seed=args.seed + 1)
         rss_warm = _rss_mb(proc.pid)
-        report = run_fuzz(base, args.requests, seed=args.seed)
+        report = run_fuzz(base, args.requests, seed=args.seed, progress_every=500)
         rss_end = _rss_mb(proc.pid)
         errors = httpx.get(base + "/metrics").text
         internal = next((line.split()[-1] for line in errors.splitlines()
@@ -340,6 +349,7 @@ def main(argv=None) -> int:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log_file.close()
     s = report.summary()
     lines = ["# Fuzzing the server (bundled model)", "",
              f"`python -m bench.fuzz --requests {args.requests} --seed {args.seed}`: {s['sent']} probes in "
@@ -348,7 +358,8 @@ def main(argv=None) -> int:
              f"{s['hangs'] + len(warm.hangs)}; `sailfish_internal_errors_total` {internal}",
              f"- a normal request served afterwards: {s['served_after']}",
              f"- resident memory: {rss_warm:.0f} MB after the warm-up, {rss_end:.0f} MB after the run "
-             f"({(rss_end / rss_warm - 1) * 100:+.1f}%)", "", "| category | responses |", "|---|---|"]
+             f"({(rss_end / rss_warm - 1) * 100:+.1f}%); bounds: prefix cache {args.prefix_cache_mb} MiB, "
+             "tool declarations 16 MB, request bodies 32 MiB, context 2,048 tokens", "", "| category | responses |", "|---|---|"]
     for kind, counts in s["by_kind"].items():
         lines.append(f"| {kind} | " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=str)) + " |")
     for kind, status, text, req in report.server_errors[:20]:

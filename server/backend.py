@@ -62,33 +62,56 @@ def accept(draft: list[int], target: list[int]) -> int:
 
 @torch.no_grad()
 def measure_cost_curve(backend: Backend, vocab: int, max_tokens: int = 16, context_len: int = 256,
-                       repeats: int = 3, points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)) -> np.ndarray:
+                       rounds: int = 5, points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
+                       progress=None) -> np.ndarray:
     """Forward time for n new tokens on a `context_len` cache, relative to n = 1, through `backend`.
 
-    Each length is timed `repeats` times after a warm-up and the fastest run kept: on a shared
-    machine interference only ever adds time. The lengths in `points` (plus max_tokens) are measured
-    and the rest interpolated linearly; the curve is kept as measured (on CPU fp32 a 2-token forward
-    can cost more than a 4-token one, and the rule should see that). Returns cost[0..max_tokens].
-    Nothing measured here is kept in the prefix cache.
+    Robust on a busy machine: the lengths in `points` (plus max_tokens) are timed in interleaved
+    rounds (every length once per round, after one warm-up round), so a burst of load hits all of
+    them alike; each length's statistic is its median over the rounds; the relative costs are then
+    fitted non-decreasing in n (pool-adjacent-violators: a longer forward never costs less) and at
+    least 1, and interpolated between the points. `progress(message)` hears when it starts and
+    about how long it will take. Nothing measured here is kept in the prefix cache.
+    Returns cost[0..max_tokens], cost[1] == 1.
     """
     gen = torch.Generator().manual_seed(0)
     backend.start(torch.randint(3, vocab, (context_len,), generator=gen).tolist(), reuse=False)
     pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
-    timings = {}
+    ids = {n: torch.randint(3, vocab, (n,), generator=gen).tolist() for n in pts}
+    samples: dict[int, list[float]] = {n: [] for n in pts}
     try:
-        for n in pts:
-            ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-            samples = []
-            for r in range(repeats + 1):  # the first run of each shape is a warm-up
+        for r in range(rounds + 1):  # round 0 warms every shape up and is not kept
+            t_round = time.perf_counter()
+            for n in pts:
                 t0 = time.perf_counter()
-                backend.step(ids).argmax(-1).cpu()
+                backend.step(ids[n]).argmax(-1).cpu()
                 if r:
-                    samples.append(time.perf_counter() - t0)
+                    samples[n].append(time.perf_counter() - t0)
                 backend.rollback(n)
-            timings[n] = min(samples)
+            if r == 0 and progress is not None:
+                est = (time.perf_counter() - t_round) * rounds
+                progress(f"measuring the verify cost curve: {rounds} rounds of {len(pts)} forward sizes, "
+                         f"about {est:.0f} s")
     finally:
         backend.discard()
-    rel = np.interp(np.arange(max_tokens + 1), pts, [timings[p] / timings[1] for p in pts])
-    rel[0] = 0.0
-    rel[1] = 1.0
-    return rel
+    base = float(np.median(samples[1]))
+    rel = monotone_fit([max(1.0, float(np.median(samples[n])) / base) for n in pts])
+    curve = np.interp(np.arange(max_tokens + 1), pts, rel)
+    curve[0] = 0.0
+    curve[1] = 1.0
+    return curve
+
+
+def monotone_fit(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out += [s / c] * c
+    return out

@@ -26,8 +26,10 @@ emitted), `cached_tokens` = prompt tokens reused from the prefix cache.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
@@ -36,6 +38,8 @@ import torch
 from ngram.draft import Draft
 from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
+
+log = logging.getLogger("sailfish.engine")
 
 
 class DrafterSession(Protocol):
@@ -100,6 +104,8 @@ class EngineConfig:
                                           # context, or what GPU memory allows)
     prefix_cache: bool = True             # keep finished sequences and reuse shared prefixes
     prefix_cache_bytes: int | None = None # budget for kept sequences (None: sized from free memory)
+    cost_cache: Path | None = None        # where measured cost curves are kept (None: measure, keep none)
+    remeasure_cost: bool = False          # measure even when a curve for these conditions is kept
 
 
 # ---------------------------------------------------------------- text: deltas and stop strings
@@ -177,15 +183,38 @@ class Engine:
         if not self.config.adaptive:
             self.policy = flat_policy(self.config.max_draft)
         else:
-            curve = self.config.cost_curve
-            if curve is None:
-                curve = measure_cost_curve(self.backend, self.vocab_size, self.config.max_draft + 1,
-                                           self.config.cost_context)
+            curve = self.config.cost_curve if self.config.cost_curve is not None else self._cost_curve(target)
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
                                              "accepted_tokens", "verify_steps", "plain_steps", "probes",
                                              "cached_tokens")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0)
+
+    def _cost_curve(self, target) -> np.ndarray:
+        """The verify cost curve: kept from an earlier start under the same conditions, else measured
+        (and kept when `cost_cache` is set). The notes say which."""
+        from server.cost_cache import CostCurveCache, conditions
+
+        cfg = self.config
+        device = next(self.model.parameters()).device
+        cond = conditions(self.model_id, device, next(self.model.parameters()).dtype, type(self.backend).__name__,
+                          cfg.max_draft + 1, cfg.cost_context)
+        cache = CostCurveCache(cfg.cost_cache) if cfg.cost_cache is not None else None
+        if cache is not None and not cfg.remeasure_cost:
+            kept = cache.get(cond)
+            if kept is not None:
+                self.notes.append(f"verify cost curve: kept from an earlier start ({cfg.cost_cache.name}; "
+                                  "--remeasure-cost to measure again)")
+                return kept
+        t0 = time.perf_counter()
+        curve = measure_cost_curve(self.backend, self.vocab_size, cfg.max_draft + 1, cfg.cost_context,
+                                   progress=lambda message: log.info("%s", message))
+        seconds = time.perf_counter() - t0
+        self.notes.append(f"verify cost curve: measured in {seconds:.1f} s" +
+                          (f", kept in {cfg.cost_cache}" if cache is not None else ""))
+        if cache is not None:
+            cache.put(cond, curve, seconds)
+        return curve
 
     @property
     def fast(self):

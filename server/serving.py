@@ -43,6 +43,7 @@ log = logging.getLogger("sailfish.serving")
 
 def load_engine(settings: Settings):
     """(engine, drafter note) for the CLI: load the target, the index, the drafter; log each choice."""
+    from index.bundled_model import cache_root
     from index.sources import default_index_dir
     from index.tokenizer import tokenizer_fingerprint
     from ngram.drafter import NgramDrafter
@@ -76,14 +77,15 @@ def load_engine(settings: Settings):
                           max_context=settings.max_context, fast_path=settings.fast_path,
                           fast_max_context=settings.fast_max_context, prefix_cache=settings.prefix_cache,
                           prefix_cache_bytes=None if settings.prefix_cache_mb is None
-                          else settings.prefix_cache_mb * 2**20)
+                          else settings.prefix_cache_mb * 2**20,
+                          cost_cache=cache_root() / "cost-curves.json", remeasure_cost=settings.remeasure_cost)
     engine = Engine(target, drafter, config)
     for line in engine.notes:
         log.info("engine: %s", line)
     cost = getattr(getattr(engine, "policy", None), "cost", None)
     if cost is not None and settings.adaptive and settings.draft:
         curve = " ".join(f"{n}:{c:.2f}" for n, c in enumerate(cost) if n >= 1)
-        log.info("verify cost curve (forward time for n new tokens / 1 token, measured in %.1f s): %s",
+        log.info("verify cost curve (forward time for n new tokens / 1 token; engine ready in %.1f s): %s",
                  time.perf_counter() - t0, curve)
     log.info("context limit %d tokens", engine.max_context)
     return engine, note

@@ -53,6 +53,8 @@ class Settings:
     fast_max_context: int | None = field(default=None, metadata={
         "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "
                 "or what GPU memory allows)"})
+    remeasure_cost: bool = field(default=False, metadata={
+        "help": "measure the verify cost curve again even if one was kept for this model, device and path"})
     fast_path: bool = field(default=True, metadata={
         "help": "on CUDA, Gemma 4: static KV cache and CUDA graphs (--no-fast-path: transformers eager)"})
     watch_index: float = field(default=5.0, metadata={

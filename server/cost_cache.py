@@ -1,0 +1,57 @@
+"""Measured verify cost curves, kept on disk so that a restart does not measure again.
+
+Contract: `CostCurveCache(path)` maps the conditions of a measurement (model, device, dtype,
+backend path, forward sizes, context, torch version, threads: `conditions(...)`) to the curve
+measured under them. `get(conditions)` returns the kept curve or None; `put(conditions, curve,
+seconds)` keeps one. The file is JSON, written atomically (a temporary file, then a rename); a
+file that cannot be read is treated as empty and replaced on the next `put`. A curve is used only
+when every condition matches exactly: a new device, dtype, path or thread count measures again,
+and so does `--remeasure-cost`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def conditions(model_id: str, device: torch.device, dtype, backend: str, max_tokens: int, context: int) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{os.cpu_count()}"
+    return {"model": model_id, "device": name, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
+            "max_tokens": int(max_tokens), "context": int(context), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+class CostCurveCache:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def _read(self) -> list:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, list) else []
+        except (OSError, ValueError):
+            return []
+
+    def get(self, cond: dict) -> np.ndarray | None:
+        for entry in self._read():
+            if isinstance(entry, dict) and entry.get("conditions") == cond:
+                curve = entry.get("curve")
+                if isinstance(curve, list) and len(curve) == cond["max_tokens"] + 1:
+                    return np.asarray(curve, dtype=np.float64)
+        return None
+
+    def put(self, cond: dict, curve: np.ndarray, seconds: float) -> None:
+        entries = [e for e in self._read() if isinstance(e, dict) and e.get("conditions") != cond]
+        entries.append({"conditions": cond, "curve": [round(float(c), 4) for c in curve],
+                        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(seconds, 1)})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cost-curves.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries[-64:], f, indent=1)
+        os.replace(tmp, self.path)
