@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from ngram.index_file import BuildParams
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         meta = {k: v for k, v in idx.meta.items() if k not in ("sources", "files")}
         for k, v in meta.items():
+            if k == "created" and isinstance(v, (int, float)):
+                v = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(v))
             print(f"{k}: {v}")
         print(f"sources: {len(idx.meta.get('sources', {}))}")
         return 0

@@ -32,7 +32,7 @@ is worth verifying at all is the engine's decision (its cost model), not the dra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,19 +53,19 @@ from ngram.match import (
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    max_draft: int = 16             # longest draft proposed
-    min_draft: int = 2              # the adaptive limit never drops below this
-    grow: int = 2                   # added to the limit after a fully accepted draft
-    min_match: int = 2              # shortest suffix match that may propose
-    trusted_match: int = 6          # a full draft matching this many tokens ends the search of sources
-    max_match: int = 16             # longest suffix considered (index keys bound it too)
-    confidence_cutoff: float = 0.3  # stop where the cumulative confidence would fall below this
-    scan_limit: int = 16            # index keys examined per continuation (the heaviest first)
-    context_window: int = 4096      # how far back (tokens) the live-context lookup searches
-    context_occurrences: int = 8    # most recent context occurrences that vote
-    overlay_tokens: int = 262_144   # online overlay of served completions (0: off)
-    use_index: bool = True
-    use_context: bool = True
+    max_draft: int = field(default=16, metadata={"help": 'longest draft proposed'})
+    min_draft: int = field(default=2, metadata={"help": 'the adaptive limit never drops below this'})
+    grow: int = field(default=2, metadata={"help": 'added to the limit after a fully accepted draft'})
+    min_match: int = field(default=2, metadata={"help": 'shortest suffix match that may propose'})
+    trusted_match: int = field(default=6, metadata={"help": 'a full draft matching this many tokens ends the search of sources'})
+    max_match: int = field(default=16, metadata={"help": 'longest suffix considered (index keys bound it too)'})
+    confidence_cutoff: float = field(default=0.3, metadata={"help": 'stop where the cumulative confidence would fall below this'})
+    scan_limit: int = field(default=16, metadata={"help": 'index keys examined per continuation (the heaviest first)'})
+    context_window: int = field(default=4096, metadata={"help": 'how far back (tokens) the live-context lookup searches'})
+    context_occurrences: int = field(default=8, metadata={"help": 'most recent context occurrences that vote'})
+    overlay_tokens: int = field(default=262_144, metadata={"help": 'online overlay of served completions (0: off)'})
+    use_index: bool = field(default=True, metadata={"help": 'propose from the n-gram index (--no-use-index: context and overlay only)'})
+    use_context: bool = field(default=True, metadata={"help": "propose from the request's own context (--no-use-context: index and overlay only)"})
 
 
 # A source's proposal before it becomes a Draft: (encoded tokens, cumulative confidences, source, match length).

@@ -71,7 +71,7 @@ class Settings:
                 _add_flag(p, f.name, f.type, f.default, f.metadata.get("help", ""))
         g = p.add_argument_group("drafting knobs (ngram.drafter.DrafterConfig)")
         for f in fields(DrafterConfig):
-            _add_flag(g, f.name, f.type, f.default, f"DrafterConfig.{f.name}", dest=f"drafter.{f.name}")
+            _add_flag(g, f.name, f.type, f.default, f.metadata.get("help", f.name), dest=f"drafter.{f.name}")
         return p
 
     @classmethod
