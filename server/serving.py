@@ -37,6 +37,7 @@ from server.settings import Settings
 from server.trace_log import TraceLog
 
 log = logging.getLogger("sailfish.serving")
+MAX_CHARS_PER_TOKEN = 64  # an upper bound on the characters one token spans (Gemma's longest are ~31)
 
 
 # ---------------------------------------------------------------- loading
@@ -159,6 +160,7 @@ class Service:
             else:
                 forced = f"{CALL_OPEN}call:{name}{{" if name else f"{CALL_OPEN}call:"
         text = fmt.render_prompt(messages, offered) + forced
+        self._check_characters(len(text), "messages")
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens)
@@ -230,6 +232,8 @@ class Service:
 
     async def complete(self, req: CompletionRequest, receive=None) -> dict | AsyncIterator[str]:
         tok = self.engine.tokenizer
+        if isinstance(req.prompt, str):
+            self._check_characters(len(req.prompt), "prompt")
         prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
         vocab = getattr(self.engine, "vocab_size", None)
         if isinstance(req.prompt, list) and vocab is not None and max(prompt_ids) >= vocab:
@@ -258,6 +262,16 @@ class Service:
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------ helpers
+
+    def _check_characters(self, n_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt whose characters alone prove it cannot fit: no token
+        of the Gemma vocabulary spans more than MAX_CHARS_PER_TOKEN characters. (Tokenizing tens of
+        megabytes only to refuse them would hold the engine's CPU for seconds.)"""
+        limit = self.engine.max_context
+        if n_chars > MAX_CHARS_PER_TOKEN * limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                f"{n_chars} characters, more than {limit} tokens can hold. Shorten the {param}.",
+                           param, "context_length_exceeded")
 
     def _check_context(self, n_prompt: int, param: str, max_tokens: int | None = None) -> None:
         """A prompt must leave room for one generated token; a max_tokens beyond the whole context can

@@ -474,3 +474,20 @@ def test_tiny_temperature_is_greedy_and_token_ids_are_checked():
         r = httpx.post(url + "/v1/completions", json={"prompt": [2, 300], "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert httpx.post(url + "/v1/completions", json={"prompt": [2, 299], "max_tokens": 2}).status_code == 200
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing():
+    from server.serving import MAX_CHARS_PER_TOKEN
+
+    engine = ScriptedEngine(max_context=64)
+    seen = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, **kw: seen.append(len(text)) or encode(text, **kw)
+    service, thread = _serve(engine)
+    with thread as url:
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "x" * (MAX_CHARS_PER_TOKEN * 64 + 1)}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "y" * (MAX_CHARS_PER_TOKEN * 64 + 1)})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert not any(n > MAX_CHARS_PER_TOKEN * 64 for n in seen)
