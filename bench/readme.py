@@ -15,6 +15,7 @@ SECTIONS = [
      "python -m bench.gpu_sessions (on the GPU machine)", "gpu_sessions.md", []),
     ("Agent sessions through the server, bundled model, CPU", "python -m bench.agent_sessions",
      "agent_sessions.md", ["agent_sessions.png"]),
+    ("Hostile input: the fuzzer against the real server, bundled model, CPU", "make fuzz", "fuzz.md", []),
     ("Drafter and index (issue bars: tau vs prompt lookup, latency, build speed, size, load time)",
      "python -m bench.ngram_bench", "ngram.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
