@@ -22,7 +22,7 @@ the verify rule, the cost-curve measurement and the request loop exist once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -33,14 +33,12 @@ import torch
 class Prefill:
     logits: torch.Tensor      # [vocab], the last prompt token's
     reused: int = 0           # prompt tokens whose KV came from the prefix cache
-    notes: list[str] = field(default_factory=list)
 
 
 class Backend(Protocol):
     max_context: int
     max_step: int
     position: int
-    notes: list[str]
 
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill: ...
     def step(self, ids: list[int]) -> torch.Tensor: ...

@@ -124,7 +124,6 @@ class EagerBackend:
         self.cache = None
         self.position = 0
         self._keep = False
-        self.notes: list[str] = []
 
     # ------------------------------------------------------------ Backend
 

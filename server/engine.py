@@ -183,14 +183,14 @@ class Engine:
         if not self.config.adaptive:
             self.policy = flat_policy(self.config.max_draft)
         else:
-            curve = self.config.cost_curve if self.config.cost_curve is not None else self._cost_curve(target)
+            curve = self.config.cost_curve if self.config.cost_curve is not None else self._cost_curve()
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
                                              "accepted_tokens", "verify_steps", "plain_steps", "probes",
                                              "cached_tokens")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0)
 
-    def _cost_curve(self, target) -> np.ndarray:
+    def _cost_curve(self) -> np.ndarray:
         """The verify cost curve: kept from an earlier start under the same conditions, else measured
         (and kept when `cost_cache` is set). The notes say which."""
         from server.cost_cache import CostCurveCache, conditions

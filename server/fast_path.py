@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from server.backend import Prefill, accept
-from server.fast_prefill import prefill_layers
+from server.fast_prefill import _w, prefill_layers
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -187,9 +187,7 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     for hf in text.layers:
         attn = hf.self_attn
         if getattr(attn, "is_kv_shared_layer", False) or getattr(attn, "sliding_window", None):
-            continue
-        if getattr(hf, "attention_type", None) == "sliding_attention":
-            continue
+            continue  # KV-shared layers own no cache; sliding layers' ring does not grow with the context
         kv_heads = model.config.get_text_config().num_attention_heads // attn.num_key_value_groups
         per_pos += 2 * kv_heads * attn.head_dim * elt
     per_pos = max(per_pos, 1)
@@ -274,7 +272,6 @@ class FastTarget:
         from server.fast_prefix import DEFAULT_CHECKPOINT_EVERY, FastPrefixCache
         self.checkpoint_every = checkpoint_every or DEFAULT_CHECKPOINT_EVERY
         self.prefix = FastPrefixCache(self, prefix_budget_bytes, self.checkpoint_every)
-        self.notes: list[str] = []
         self.pos = 0
         self._keep = False
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -671,10 +668,6 @@ class FastTarget:
 # Written as transformers' Gemma 4 modules compute them (RMSNorm in fp32: x * (mean(x^2) + eps)^-0.5 * w;
 # gelu tanh; fp32 softmax). On CUDA each is torch.compile'd: a fused kernel instead of 5-10 small ones,
 # which matters because a graph replay still pays a few microseconds a kernel (E4B: ~40 layers).
-
-def _w(norm) -> torch.Tensor | None:
-    return norm.weight if getattr(norm, "with_scale", True) and getattr(norm, "weight", None) is not None else None
-
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()

@@ -66,11 +66,11 @@ def _layer(fast, layer, h, q0, ple, cos_sin, sources, start, end, checkpoint):
     x = ops.rms(h, _w(hf.input_layernorm), hf.input_layernorm.eps)
     lin = layer.step if layer.step is not None else layer
     owns = layer.source == layer.index
-    if lin.qkv is not None and owns:
+    if lin.qkv is not None:  # fused only where the layer owns k (and v)
         q_raw, k_raw, *v_raw = _rows(lin.qkv, x).split(lin.qkv_sizes, -1)
         v_raw = v_raw[0] if v_raw else k_raw
     else:
-        q_raw = _rows(lin.qkv, x).split(lin.qkv_sizes, -1)[0] if lin.qkv is not None else _rows(lin.q, x)
+        q_raw = _rows(lin.q, x)
         if owns:
             k_raw = _rows(lin.k, x)
             v_raw = _rows(lin.v, x) if lin.v is not None else k_raw

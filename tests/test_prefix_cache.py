@@ -284,7 +284,6 @@ class MockBackend:
     def __init__(self):
         self.fed: list[int] = []
         self.kept: list[list[int]] = []
-        self.notes = []
 
     @property
     def position(self):
