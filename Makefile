@@ -1,6 +1,8 @@
 # Sailfish: the two commands a new user needs are `make test` and `make serve` (see README.md).
 PY      := .venv/bin/python
-PIP     := PIP_CONSTRAINT=$(CURDIR)/constraints.txt .venv/bin/pip
+PIP     := env PIP_CONSTRAINT=$(CURDIR)/constraints.txt .venv/bin/pip
+# Each long step says what it does and how long it takes, then prints a line at least every 10 s.
+PHASE   := python3 common/progress.py
 STAMP   := .venv/.installed
 SPEEDUPS := .venv/.speedups-built
 PORT    ?= 22343
@@ -10,21 +12,23 @@ PORT    ?= 22343
 venv: $(SPEEDUPS)
 
 # torch is installed first and pinned (constraints.txt) so nothing pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml constraints.txt
-	python3 -m venv .venv
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps bfcl-eval   # its declared dependencies pull torch/CUDA; the data needs none
-	touch $(STAMP)
+$(STAMP): pyproject.toml constraints.txt setup.py
+	@echo "Installing Sailfish into .venv (once; about 2-3 min on a fresh machine; later runs skip this)"
+	@$(PHASE) "creating .venv" "seconds" -- python3 -m venv .venv
+	@$(PHASE) "upgrading pip" "seconds" -- $(PIP) install -q --upgrade pip
+	@$(PHASE) "installing torch 2.13 (CPU build)" "about 1 min" -- $(PIP) install -q torch==2.13.0
+	@$(PHASE) "installing Sailfish and its dependencies" "about 1 min" -- $(PIP) install -q -e '.[test]'
+	@# bfcl-eval's declared dependencies pull torch/CUDA; its data (the starter corpus) needs none
+	@$(PHASE) "installing the BFCL v4 data" "seconds" -- $(PIP) install -q --no-deps bfcl-eval
+	@touch $(STAMP)
 
 # The drafter's C kernels (ngram/_speedups.c) are built by the editable install; rebuilt when edited.
 $(SPEEDUPS): ngram/_speedups.c $(STAMP)
-	$(PIP) install -q --no-deps -e .
-	touch $(SPEEDUPS)
+	@$(PHASE) "building the drafter's C kernels" "seconds" -- $(PIP) install -q --no-deps -e .
+	@touch $(SPEEDUPS)
 
 test: $(SPEEDUPS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 test-fast: $(SPEEDUPS)
 	$(PY) -m pytest -q -m "not slow"
@@ -36,10 +40,12 @@ fuzz: $(SPEEDUPS)
 index: $(SPEEDUPS)
 	$(PY) -m index build
 
+# Stop with Ctrl-C. The server exits quietly on SIGINT and SIGTERM (make itself reports a SIGTERM sent to it).
 serve: $(SPEEDUPS)
 	@$(PY) -c "from index.sources import default_index_dir as d; import sys; sys.exit(0 if (d()/'current').exists() else 1)" \
-		|| $(PY) -m index build
-	$(PY) -m server --port $(PORT)
+		|| { echo "No index yet: building the default one (once; about 1 min, up to 3 on a busy machine)"; \
+		     $(PY) -m index build; }
+	@$(PY) -m server --port $(PORT)
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from index.sources import default_index_dir, default_trace_paths
+    from index.sources import default_index_dir, default_trace_paths, describe_source
 
     if args.command == "info":
         from ngram.index_file import IndexLoadError, load_index
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     include_bfcl = args.bfcl if args.bfcl is not None else not args.traces
     out = args.out or default_index_dir()
     if not args.traces:
-        shown = ", ".join(str(p) for p in traces) or "none found"
-        print(f"default trace sources: {shown}; BFCL v4 starter corpus: {'yes' if include_bfcl else 'no'}", file=sys.stderr)
+        shown = "; ".join(describe_source(p) for p in traces) or "none found"
+        print(f"default trace sources: {shown}; BFCL v4 starter corpus: {'yes' if include_bfcl else 'no'}",
+              file=sys.stderr)
     try:
         summary = build_index(
             traces, out, args.tokenizer, include_bfcl,

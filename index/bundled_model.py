@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from common.progress import phase
+
 GGUF_NAME = "gemma-3-270m-Q4_K_M.gguf"
 MODEL_SUBDIR = "gemma-3-270m"
 _COMPLETE_MARKER = "sailfish-complete"
@@ -30,7 +32,9 @@ def bundled_model_dir() -> Path:
     if (target / _COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+    with phase("converting the bundled Gemma 3 270M model from GGUF (tokenizer, then weights)",
+               "once; about 1 min, up to 3 on a busy machine"), \
+            tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
         tmp_path = Path(tmp)
         _convert_into(tmp_path / "model")
         if target.exists():  # an earlier, incomplete conversion

@@ -40,3 +40,15 @@ def default_trace_paths() -> list[Path]:
     extra = os.environ.get("SAILFISH_TRACE_DIRS", "")
     paths.extend(Path(p) for p in extra.split(os.pathsep) if p)
     return [p for p in paths if p.exists()]
+
+
+def describe_source(path: Path) -> str:
+    """`path` with how many trace files (*.jsonl) it holds, saying so when it holds none yet."""
+    files = 1 if path.is_file() else sum(1 for f in path.rglob("*.jsonl") if f.is_file())
+    label = "Claude Code sessions" if path == claude_code_dir() else "trace files"
+    if files:
+        return f"{path} ({files:,} {label[:-1] if files == 1 else label})"
+    why = ("Claude Code writes one per session as you use it" if path == claude_code_dir()
+           else "the server logs every completed chat request here" if path == default_trace_dir()
+           else "nothing to index")
+    return f"{path} (no {label} yet: {why})"

@@ -7,21 +7,42 @@ uvicorn. `python -m server --help` lists every option (see server.settings).
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from server.settings import Settings
 
 
+def _stop(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the server; Ctrl-C or SIGTERM at any point (loading included) stops it quietly with status 0.
+    (uvicorn shuts down gracefully, then re-raises the signal it caught: `_stop` turns that into
+    KeyboardInterrupt, which ends here, instead of a traceback or a death by signal.)"""
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        return _serve(argv)
+    except KeyboardInterrupt:
+        logging.getLogger("sailfish").info("stopped")
+        return 0
+
+
+def _serve(argv: list[str] | None) -> int:
     settings = Settings.from_args(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("sailfish")
 
-    import uvicorn
+    from common.progress import phase
 
-    from server.app import create_app
-    from server.model_loading import ModelNotFoundError
-    from server.serving import Service, load_engine
+    with phase("starting Sailfish: importing torch and transformers", "a few seconds", say=log.info):
+        import uvicorn
+
+        from server.app import create_app
+        from server.model_loading import ModelNotFoundError
+        from server.serving import Service, load_engine
 
     try:
         engine, note = load_engine(settings)
@@ -35,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log.info("trace log: off")
     log.info("API key: %s", "required on /v1/*" if settings.api_key else "none (open on this interface)")
-    import signal
     import threading
 
     signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=service.reload_index, daemon=True).start())
@@ -46,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s on http://%s:%d/v1", engine.model_id, settings.host, settings.port)
     uvicorn.run(create_app(service), host=settings.host, port=settings.port,
                 log_level=settings.log_level if settings.log_level != "info" else "warning")
+    log.info("stopped")
     return 0
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from common.progress import phase
 from index.chat_format import CALL_OPEN, ChatFormat, ToolCallStreamParser
 from server.engine import GenerationParams
 from server.metrics import Metrics
@@ -53,7 +54,9 @@ def load_engine(settings: Settings):
     from server.model_loading import load_target
 
     t0 = time.perf_counter()
-    target = load_target(settings.model, settings.quant, settings.dtype, settings.device)
+    with phase(f"loading the model ({settings.model or 'the bundled Gemma 3 270M'})",
+               "seconds; the bundled model is converted once first", say=log.info):
+        target = load_target(settings.model, settings.quant, settings.dtype, settings.device)
     log.info("model %s: quant %s, dtype %s, device %s (loaded in %.1f s)", target.model_id, target.quant,
              str(target.dtype).removeprefix("torch."), target.device, time.perf_counter() - t0)
     for line in target.notes:
@@ -80,7 +83,8 @@ def load_engine(settings: Settings):
                           prefix_cache_bytes=None if settings.prefix_cache_mb is None
                           else settings.prefix_cache_mb * 2**20,
                           cost_cache=cache_root() / "cost-curves.json", remeasure_cost=settings.remeasure_cost)
-    engine = Engine(target, drafter, config)
+    with phase("preparing the engine", _engine_about(target.device, settings), say=log.info):
+        engine = Engine(target, drafter, config)
     for line in engine.notes:
         log.info("engine: %s", line)
     cost = getattr(getattr(engine, "policy", None), "cost", None)
@@ -90,6 +94,14 @@ def load_engine(settings: Settings):
                  time.perf_counter() - t0, curve)
     log.info("context limit %d tokens", engine.max_context)
     return engine, note
+
+
+def _engine_about(device, settings: Settings) -> str:
+    """How long `Engine(...)` usually takes, for the start-up line (the cost curve, when it has to be
+    measured, says its own estimate)."""
+    if str(device).startswith("cuda") and settings.fast_path:
+        return "CUDA graph capture: about 40 s on an H200"
+    return "seconds"
 
 
 # ---------------------------------------------------------------- the service

@@ -60,3 +60,16 @@ def test_rebuild_reuses_unchanged_sources(tmp_path, capsys):
     assert main(["build", "--traces", str(traces), "--out", str(out), "--quiet"]) == 0
     assert "sources read 1, reused from the previous index 1" in capsys.readouterr().out
     assert load_index(out).meta["stats"]["tokens"] == 2 * first
+
+
+def test_default_sources_say_how_many_trace_files_they_hold(tmp_path, monkeypatch):
+    from index.sources import claude_code_dir, describe_source
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    claude = claude_code_dir()
+    claude.mkdir(parents=True)
+    assert "no Claude Code sessions yet" in describe_source(claude)
+    (claude / "project").mkdir()
+    (claude / "project" / "one.jsonl").write_text("{}\n")
+    (claude / "project" / "two.jsonl").write_text("{}\n")
+    assert describe_source(claude).endswith("(2 Claude Code sessions)")
