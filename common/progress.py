@@ -2,7 +2,7 @@
 saying it is alive until it ends, so a user never watches a silent terminal.
 
 Contract: `with phase("converting the bundled model", about="about 1 min, once"):` says
-"<what> (<about>) ..." on entry, "  ... <what>: <n> s" every `interval` seconds (10 s by default)
+"<what> (<about>) ..." on entry, "  ... <what>: <n> s" every `interval` seconds (8 s by default)
 while the block runs, and "<what>: done in <t> s" on exit ("failed after <t> s" when it raises).
 Lines go to `say` (default: stderr). Standard library only, so that the Makefile can run this
 file as a script before any virtual environment exists:
@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-HEARTBEAT_SECONDS = 10.0
+HEARTBEAT_SECONDS = 8.0  # under the promised 10 s between lines, with room for a slow print
 
 
 def _stderr(line: str) -> None:
