@@ -260,8 +260,8 @@ def main(argv=None) -> int:
         cfg["max_prompt"] = args.max_prompt
     started = time.perf_counter()
 
-    from index.bundled_model import bundled_gguf_path
-    from index.chat_format import ChatFormat
+    from common.bundled_model import bundled_gguf_path
+    from common.chat_format import ChatFormat
     from ngram.drafter import DrafterConfig, NgramDrafter
     from ngram.peers import SuffixDecodingDrafter
     from server.engine import Engine, EngineConfig

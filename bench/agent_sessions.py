@@ -11,7 +11,7 @@ faster than with `--no-prefix-cache --no-draft`, on conversations of 10 or more 
 fresh prefill's.
 
 Where the sessions come from. Only real recorded conversations, never generated text:
-- BFCL v4 multi-turn, HELD-OUT split (index.bfcl.bfcl_split with the constants in index.sources, so
+- BFCL v4 multi-turn, HELD-OUT split (index.bfcl.bfcl_split with the constants in common.paths, so
   the default index never saw these conversations; but see the caveats). No recorded BFCL
   conversation is long enough for the bar: they have at most 7 assistant turns and grow 0.1k-0.8k
   tokens past their tool declarations (2.2k-5.2k tokens). So the long sessions are CHAINED
@@ -26,7 +26,7 @@ Where the sessions come from. Only real recorded conversations, never generated 
   two selected sessions share one.
 - The Claude Code sample transcripts in `<repo>/../shared/data/claude-code-samples/*.jsonl` (read by
   index.traces' Claude Code reader; they are NOT among the default index's sources, see
-  index.sources.default_trace_paths, unless a user copied them there). These are real single sessions
+  common.paths.default_trace_paths, unless a user copied them there). These are real single sessions
   and are replayed as recorded; on the CPU none has 10 turns under 6000 tokens (tool_heavy.jsonl:
   4 turns, 0.2k -> 1.6k; subagent.jsonl: 12 turns, but past 6000 tokens at its third), so the
   `--claude-sessions` longest ones with fewer than `--min-turns` turns (at least 2) are replayed too and
@@ -34,7 +34,7 @@ Where the sessions come from. Only real recorded conversations, never generated 
 At every recorded assistant message i the client sends `messages[:i]` (the conversation so far, the
 recorded replies, not the model's, with its tools) as a streamed chat completion, temperature 0,
 `max_tokens = min(tokens of the recorded reply, --max-tokens)`; token counts come from the bundled
-model's tokenizer (index.tokenizer, the server's own tokenizer and chat format for the bundled model;
+model's tokenizer (common.tokenizer, the server's own tokenizer and chat format for the bundled model;
 for `--model DIR` that directory's tokenizer; other `--model` forms keep the bundled one, so budgets
 are then approximate) and the server's own `usage.prompt_tokens` is reported beside them. A session
 stops after `--max-turns` turns or before the first prompt longer than `--max-context` tokens; the
@@ -877,7 +877,7 @@ def _default_threads() -> int:
 
 
 def _tokenizer(model: str | None, notes: list[str]):
-    from index.tokenizer import load_tokenizer
+    from common.tokenizer import load_tokenizer
 
     if model and Path(model).is_dir():
         return load_tokenizer(model)
@@ -963,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     notes: list[str] = []
     tok = _tokenizer(args.model, notes)
-    from index.chat_format import ChatFormat
+    from common.chat_format import ChatFormat
 
     fmt = ChatFormat.for_tokenizer(tok)
     recorded = load_conversations(args.claude_samples, args.bfcl_categories, notes)

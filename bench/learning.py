@@ -35,7 +35,7 @@ def _write_jsonl(path: Path, conversations) -> None:
 
 
 def _replay_tau(index_dir: Path | None, traces: Path, *extra: str) -> dict:
-    from ngram.replay import main as replay_main
+    from index.replay import main as replay_main
     import contextlib
     import io
 
@@ -50,7 +50,7 @@ def distillation(engine, tmp: Path, n_train: int, n_hold: int, max_tokens: int) 
     from index.bfcl import bfcl_split, iter_bfcl_conversations
     from index.build import build_index
     from index.distill import distill
-    from index.sources import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
+    from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
 
     single = ["simple_python", "live_simple", "multiple"]
     keep, hold = bfcl_split(iter_bfcl_conversations(single), BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED)

@@ -28,9 +28,9 @@ import numpy as np
 from bench.results import write_results
 from index.bfcl import bfcl_split, iter_bfcl_conversations
 from index.build import build_index
-from index.chat_format import ChatFormat
-from index.sources import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
-from index.tokenizer import conversation_turns, load_tokenizer
+from common.chat_format import ChatFormat
+from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
+from common.tokenizer import conversation_turns, load_tokenizer
 from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
 from ngram.index_file import load_index
 from ngram.replay import replay

@@ -3,7 +3,7 @@
 `python -m bench.server_bench [--requests 8] [--max-tokens 64] [--model M] [--index DIR]` starts
 `python -m server` twice side by side (drafted, and `--no-draft`) and sends both the same chat
 requests: the first assistant turn of held-out BFCL v4 conversations (`bfcl_split` with the
-constants in index.sources, so the default index never saw them), one at a time, in alternating
+constants in common.paths, so the default index never saw them), one at a time, in alternating
 order, after one unmeasured warm-up. It reports the server's own decode speed per request
 (`usage.sailfish`: tokens after the first per decode second; prefill and HTTP excluded) as median
 and spread, and whether every output is identical both ways. On the bundled base model the
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def holdout_requests(n: int, categories: list[str]) -> list[dict]:
     from index.bfcl import iter_bfcl_conversations, bfcl_split
-    from index.sources import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
+    from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
 
     _, hold = bfcl_split(iter_bfcl_conversations(categories), BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED)
     out = []

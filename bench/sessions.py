@@ -9,11 +9,11 @@ Contract:
   the first turn whose prompt has more than `max_context` tokens (prompts only grow, so no later
   turn would fit either).
 - `turn_token_counts(fmt, tok, messages, tools)` gives those counts with a tokenizer and
-  `index.chat_format.ChatFormat`: the prompt exactly as the server renders and encodes it, the reply
-  as `index.tokenizer.conversation_turns` cuts it from the whole conversation.
+  `common.chat_format.ChatFormat`: the prompt exactly as the server renders and encodes it, the reply
+  as `common.tokenizer.conversation_turns` cuts it from the whole conversation.
 - `load_conversations(claude_dir, bfcl_categories, notes)` reads the Claude Code sample transcripts
   (`index.traces.iter_conversations`) and the HELD-OUT part of BFCL v4 (`bfcl_split` with
-  index.sources' constants: the default index is built from the other part).
+  common.paths' constants: the default index is built from the other part).
 - `chain_conversations(candidates, last_prompt, max_context, max_turns)`: an agent working through
   several tasks in one conversation. No recorded BFCL multi-turn conversation is long enough for the
   bar (at most 7 assistant turns, 0.1k-0.8k tokens past the tool declarations), so held-out
@@ -126,7 +126,7 @@ def plan_turns(messages: list[dict], counts: list[tuple[int, int]], cap: int, ma
 
 def turn_token_counts(fmt, tok, messages: list[dict], tools: list[dict]) -> list[tuple[int, int]] | None:
     """(prompt tokens, reply tokens) per assistant message; None when the format cannot cut every turn."""
-    from index.tokenizer import conversation_turns
+    from common.tokenizer import conversation_turns
 
     positions = assistant_positions(messages)
     turns = conversation_turns(fmt, tok, messages, tools)
@@ -293,7 +293,7 @@ def load_conversations(claude_dir: Path | None, bfcl_categories: list[str], note
     if bfcl_categories:
         try:
             from index.bfcl import bfcl_split, iter_bfcl_conversations
-            from index.sources import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
+            from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
 
             _, held_out = bfcl_split(iter_bfcl_conversations(bfcl_categories), BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED)
         except (ImportError, FileNotFoundError) as e:

@@ -23,7 +23,7 @@ import sysconfig
 from pathlib import Path
 
 from index.bfcl import bfcl_split, iter_bfcl_conversations
-from index.sources import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
+from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
 from index.traces import Conversation, ReadReport, iter_conversations
 
 WORKLOAD_VERSION = "1"

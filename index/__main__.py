@@ -1,7 +1,7 @@
 """`python -m index build|distill|info`: build the n-gram index from traces, distill traces, describe an index.
 
 build: --traces PATH [PATH ...] --out DIR [--tokenizer DIR]. Without --traces, the default sources
-(see index.sources) and the BFCL starter corpus; --bfcl / --no-bfcl override the starter corpus.
+(see common.paths) and the BFCL starter corpus; --bfcl / --no-bfcl override the starter corpus.
 Exit status: 0 on success, 2 when the input has no usable assistant turn (nothing is written).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from index.sources import default_index_dir, default_trace_paths, describe_source
+    from common.paths import default_index_dir, default_trace_paths, describe_source
 
     if args.command == "info":
         from ngram.index_file import IndexLoadError, load_index

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from index.chat_format import ChatFormat
-from index.sources import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
-from index.tokenizer import indexed_turns, load_tokenizer, tokenizer_fingerprint
+from common.chat_format import ChatFormat
+from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
+from common.tokenizer import indexed_turns, load_tokenizer, tokenizer_fingerprint
 from index.traces import ReadReport, iter_conversations
 from ngram.index_file import BuildParams, IndexLoadError, load_index, write_index
 

@@ -36,7 +36,7 @@ def distill(conversations, out_path: Path, engine, max_tokens: int = 256, max_pr
             progress: bool = True) -> DistillSummary:
     from tqdm import tqdm
 
-    from index.chat_format import ChatFormat
+    from common.chat_format import ChatFormat
     from server.engine import GenerationParams
 
     tok = engine.tokenizer

@@ -4,7 +4,7 @@ Contract: `load_target(model, quant, dtype, device)` returns a `LoadedTarget` wh
 eval-mode causal LM ready for `model(input_ids, cache=...)` and whose `notes` explain every default
 that was chosen (the server logs them at start-up). Nothing is ever downloaded:
 
-- `None`: the bundled Gemma 3 270M base model (`index.bundled_model`).
+- `None`: the bundled Gemma 3 270M base model (`common.bundled_model`).
 - an existing directory: a Hugging Face model directory.
 - an existing `*.gguf` file: dequantized through transformers once, saved as safetensors under the
   Sailfish cache and reloaded from there afterwards.
@@ -108,7 +108,7 @@ def _resolve_quant(quant: str | None, is_gemma4: bool, dev: torch.device, notes:
 
 def _resolve_model_dir(model: str | None, notes: list[str]) -> tuple[Path, str]:
     if model is None:
-        from index.bundled_model import bundled_model_dir
+        from common.bundled_model import bundled_model_dir
 
         notes.append("model: bundled Gemma 3 270M base (not instruction-tuned; speed-ups on it are inflated by looping)")
         return bundled_model_dir(), "gemma-3-270m"
@@ -140,7 +140,7 @@ def _cached_hub_dir(model_id: str) -> Path:
 
 def _converted_gguf_dir(gguf: Path, notes: list[str]) -> Path:
     """Dequantize a GGUF once into fp32 safetensors under the Sailfish cache; reuse afterwards."""
-    from index.bundled_model import cache_root
+    from common.bundled_model import cache_root
 
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from index.chat_format import MAX_VALUE_DEPTH, json_depth
+from common.chat_format import MAX_VALUE_DEPTH, json_depth
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY_BYTES = 32 * 2**20   # a request body past this gets a 413 (an 80k-token conversation is ~0.4 MB)

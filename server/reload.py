@@ -18,8 +18,8 @@ import logging
 import threading
 from pathlib import Path
 
-from index.sources import default_index_dir
-from index.tokenizer import tokenizer_fingerprint
+from common.paths import default_index_dir
+from common.tokenizer import tokenizer_fingerprint
 from ngram.drafter import NgramDrafter
 from ngram.index_file import IndexLoadError, load_index, resolve_generation
 

@@ -7,7 +7,7 @@ worker thread (one request at a time, arrival order) and stops when the client d
 `load_engine(settings)` builds the engine the CLI serves: model, index and drafter, logging what it
 chose.
 
-Prompting. Chat messages are rendered by `index.chat_format.ChatFormat`: the model's own chat template
+Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
 when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,
 so it also serves models with neither). Generated text is parsed back into OpenAI `tool_calls`.
 tool_choice: "none" renders no tools and parses no calls; "auto" renders them; with the built-in
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from common.progress import phase
-from index.chat_format import CALL_OPEN, ChatFormat, ToolCallStreamParser
+from common.chat_format import CALL_OPEN, ChatFormat, ToolCallStreamParser
 from server.engine import GenerationParams
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
@@ -45,9 +45,9 @@ MAX_CHARS_PER_TOKEN = 64  # an upper bound on the characters one token spans (Ge
 
 def load_engine(settings: Settings):
     """(engine, drafter note) for the CLI: load the target, the index, the drafter; log each choice."""
-    from index.bundled_model import cache_root
-    from index.sources import default_index_dir
-    from index.tokenizer import tokenizer_fingerprint
+    from common.bundled_model import cache_root
+    from common.paths import default_index_dir
+    from common.tokenizer import tokenizer_fingerprint
     from ngram.drafter import NgramDrafter
     from ngram.index_file import IndexLoadError, load_index
     from server.engine import Engine, EngineConfig
@@ -145,7 +145,7 @@ class Service:
         self.metrics = Metrics()
         self.trace_log = None
         if settings.trace_log:
-            from index.sources import default_trace_dir
+            from common.paths import default_trace_dir
 
             self.trace_log = TraceLog(settings.trace_dir or default_trace_dir(),
                                       settings.trace_rotate_mb * 1024 * 1024)

@@ -36,7 +36,7 @@ class Settings:
     trace_log: bool = field(default=True, metadata={
         "help": "append each completed chat request to the trace log (--no-trace-log: off)"})
     trace_dir: Path | None = field(default=None, metadata={
-        "help": "trace log directory (default: index.sources.default_trace_dir())"})
+        "help": "trace log directory (default: common.paths.default_trace_dir())"})
     trace_rotate_mb: int = field(default=64, metadata={"help": "start a new trace file past this size"})
     default_max_tokens: int = field(default=2048, metadata={
         "help": "completion limit when a chat request sets no max_tokens"})

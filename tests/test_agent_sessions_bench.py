@@ -173,8 +173,8 @@ def test_summary_ratios_and_identity():
 
 @pytest.mark.slow
 def test_token_counts_are_the_prompt_the_server_renders():
-    from index.chat_format import ChatFormat
-    from index.tokenizer import load_tokenizer
+    from common.chat_format import ChatFormat
+    from common.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     fmt = ChatFormat.for_tokenizer(tok)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from index.chat_format import ChatFormat, ToolCallStreamParser, format_value, parse_generated
+from common.chat_format import ChatFormat, ToolCallStreamParser, format_value, parse_generated
 
 TOOLS = [{"type": "function", "function": {
     "name": "search", "description": "Find files",
@@ -118,7 +118,7 @@ def test_template_is_used_when_it_supports_tools():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from index.bundled_model import bundled_model_dir
+    from common.bundled_model import bundled_model_dir
 
     return AutoTokenizer.from_pretrained(bundled_model_dir())
 

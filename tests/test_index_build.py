@@ -63,7 +63,7 @@ def test_rebuild_reuses_unchanged_sources(tmp_path, capsys):
 
 
 def test_default_sources_say_how_many_trace_files_they_hold(tmp_path, monkeypatch):
-    from index.sources import claude_code_dir, describe_source
+    from common.paths import claude_code_dir, describe_source
 
     monkeypatch.setenv("HOME", str(tmp_path))
     claude = claude_code_dir()

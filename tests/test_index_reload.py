@@ -9,7 +9,7 @@ import numpy as np
 import openai
 import pytest
 
-from index.tokenizer import tokenizer_fingerprint
+from common.tokenizer import tokenizer_fingerprint
 from ngram.index_file import BuildParams, write_index
 from server.app import ServerThread, create_app
 from server.engine import Engine, EngineConfig

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ngram.draft import Draft
-from ngram.replay import ReplayStats, main, replay_turn
+from index.replay import main
+from ngram.replay import ReplayStats, replay_turn
 
 
 class ScriptedDrafter:

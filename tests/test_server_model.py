@@ -137,7 +137,7 @@ def test_refused_index_serves_plain_and_says_why(tmp_path):
 def test_cli_server_startup_log(tmp_path):
     import numpy as np
 
-    from index.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from common.tokenizer import load_tokenizer, tokenizer_fingerprint
     from ngram.index_file import BuildParams, write_index
 
     index_dir = tmp_path / "index"

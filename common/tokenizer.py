@@ -2,7 +2,7 @@
 
 Contract:
 - `load_tokenizer(path_or_None)`: a local Hugging Face model/tokenizer directory (default: the bundled
-  Gemma 3 270M model's, see index.bundled_model); offline only.
+  Gemma 3 270M model's, see common.bundled_model); offline only.
 - `tokenizer_fingerprint(tok)`: sha256 of the vocabulary (token -> id pairs, sorted). An index records
   it; loading an index with a tokenizer of another fingerprint is refused.
 - `conversation_turns(fmt, tok, messages, tools)`: per assistant message, (context ids, target ids):
@@ -17,13 +17,13 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
-from index.chat_format import ChatFormat
+from common.chat_format import ChatFormat
 
 
 def load_tokenizer(path: str | Path | None = None):
     from transformers import AutoTokenizer
 
-    from index.bundled_model import bundled_model_dir
+    from common.bundled_model import bundled_model_dir
 
     where = Path(path) if path else bundled_model_dir()
     if not where.exists():
