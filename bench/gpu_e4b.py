@@ -37,7 +37,9 @@ import torch
 
 import numpy as np
 
-from server.fast_path import FastTarget, greedy_generate
+from server.backend import time_forwards
+from server.fast_path import FastTarget
+from bench.fast_greedy import greedy_generate
 
 PEAK_UPDATE_SCALE = 0.1   # peaked variant: every layer's post-norm weights x this
 
@@ -303,18 +305,32 @@ def eager_plain_tps(model, prompt, n_tokens):
 
 # ---------------------------------------------------------------- fast path
 
-def fast_curve(fast, prompt, max_n, reps):
-    fast.prefill(prompt)
-    curve = {}
-    for n in range(1, max_n + 1):
-        ids = prompt[-n:]
+def weight_bytes_per_step(fast) -> int:
+    """Bytes of weights a forward streams: every linear layer plus one embedding row per token."""
+    total = fast.lm_head.nbytes()
+    if fast.ple_dim:
+        total += fast.ple_model_proj.nbytes()
+    for layer in fast.layers:
+        for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down,
+                    layer.ple_gate, layer.ple_proj):
+            if lin is not None:
+                total += lin.nbytes()
+    return total
 
-        def one():
-            fast.step(ids).argmax(-1).tolist()
-            fast.rollback(n)
-        one()
-        curve[n] = statistics.median(sync_time(one, reps))
-    return curve
+
+def kv_bytes_per_step(fast, context: int) -> int:
+    """Bytes of K and V the attention of one forward reads at this context (graph buckets)."""
+    kv_len = fast._kv_len(context + 1)
+    total = 0
+    for layer in fast.layers:
+        slots = fast.ring if layer.sliding else kv_len
+        total += 2 * layer.kv_heads * slots * layer.head_dim * fast.k_cache[layer.source].element_size()
+    return total
+
+
+def fast_curve(fast, prompt, max_n, reps):
+    """Seconds of an n-token step on `prompt`'s cache, n = 1..max_n, as the server measures them."""
+    return time_forwards(fast, prompt, list(range(1, max_n + 1)), rounds=reps)
 
 
 def oracle_drafter(reference, prompt_len):
@@ -407,7 +423,7 @@ def main() -> None:
     res["fast_capture_s"] = fast.timings.capture_s
     res["fast_graphs"] = fast.timings.graphs
     res["fast_extra_mem_GiB"] = (torch.cuda.memory_allocated() - mem0) / 2**30
-    res["weight_bytes_per_step"] = fast.weight_bytes_per_step()
+    res["weight_bytes_per_step"] = weight_bytes_per_step(fast)
     print("engine:", engine.notes, "cost", res["engine_cost_curve"])
 
     # correctness on E4B: fast vs eager logits for the same prompt
@@ -423,7 +439,7 @@ def main() -> None:
     res["fast_curve_s"], res["floor"] = {}, {}
     for name, prompt in prompts.items():
         res["fast_curve_s"][name] = curve = fast_curve(fast, prompt, 16, reps)
-        kv = fast.kv_bytes_per_step(len(prompt))
+        kv = kv_bytes_per_step(fast, len(prompt))
         floor_s = (res["weight_bytes_per_step"] + kv) / bw
         res["floor"][name] = {"bytes_per_step": res["weight_bytes_per_step"] + kv, "kv_bytes": kv,
                               "floor_ms": floor_s * 1e3, "step1_ms": curve[1] * 1e3,

@@ -6,7 +6,8 @@ safetensors, tokenizer) that `AutoModelForCausalLM.from_pretrained` and
 package, dequantizes it through transformers and saves the result under the cache directory
 (`$SAILFISH_CACHE`, default `~/.cache/sailfish`); later calls only check that the directory is
 complete. The conversion writes into a temporary directory and renames it into place, so an
-interrupted conversion never leaves a half model behind.
+interrupted conversion never leaves a half model behind. `converted_gguf_dir(gguf, target, ...)` is
+that conversion for any GGUF file (the server's `--model x.gguf`).
 """
 from __future__ import annotations
 
@@ -28,18 +29,23 @@ def cache_root() -> Path:
 
 def bundled_model_dir() -> Path:
     """Directory of the converted bundled model; converts it on first use (about a minute)."""
-    target = cache_root() / "models" / MODEL_SUBDIR
+    return converted_gguf_dir(bundled_gguf_path, cache_root() / "models" / MODEL_SUBDIR,
+                              "the bundled Gemma 3 270M model", "once; about 1 min, up to 3 on a busy machine")
+
+
+def converted_gguf_dir(gguf, target: Path, what: str, about: str) -> Path:
+    """`target`, a Hugging Face directory holding the GGUF `gguf` (a path, or a callable giving it)
+    dequantized to fp32 safetensors with its tokenizer: converted on first use, then only checked."""
     if (target / _COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with phase("converting the bundled Gemma 3 270M model from GGUF (tokenizer, then weights)",
-               "once; about 1 min, up to 3 on a busy machine"), \
+    with phase(f"converting {what} from GGUF (tokenizer, then weights)", about), \
             tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
-        tmp_path = Path(tmp)
-        _convert_into(tmp_path / "model")
+        out = Path(tmp) / "model"
+        _convert_into(gguf() if callable(gguf) else gguf, out)
         if target.exists():  # an earlier, incomplete conversion
             shutil.rmtree(target)
-        os.replace(tmp_path / "model", target)
+        os.replace(out, target)
     return target
 
 
@@ -57,11 +63,10 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def _convert_into(out_dir: Path) -> None:
+def _convert_into(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = bundled_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model until the quantizer traces are removed.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config_flags import add_flags, config_from
 from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
 from ngram.index_file import IndexLoadError, load_index
 from ngram.replay import replay
@@ -54,12 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--bfcl-holdout", action="store_true", help="replay the BFCL v4 held-out split")
     src.add_argument("--from-dump", type=Path, help="replay turns from a --dump file")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the bundled Gemma 3 270M)")
-    p.add_argument("--max-draft", type=int, default=DrafterConfig.max_draft)
-    p.add_argument("--min-match", type=int, default=DrafterConfig.min_match)
-    p.add_argument("--cutoff", type=float, default=DrafterConfig.confidence_cutoff)
-    p.add_argument("--no-context", action="store_true",
-                   help="Sailfish drafts from the index (and overlay) only, not the request's own context: "
-                        "what the index alone predicts")
+    # The drafter's knobs, generated from DrafterConfig as the server's are (same names); --cutoff
+    # and --no-context are this command's older names for --confidence-cutoff and --no-use-context.
+    add_flags(p.add_argument_group("drafting knobs (ngram.drafter.DrafterConfig)"), DrafterConfig, "drafter",
+              aliases={"confidence_cutoff": ["--cutoff"], "use_context": ["--context"]})
     p.add_argument("--max-conversations", type=int, default=0)
     p.add_argument("--peers", nargs="*", default=[], choices=["suffix"],
                    help="also replay these peer drafters, seeded with the same index turns (suffix: "
@@ -86,16 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.dump, "w") as f:
             for ctx, target in turns:
                 f.write(json.dumps({"context": ctx.tolist(), "target": target.tolist()}) + "\n")
-    config = DrafterConfig(max_draft=args.max_draft, min_match=args.min_match, confidence_cutoff=args.cutoff,
-                           use_context=not args.no_context)
-    ours = replay(NgramDrafter(index, config), turns, args.max_draft).as_dict()
-    base = replay(PromptLookupDrafter(max_draft=args.max_draft), turns, args.max_draft).as_dict()
-    result = {**ours, "max_draft": args.max_draft, "index": str(args.index) if args.index else None, "baseline": base}
+    config = config_from(args, DrafterConfig, "drafter")
+    k = config.max_draft
+    ours = replay(NgramDrafter(index, config), turns, k).as_dict()
+    base = replay(PromptLookupDrafter(max_draft=k), turns, k).as_dict()
+    result = {**ours, "max_draft": k, "index": str(args.index) if args.index else None, "baseline": base}
     if "suffix" in args.peers:
         from ngram.peers import SuffixDecodingDrafter
 
         seed_turns = list(index.turns()) if index is not None else []
-        result["peers"] = {"suffix": replay(SuffixDecodingDrafter(seed_turns, args.max_draft), turns, args.max_draft).as_dict()}
+        result["peers"] = {"suffix": replay(SuffixDecodingDrafter(seed_turns, k), turns, k).as_dict()}
     print(
         f"turns {ours['turns']}  target tokens {ours['target_tokens']}\n"
         f"  sailfish       tau {ours['tau']:.3f}  acceptance {ours['acceptance_rate']:.3f}  "

@@ -59,41 +59,49 @@ def accept(draft: list[int], target: list[int]) -> int:
 
 
 @torch.no_grad()
-def measure_cost_curve(backend: Backend, vocab: int, max_tokens: int = 16, context_len: int = 256,
-                       rounds: int = 5, points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
-                       progress=None) -> np.ndarray:
-    """Forward time for n new tokens on a `context_len` cache, relative to n = 1, through `backend`.
+def time_forwards(backend: Backend, context: list[int], lengths: list[int], rounds: int = 5,
+                  progress=None) -> dict[int, float]:
+    """Median seconds of an n-token forward on the cache of `context`, for each n in `lengths`.
 
-    Robust on a busy machine: the lengths in `points` (plus max_tokens) are timed in interleaved
-    rounds (every length once per round, after one warm-up round), so a burst of load hits all of
-    them alike; each length's statistic is its median over the rounds; the relative costs are then
-    fitted non-decreasing in n (pool-adjacent-violators: a longer forward never costs less) and at
-    least 1, and interpolated between the points. `progress(message)` hears when it starts and
-    about how long it will take. Nothing measured here is kept in the prefix cache.
-    Returns cost[0..max_tokens], cost[1] == 1.
-    """
-    gen = torch.Generator().manual_seed(0)
-    backend.start(torch.randint(3, vocab, (context_len,), generator=gen).tolist(), reuse=False)
-    pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
-    ids = {n: torch.randint(3, vocab, (n,), generator=gen).tolist() for n in pts}
-    samples: dict[int, list[float]] = {n: [] for n in pts}
+    Robust on a busy machine: the lengths are timed in interleaved rounds (every length once per
+    round, after one warm-up round that is not kept), so a burst of load hits all of them alike;
+    each statistic is the median over the rounds. Every forward ends in a device-to-host copy, so
+    GPU time is included. `progress(message)` hears, after the warm-up, about how long it will
+    take. Nothing measured here is kept in the prefix cache."""
+    backend.start(list(context), reuse=False)
+    samples: dict[int, list[float]] = {n: [] for n in lengths}
     try:
-        for r in range(rounds + 1):  # round 0 warms every shape up and is not kept
+        for r in range(rounds + 1):
             t_round = time.perf_counter()
-            for n in pts:
+            for n in lengths:
                 t0 = time.perf_counter()
-                backend.step(ids[n]).argmax(-1).cpu()
+                backend.step(list(context[-n:])).argmax(-1).cpu()
                 if r:
                     samples[n].append(time.perf_counter() - t0)
                 backend.rollback(n)
             if r == 0 and progress is not None:
                 est = (time.perf_counter() - t_round) * rounds
-                progress(f"measuring the verify cost curve: {rounds} rounds of {len(pts)} forward sizes, "
+                progress(f"measuring the verify cost curve: {rounds} rounds of {len(lengths)} forward sizes, "
                          f"about {est:.0f} s")
     finally:
         backend.discard()
-    base = float(np.median(samples[1]))
-    rel = monotone_fit([max(1.0, float(np.median(samples[n])) / base) for n in pts])
+    return {n: float(np.median(samples[n])) for n in lengths}
+
+
+def measure_cost_curve(backend: Backend, vocab: int, max_tokens: int, context_len: int = 256,
+                       rounds: int = 5, points: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
+                       progress=None) -> np.ndarray:
+    """Forward time for n new tokens on a `context_len` cache of random ids, relative to n = 1.
+
+    The lengths in `points` (plus max_tokens) are timed by `time_forwards`; the relative costs are
+    then fitted non-decreasing in n (pool-adjacent-violators: a longer forward never costs less)
+    and at least 1, and interpolated between the points. Returns cost[0..max_tokens], cost[1] == 1.
+    """
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+    pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
+    seconds = time_forwards(backend, context, pts, rounds, progress)
+    rel = monotone_fit([max(1.0, seconds[n] / seconds[1]) for n in pts])
     curve = np.interp(np.arange(max_tokens + 1), pts, rel)
     curve[0] = 0.0
     curve[1] = 1.0

@@ -25,7 +25,7 @@ cost nothing and never count toward a probe.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,7 +66,7 @@ class AcceptanceTracker:
 
 @dataclass
 class DraftPolicy:
-    cost: np.ndarray = field(default_factory=lambda: np.ones(17))  # cost[n] for n new tokens, cost[0] unused
+    cost: np.ndarray                   # cost[n] for n new tokens, cost[0] unused; its length bounds drafts
     margin: float = MARGIN
 
     @property
@@ -95,6 +95,6 @@ class DraftPolicy:
         return best + 1, float(ratio[best])
 
 
-def flat_policy(max_draft: int = 15) -> DraftPolicy:
+def flat_policy(max_draft: int) -> DraftPolicy:
     """A policy for a verify step that costs the same as a plain step (e.g. tests)."""
     return DraftPolicy(np.ones(max_draft + 2))

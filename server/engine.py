@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
@@ -38,6 +37,7 @@ import torch
 from ngram.draft import Draft
 from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
+from server.engine_config import EngineConfig
 
 log = logging.getLogger("sailfish.engine")
 
@@ -90,22 +90,6 @@ class GenerationChunk:
     text: str                 # their decoded text delta (stop strings removed)
     finish_reason: str | None # None while generating, then "stop" or "length"
     stats: RequestStats       # running per-request counters
-
-
-@dataclass
-class EngineConfig:
-    max_draft: int = 15                   # drafted tokens per verify: forwards of up to 16 tokens
-    adaptive: bool = True                 # False: verify every draft in full (tests, ablations)
-    cost_curve: np.ndarray | None = None  # cost[n] of an n-token forward; None: measured at start-up
-    cost_context: int = 256               # cache length the cost curve is measured at
-    max_context: int | None = None        # None: the model's max_position_embeddings
-    fast_path: bool = True                # CUDA + supported model: static cache and CUDA graphs
-    fast_max_context: int | None = None   # fast path: cap on its static cache (None: the model's
-                                          # context, or what GPU memory allows)
-    prefix_cache: bool = True             # keep finished sequences and reuse shared prefixes
-    prefix_cache_bytes: int | None = None # budget for kept sequences (None: sized from free memory)
-    cost_cache: Path | None = None        # where measured cost curves are kept (None: measure, keep none)
-    remeasure_cost: bool = False          # measure even when a curve for these conditions is kept
 
 
 # ---------------------------------------------------------------- text: deltas and stop strings

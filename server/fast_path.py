@@ -48,8 +48,9 @@ import torch.nn.functional as F
 
 from server.backend import Prefill, accept
 from server.fast_prefill import _w, prefill_layers
+from server.small_m_matmul import MAX_ROWS
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+DEFAULT_BUCKETS = (1, 2, 4, 8, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 15
 
 
 # ---------------------------------------------------------------- linear layers
@@ -322,8 +323,8 @@ class FastTarget:
             why_not = "step kernels need CUDA"
         elif self.dtype != torch.bfloat16:
             why_not = f"step kernels need bf16 activations (model is {self.dtype})"
-        elif self.max_bucket > 16:
-            why_not = f"step kernels take up to 16 tokens (largest bucket {self.max_bucket})"
+        elif self.max_bucket > MAX_ROWS:
+            why_not = f"step kernels take up to {MAX_ROWS} tokens (largest bucket {self.max_bucket})"
         else:
             try:
                 import triton  # noqa: F401
@@ -415,27 +416,6 @@ class FastTarget:
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_cache.values(), *self.v_cache.values()))
-
-    def weight_bytes_per_step(self) -> int:
-        """Bytes of weights a forward streams: every linear layer plus one embedding row per token."""
-        total = self.lm_head.nbytes()
-        if self.ple_dim:
-            total += self.ple_model_proj.nbytes()
-        for layer in self.layers:
-            for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down,
-                        layer.ple_gate, layer.ple_proj):
-                if lin is not None:
-                    total += lin.nbytes()
-        return total
-
-    def kv_bytes_per_step(self, context: int) -> int:
-        """Bytes of K and V the attention of one forward reads at this context (graph buckets)."""
-        kv_len = self._kv_len(context + 1)
-        total = 0
-        for layer in self.layers:
-            slots = self.ring if layer.sliding else kv_len
-            total += 2 * layer.kv_heads * slots * layer.head_dim * self.k_cache[layer.source].element_size()
-        return total
 
     # ------------------------------------------------------------ the forward
 
@@ -747,21 +727,3 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     probs = masked_softmax(scores, mask, scaling)
     out = torch.bmm(probs.view(kvh, g * T, -1), v).view(kvh, g, T, D)
     return out.permute(2, 0, 1, 3).reshape(T, H * D)
-
-
-def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propose=None,
-                    max_draft: int | None = None) -> tuple[list[int], int]:
-    """Greedy tokens after `prompt_ids` and the number of forwards after the prefill. With
-    `propose(context, room) -> list[int]`, drafts are verified (lossless: same tokens as without)."""
-    max_draft = fast.max_bucket - 1 if max_draft is None else max_draft
-    out = [int(fast.prefill(prompt_ids).argmax())]
-    steps = 0
-    while len(out) < max_new:
-        room = min(max_new - len(out) - 1, max_draft)
-        draft = list(propose(prompt_ids + out, room))[:room] if (propose is not None and room > 0) else []
-        if draft:
-            out += fast.verify(out[-1], draft)
-        else:
-            out.append(int(fast.decode_one(out[-1]).argmax()))
-        steps += 1
-    return out[:max_new], steps

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,31 +137,14 @@ def _cached_hub_dir(model_id: str) -> Path:
 
 def _converted_gguf_dir(gguf: Path, notes: list[str]) -> Path:
     """Dequantize a GGUF once into fp32 safetensors under the Sailfish cache; reuse afterwards."""
-    from common.bundled_model import cache_root
+    from common.bundled_model import cache_root, converted_gguf_dir
 
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_root() / "models" / f"gguf-{gguf.stem}-{key}"
-    if (target / "sailfish-complete").exists():
-        return target
-    notes.append(f"converted {gguf.name} to safetensors (first use)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
-        out = Path(tmp) / "model"
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        lm.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
-        if hasattr(lm.config, "quantization_config"):
-            del lm.config.quantization_config
-        lm.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        (out / "sailfish-complete").write_text("ok\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(out, target)
-    return target
+    if not (target / "sailfish-complete").exists():
+        notes.append(f"converted {gguf.name} to safetensors (first use)")
+    return converted_gguf_dir(gguf, target, gguf.name, "once; later starts load the converted copy")
 
 
 def _load_weights(model_dir: Path, config: dict, dtype: torch.dtype, notes: list[str]):

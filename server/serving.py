@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -50,7 +50,7 @@ def load_engine(settings: Settings):
     from common.tokenizer import tokenizer_fingerprint
     from ngram.drafter import NgramDrafter
     from ngram.index_file import IndexLoadError, load_index
-    from server.engine import Engine, EngineConfig
+    from server.engine import Engine
     from server.model_loading import load_target
 
     t0 = time.perf_counter()
@@ -77,18 +77,15 @@ def load_engine(settings: Settings):
 
     t0 = time.perf_counter()
     # the cost curve is measured whenever drafting is on: an index may arrive later through a reload
-    config = EngineConfig(max_draft=settings.drafter.max_draft, adaptive=settings.adaptive and settings.draft,
-                          max_context=settings.max_context, fast_path=settings.fast_path,
-                          fast_max_context=settings.fast_max_context, prefix_cache=settings.prefix_cache,
-                          prefix_cache_bytes=None if settings.prefix_cache_mb is None
-                          else settings.prefix_cache_mb * 2**20,
-                          cost_cache=cache_root() / "cost-curves.json", remeasure_cost=settings.remeasure_cost)
+    config = replace(settings.engine, max_draft=settings.drafter.max_draft,
+                     adaptive=settings.engine.adaptive and settings.draft,
+                     cost_cache=cache_root() / "cost-curves.json")
     with phase("preparing the engine", _engine_about(target.device, settings), say=log.info):
         engine = Engine(target, drafter, config)
     for line in engine.notes:
         log.info("engine: %s", line)
     cost = getattr(getattr(engine, "policy", None), "cost", None)
-    if cost is not None and settings.adaptive and settings.draft:
+    if cost is not None and config.adaptive:
         curve = " ".join(f"{n}:{c:.2f}" for n, c in enumerate(cost) if n >= 1)
         log.info("verify cost curve (forward time for n new tokens / 1 token; engine ready in %.1f s): %s",
                  time.perf_counter() - t0, curve)
@@ -99,7 +96,7 @@ def load_engine(settings: Settings):
 def _engine_about(device, settings: Settings) -> str:
     """How long `Engine(...)` usually takes, for the start-up line (the cost curve, when it has to be
     measured, says its own estimate)."""
-    if str(device).startswith("cuda") and settings.fast_path:
+    if str(device).startswith("cuda") and settings.engine.fast_path:
         return "CUDA graph capture: about 40 s on an H200"
     return "seconds"
 

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from server.fast_path import FastTarget, greedy_generate
+from bench.fast_greedy import greedy_generate
+from server.fast_path import FastTarget
 from tests.test_engine_lossless import OracleWithErrors, engine_for, first_divergence, run, tiny_gemma4
 
 CUDA = torch.cuda.is_available()

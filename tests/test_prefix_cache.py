@@ -43,7 +43,7 @@ def fast_backend(model, budget=1 << 30, **kw):
 
 
 BACKENDS = {
-    "eager": lambda model, budget=1 << 30: dict(prefix_cache_bytes=budget),
+    "eager": lambda model, budget=1 << 30: dict(prefix_cache_mb=budget / 2**20),
     "fast": lambda model, budget=1 << 30: dict(backend=fast_backend(model, budget)),
 }
 
@@ -51,7 +51,7 @@ BACKENDS = {
 def engines(model, kind, budget=1 << 30):
     """(cached, fresh): the same backend kind with the prefix cache on and off."""
     if kind == "eager":
-        return engine_for(model, prefix_cache_bytes=budget), engine_for(model, prefix_cache=False)
+        return engine_for(model, prefix_cache_mb=budget / 2**20), engine_for(model, prefix_cache=False)
     return engine_for(model, backend=fast_backend(model, budget)), engine_for(model, backend=fast_backend(model, 0))
 
 

@@ -1,0 +1,24 @@
+"""Greedy decoding straight on a FastTarget, with or without a drafter: the GPU tests' and the GPU
+benchmark's reference loop (the server's loop is server.engine; this one has no cost model, no
+prefix cache and no stop strings, so a test sees the fast path alone)."""
+from __future__ import annotations
+
+from server.fast_path import FastTarget
+
+
+def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propose=None,
+                    max_draft: int | None = None) -> tuple[list[int], int]:
+    """Greedy tokens after `prompt_ids` and the number of forwards after the prefill. With
+    `propose(context, room) -> list[int]`, drafts are verified (lossless: same tokens as without)."""
+    max_draft = fast.max_bucket - 1 if max_draft is None else max_draft
+    out = [int(fast.prefill(prompt_ids).argmax())]
+    steps = 0
+    while len(out) < max_new:
+        room = min(max_new - len(out) - 1, max_draft)
+        draft = list(propose(prompt_ids + out, room))[:room] if (propose is not None and room > 0) else []
+        if draft:
+            out += fast.verify(out[-1], draft)
+        else:
+            out.append(int(fast.decode_one(out[-1]).argmax()))
+        steps += 1
+    return out[:max_new], steps

@@ -1,0 +1,47 @@
+"""The engine's options, each defined once: `EngineConfig`'s fields also generate the server's flags.
+
+Contract: every field whose metadata does not say `cli: False` becomes `python -m server --field-name`
+(help text from the field; see server.settings), so a knob is named, typed, defaulted and explained
+here only. The draft cap defaults to the drafter's (`DrafterConfig.max_draft`) and is lowered by the
+engine to what its backend's largest step takes. Light on purpose (no torch): `--help` imports it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ngram.drafter import DrafterConfig
+
+
+@dataclass
+class EngineConfig:
+    max_draft: int = field(default=DrafterConfig.max_draft, metadata={"cli": False})  # the drafter's --max-draft
+    adaptive: bool = field(default=True, metadata={
+        "help": "decide per step whether a draft pays, from the measured verify cost curve "
+                "(--no-adaptive: verify every draft in full)"})
+    max_context: int | None = field(default=None, metadata={
+        "help": "context limit in tokens (default: the model's max_position_embeddings)"})
+    fast_path: bool = field(default=True, metadata={
+        "help": "on CUDA, Gemma 4: static KV cache and CUDA graphs (--no-fast-path: transformers eager)"})
+    fast_max_context: int | None = field(default=None, metadata={
+        "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "
+                "or what GPU memory allows)"})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "keep finished sequences' KV and prefill only what a new prompt adds "
+                "(--no-prefix-cache: every prompt from position 0)"})
+    prefix_cache_mb: float | None = field(default=None, metadata={
+        "help": "memory for kept sequences in MiB (default: 20%% of free memory, at most 8 GiB on the CPU; "
+                "on the GPU fast path 40%% of what its static cache leaves)"})
+    remeasure_cost: bool = field(default=False, metadata={
+        "help": "measure the verify cost curve again even if one was kept for this model, device and path"})
+    # not flags: set by code (tests, benchmarks, the server's loader)
+    cost_curve: np.ndarray | None = field(default=None, metadata={"cli": False})  # cost[n]; None: measured
+    cost_context: int = field(default=256, metadata={"cli": False})  # cache length the curve is measured at
+    cost_cache: Path | None = field(default=None, metadata={"cli": False})  # where curves are kept (None: none)
+
+    @property
+    def prefix_cache_bytes(self) -> int | None:
+        """The kept-sequence budget in bytes (None: sized from free memory)."""
+        return None if self.prefix_cache_mb is None else int(self.prefix_cache_mb * 2**20)
