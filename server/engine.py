@@ -38,6 +38,7 @@ from ngram.draft import Draft
 from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 from server.engine_config import EngineConfig
+from server.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("sailfish.engine")
 
@@ -57,8 +58,7 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     draft: bool = True          # False = plain decoding, the baseline
-    temperature: float = 0.0    # >0: sampled decoding without drafting
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()  # greedy by default; sampled requests are drafted too
     prefix_cache: bool = True   # False: compute the whole prompt and keep nothing
 
 
@@ -292,9 +292,8 @@ class Engine:
         context = np.zeros(len(prompt_ids) + max_tokens, dtype=np.int32)
         context[:len(prompt_ids)] = prompt_ids
         length = len(prompt_ids)
-        sampling = params.temperature > 0
-        generator = torch.Generator().manual_seed(params.seed) if sampling and params.seed is not None else None
-        session = self._drafter.session() if (self._drafter is not None and params.draft and not sampling) else None
+        sampler = Sampler(params.sampling, prompt_ids)
+        session = self._drafter.session() if (self._drafter is not None and params.draft) else None
         tracker = AcceptanceTracker()
         clean = False  # the backend's cache is consistent at every yield, and only there
         try:
@@ -302,7 +301,7 @@ class Engine:
                 t0 = time.perf_counter()
                 pre = backend.start(prompt_ids, reuse=params.prefix_cache)
                 stats.cached_tokens = pre.reused
-                new = [self._pick(pre.logits, params, generator)]
+                new = [sampler.pick(pre.logits, 0)]
                 stats.prefill_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
                 while True:
@@ -310,6 +309,7 @@ class Engine:
                     emitted, finish = [], None
                     for token in new:
                         stats.completion_tokens += 1
+                        sampler.commit(token)
                         context[length] = token
                         length += 1
                         if token in stop_ids:
@@ -344,10 +344,10 @@ class Engine:
                     t = time.perf_counter()
                     if n > 0:
                         proposal = [int(x) for x in draft.tokens[:n]]
-                        target = backend.step([pending, *proposal]).argmax(-1).tolist()
-                        accepted = accept(proposal, target)
+                        accepted, token = _verify(sampler, backend.step([pending, *proposal]), proposal,
+                                                  stats.completion_tokens)
                         backend.rollback(n - accepted)
-                        new = proposal[:accepted] + [target[accepted]]
+                        new = proposal[:accepted] + [token]
                         stats.verify_steps += 1
                         stats.probes += probe
                         stats.drafted_tokens += n
@@ -355,7 +355,7 @@ class Engine:
                         tracker.record(n, accepted, probe)
                         session.feedback(n, accepted)
                     else:
-                        new = [self._pick(backend.step([pending])[0], params, generator)]
+                        new = [sampler.pick(backend.step([pending])[0], stats.completion_tokens)]
                         stats.plain_steps += 1
                     stats.forward_s += time.perf_counter() - t
         finally:
@@ -369,12 +369,22 @@ class Engine:
             else:
                 backend.discard()
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, params: GenerationParams, generator) -> int:
-        if params.temperature <= 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
+
+def _verify(sampler: Sampler, logits: torch.Tensor, proposal: list[int], position: int) -> tuple[int, int]:
+    """(accepted drafted tokens, the step's new token) for logits [1 + len(proposal), vocab] of
+    [pending, *proposal], whose row j chooses output position `position + j`. Each row's token is
+    chosen exactly as a plain step would choose it there (server.sampling); drafted tokens are
+    accepted while they equal those choices, and the first choice that differs is the new token."""
+    if sampler.params.plain_argmax:  # greedy: one vectorized argmax, then the rule of server.backend
+        target = logits.argmax(-1).tolist()
+        k = accept(proposal, target)
+        return k, target[k]
+    for j, drafted in enumerate(proposal):
+        token = sampler.pick(logits[j], position + j, proposal[:j])
+        if token != drafted:
+            return j, token
+    n = len(proposal)
+    return n, sampler.pick(logits[n], position + n, proposal)
 
 
 def _prefix_note(budget: int) -> str:

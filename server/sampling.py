@@ -1,0 +1,140 @@
+"""Token choice for one request: greedy or sampled, with every OpenAI/vLLM sampling field, and
+random draws keyed by output position so that drafting never changes a sampled token.
+
+Contract: `Sampler(params, prompt_ids)` picks the token of output position i (0 = the first token
+after the prompt) from the target's logits at that position with `pick(logits, i, pending)`, where
+`pending` are tokens generated before position i that are not committed yet (the drafted tokens
+ahead of this row in a verify step); `commit(token)` records a committed token. The choice depends
+only on the logits, the tokens before position i and (seed, i), never on how positions were grouped
+into forwards, so for the same seed plain decoding and drafted decoding give the same tokens.
+
+Order of processing (vLLM's): on the raw logits,
+  1. repetition_penalty r (tokens in the prompt or the output): a positive logit is divided by r, a
+     negative one multiplied by r;
+  2. frequency_penalty f and presence_penalty p (tokens in the output): logit -= f * count + p * [count > 0];
+  3. temperature 0 (or top_k 1): the argmax, done;
+  4. logits / temperature, then top_k, then top_p (the smallest most-likely set whose probability
+     reaches top_p), then min_p (tokens at least min_p times the most likely one's probability);
+  5. the Gumbel-max draw among the tokens left: argmax(logit / T + g), g = -log(-log u) with u a
+     counter-based hash of (seed, i, token id). This is an exact sample of the processed distribution.
+Verification under sampling (server.engine): the target is sampled at every drafted position with
+these rules; a drafted token is accepted while it equals the sampled one, and the first sampled token
+that differs is the step's new token. With a deterministic drafter the output is distributed as plain
+sampling, and with keyed draws it is the very same sequence.
+"""
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK = (1 << 64) - 1
+_TOP_P_FIRST = 1024  # top_p without top_k looks at this many most likely tokens before sorting all
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None        # None: a random one per request
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def plain_argmax(self) -> bool:
+        """True when the token is the argmax of the raw logits (the engine's vectorized greedy path)."""
+        return self.greedy and not self.penalized
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int (a 64-bit key from a seed and a position)."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+    return z ^ (z >> 31)
+
+
+def keyed_uniform(key: int, token_ids: np.ndarray) -> np.ndarray:
+    """u in (0, 1) per token id, a pure function of (key, id): splitmix64 over the ids."""
+    z = token_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, prompt_ids: list[int] | np.ndarray):
+        self.params = params
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.output_counts: Counter[int] = Counter()
+        self._prompt_ids = (np.unique(np.asarray(prompt_ids, dtype=np.int64))
+                            if params.repetition_penalty != 1.0 else np.zeros(0, dtype=np.int64))
+
+    def commit(self, token: int) -> None:
+        if self.params.penalized:
+            self.output_counts[token] += 1
+
+    def pick(self, logits: torch.Tensor, position: int, pending: list[int] | tuple = ()) -> int:
+        p = self.params
+        if p.plain_argmax:
+            return int(logits.argmax())
+        scores = logits.detach().float().cpu()
+        if p.penalized:
+            scores = self._penalize(scores.clone(), pending)
+        if p.greedy:
+            return int(scores.argmax())
+        scores = scores / p.temperature
+        ids, kept = self._candidates(scores)
+        u = keyed_uniform(_mix64((self.seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK), ids)
+        return int(ids[int(np.argmax(kept - np.log(-np.log(u))))])
+
+    def _penalize(self, scores: torch.Tensor, pending) -> torch.Tensor:
+        p = self.params
+        counts = self.output_counts + Counter(int(t) for t in pending) if pending else self.output_counts
+        out_ids = torch.tensor(sorted(counts), dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            seen = torch.unique(torch.cat([torch.from_numpy(self._prompt_ids), out_ids]))
+            vals = scores[seen]
+            scores[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if len(out_ids) and (p.frequency_penalty or p.presence_penalty):
+            n = torch.tensor([counts[int(t)] for t in out_ids], dtype=torch.float32)
+            scores[out_ids] -= p.frequency_penalty * n + p.presence_penalty
+        return scores
+
+    def _candidates(self, scores: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, their scaled logits) that survive top_k, top_p and min_p, most likely first."""
+        p = self.params
+        if p.top_k > 0 or p.top_p < 1.0:
+            k = p.top_k if p.top_k > 0 else min(_TOP_P_FIRST, scores.shape[0])
+            vals, ids = torch.topk(scores, min(k, scores.shape[0]))
+            if p.top_p < 1.0:
+                log_z = torch.logsumexp(scores, 0) if p.top_k <= 0 else torch.logsumexp(vals, 0)
+                probs = torch.exp(vals - log_z)
+                cum = torch.cumsum(probs, 0)
+                if p.top_k <= 0 and cum[-1] < p.top_p and k < scores.shape[0]:
+                    vals, ids = torch.sort(scores, descending=True)  # the first tokens were not enough
+                    probs = torch.exp(vals - log_z)
+                    cum = torch.cumsum(probs, 0)
+                # keep up to and including the first token where the cumulative mass reaches top_p
+                keep = int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype)).item()) + 1
+                vals, ids = vals[:keep], ids[:keep]
+        else:
+            vals, ids = scores, torch.arange(scores.shape[0])
+        if p.min_p > 0.0:
+            keep = vals >= vals.max() + float(np.log(p.min_p))
+            vals, ids = vals[keep], ids[keep]
+        return ids.numpy(), vals.double().numpy()
