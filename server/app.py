@@ -79,11 +79,11 @@ def _guarded(handler, metrics=None):
 
 def create_app(service: Service) -> Starlette:
     async def chat_completions(request: Request) -> Response:
-        req = ChatCompletionRequest.parse(await _json_body(request))
+        req = ChatCompletionRequest.parse(await _json_body(request), service.sampling_defaults)
         return _respond(await service.chat(req, request.receive))
 
     async def completions(request: Request) -> Response:
-        req = CompletionRequest.parse(await _json_body(request))
+        req = CompletionRequest.parse(await _json_body(request), service.sampling_defaults)
         return _respond(await service.complete(req, request.receive))
 
     async def models(request: Request) -> Response:

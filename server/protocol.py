@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.chat_format import MAX_VALUE_DEPTH, json_depth
+from server.sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY_BYTES = 32 * 2**20   # a request body past this gets a 413 (an 80k-token conversation is ~0.4 MB)
@@ -113,19 +114,58 @@ def _stop(body: dict) -> tuple[str, ...]:
     raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
 
 
-def _sampling(body: dict) -> tuple[float, int | None]:
-    temperature = _finite("temperature", _opt(body, "temperature", (int, float), 0.0, "a number"))
-    if not 0.0 <= temperature <= 2.0:
-        raise _bad(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
-    if temperature < SAMPLING_EPS:
-        temperature = 0.0
+# (field, lowest, highest, whether the lowest is allowed): OpenAI's ranges, vLLM's for its extras
+_SAMPLING_RANGES = {"temperature": (0.0, 2.0, True), "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True),
+                    "presence_penalty": (-2.0, 2.0, True), "frequency_penalty": (-2.0, 2.0, True),
+                    "repetition_penalty": (0.0, 10.0, False)}
+
+
+def _sampling(body: dict, defaults: dict | None = None) -> SamplingParams:
+    """The request's sampling fields, range-checked; a field the request omits takes its value from
+    `defaults` (the checkpoint's generation_config, see server.generation_defaults), else greedy."""
+    defaults = defaults or {}
+    values: dict[str, Any] = {}
+    for name, (low, high, low_ok) in _SAMPLING_RANGES.items():
+        default = defaults.get(name, getattr(SamplingParams, name))
+        value = _finite(name, _opt(body, name, (int, float), default, "a number"))
+        if not (low <= value <= high) or (value == low and not low_ok):
+            raise _bad(f"'{name}' must be {'at least' if low_ok else 'above'} {low:g} and at most {high:g}, "
+                       f"got {value}", name)
+        values[name] = float(value)
+    if values["temperature"] < SAMPLING_EPS:
+        values["temperature"] = 0.0
+    top_k = _opt(body, "top_k", int, defaults.get("top_k", 0), "an integer")
+    if top_k < -1:
+        raise _bad(f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}", "top_k")
     n = _opt(body, "n", int, 1, "an integer")
     if n != 1:
         raise _bad("only n=1 is supported", "n", "unsupported_value")
     seed = _opt(body, "seed", int, None, "an integer")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise _bad("'seed' must fit in 64 bits", "seed")
-    return temperature, seed
+    return SamplingParams(top_k=max(top_k, 0), seed=seed, **values)
+
+
+# Fields a client may send that change nothing Sailfish does; any other field it does not know is refused.
+_NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "stream_options"}
+_UNSUPPORTED = {"logit_bias": "logit_bias is not supported", "top_logprobs": "top_logprobs are not supported",
+                "min_tokens": "min_tokens is not supported", "ignore_eos": "ignore_eos is not supported",
+                "prediction": "predicted outputs are not supported", "audio": "audio output is not supported",
+                "modalities": "only text output is supported", "functions": "the legacy 'functions' field is "
+                "not supported; send 'tools'", "function_call": "the legacy 'function_call' field is not "
+                "supported; send 'tool_choice'", "suffix": "suffix (insertion) is not supported"}
+
+
+def _refuse_unknown(body: dict, known: set[str]) -> None:
+    """A field that cannot be honoured is refused with a 400, never silently ignored."""
+    for name, value in body.items():
+        if name in known or name in _NO_EFFECT_FIELDS:
+            continue
+        if name in _UNSUPPORTED:
+            if value in (None, False, 0, {}, [], ""):  # the field's "off" value asks for nothing
+                continue
+            raise _bad(_UNSUPPORTED[name], name, "unsupported_value")
+        raise _bad(f"unknown parameter {name!r}", name, "unknown_parameter")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -271,6 +311,12 @@ def parse_tool_choice(raw: Any, tools: list[dict]) -> str | dict:
 
 # ---------------------------------------------------------------- requests
 
+_SAMPLING_FIELDS = {*_SAMPLING_RANGES, "top_k", "n", "seed"}
+_CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "logprobs", "response_format", "stop",
+                "stream", "tools", "tool_choice", "parallel_tool_calls", *_SAMPLING_FIELDS}
+_COMPLETION_FIELDS = {"prompt", "model", "max_tokens", "echo", "logprobs", "best_of", "stop", "stream",
+                      *_SAMPLING_FIELDS}
+
 @dataclass
 class ChatCompletionRequest:
     messages: list[dict]
@@ -280,15 +326,16 @@ class ChatCompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False          # stream_options.include_usage
-    temperature: float = 0.0             # 0: greedy (drafted); > 0: sampled, never drafted
+    sampling: SamplingParams = SamplingParams()  # greedy unless asked (or the model's defaults say so)
     tool_choice: str | dict = "none"
     tools: list[dict] = field(default_factory=list)
     user: str | None = None
 
     @classmethod
-    def parse(cls, body: Any) -> "ChatCompletionRequest":
+    def parse(cls, body: Any, sampling_defaults: dict | None = None) -> "ChatCompletionRequest":
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", None, "invalid_type")
+        _refuse_unknown(body, _CHAT_FIELDS)
         messages = parse_messages(body.get("messages"))
         model = _opt(body, "model", str, "", "a string")
         if body.get("logprobs"):
@@ -298,13 +345,16 @@ class ChatCompletionRequest:
         if fmt.get("type", "text") != "text":
             raise _bad(f"response_format {fmt.get('type')!r} is not supported (text only)", "response_format",
                        "unsupported_value")
-        temperature, seed = _sampling(body)
+        sampling = _sampling(body, sampling_defaults)
         stop = _stop(body)
         stream, include_usage = _stream(body)
         tools = parse_tools(body.get("tools"))
         tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+        if body.get("parallel_tool_calls") is False and tool_choice != "none":
+            raise _bad("parallel_tool_calls=false cannot be enforced (the model may call several tools)",
+                       "parallel_tool_calls", "unsupported_value")
         user = _opt(body, "user", str, None, "a string")
-        return cls(messages, model, max_tokens, seed, stop, stream, include_usage, temperature,
+        return cls(messages, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling,
                    tool_choice, tools, user)
 
 
@@ -317,13 +367,14 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
-    temperature: float = 0.0
+    sampling: SamplingParams = SamplingParams()
     user: str | None = None
 
     @classmethod
-    def parse(cls, body: Any) -> "CompletionRequest":
+    def parse(cls, body: Any, sampling_defaults: dict | None = None) -> "CompletionRequest":
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", None, "invalid_type")
+        _refuse_unknown(body, _COMPLETION_FIELDS)
         model = _opt(body, "model", str, "", "a string")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -343,11 +394,11 @@ class CompletionRequest:
         if (body.get("best_of") or 1) != 1:
             raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
         max_tokens = _max_tokens(body) or 16
-        temperature, seed = _sampling(body)
+        sampling = _sampling(body, sampling_defaults)
         stop = _stop(body)
         stream, include_usage = _stream(body)
         user = _opt(body, "user", str, None, "a string")
-        return cls(prompt, model, max_tokens, seed, stop, stream, include_usage, temperature, user)
+        return cls(prompt, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling, user)
 
 
 # ---------------------------------------------------------------- responses

@@ -138,3 +138,24 @@ class Sampler:
             keep = vals >= vals.max() + float(np.log(p.min_p))
             vals, ids = vals[keep], ids[keep]
         return ids.numpy(), vals.double().numpy()
+
+
+def sampling_defaults(generation_config) -> dict:
+    """Defaults for the sampling fields a request omits, from a checkpoint's generation_config (as vLLM
+    takes them): its explicitly set temperature, top_p, top_k, min_p and repetition_penalty when it
+    samples (`do_sample`, temperature 1.0 unless it says otherwise); {} (greedy) when it sets none or
+    does not sample, as for the bundled base model."""
+    explicit = generation_config.to_diff_dict() if generation_config is not None else {}
+    if not explicit.get("do_sample"):
+        return {}
+    out = {"temperature": float(explicit.get("temperature", 1.0))}
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        if explicit.get(name) is not None:
+            out[name] = explicit[name]
+    return out
+
+
+def describe_defaults(defaults: dict) -> str:
+    if not defaults:
+        return "greedy (temperature 0) unless a request asks to sample"
+    return "from the checkpoint's generation_config: " + ", ".join(f"{k} {v}" for k, v in defaults.items())

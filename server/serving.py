@@ -14,8 +14,9 @@ tool_choice: "none" renders no tools and parses no calls; "auto" renders them; w
 format "required" and a named function are ENFORCED by prefilling the model turn with
 `<|tool_call>call:` (resp. `<|tool_call>call:NAME{`), so the first thing generated is that call;
 with a chat template they are only requested by a system instruction (not enforced).
-temperature > 0 samples (seeded by `seed`) and never drafts; temperature 0 or absent is greedy and
-drafted, with output identical to plain greedy decoding.
+Sampling (server.sampling): every OpenAI/vLLM sampling field is honoured and sampled requests are
+drafted too; for the same `seed` the output is the same with or without drafting. Fields a request
+omits take the checkpoint's generation_config defaults (`--no-generation-defaults`: greedy).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from server.engine import GenerationParams
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
                              completion, error_body, new_call_id, new_id, usage_body)
+from server.sampling import describe_defaults, sampling_defaults
 from server.scheduler import Scheduler
 from server.settings import Settings
 from server.trace_log import TraceLog
@@ -90,6 +92,9 @@ def load_engine(settings: Settings):
         log.info("verify cost curve (forward time for n new tokens / 1 token; engine ready in %.1f s): %s",
                  time.perf_counter() - t0, curve)
     log.info("context limit %d tokens", engine.max_context)
+    defaults = sampling_defaults(engine.model.generation_config) if settings.generation_defaults else {}
+    log.info("sampling defaults: %s%s; sampled requests are drafted too (same seed, same tokens)",
+             describe_defaults(defaults), "" if settings.generation_defaults else " (--no-generation-defaults)")
     return engine, note
 
 
@@ -137,6 +142,9 @@ class Service:
         self.settings = settings
         self.drafter_note = drafter_note
         self.chat_format = ChatFormat.for_tokenizer(engine.tokenizer)
+        model = getattr(engine, "model", None)
+        self.sampling_defaults = (sampling_defaults(getattr(model, "generation_config", None))
+                                  if settings.generation_defaults else {})
         self.stop_token_ids = frozenset(self.chat_format.stop_token_ids(engine.tokenizer))
         self.scheduler = Scheduler()
         self.metrics = Metrics()
@@ -175,7 +183,7 @@ class Service:
         self._check_context(len(prompt_ids), "messages", req.max_tokens)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
-                                  temperature=req.temperature, seed=req.seed)
+                                  sampling=req.sampling)
         return _Prepared(prompt_ids, params, forced, offered, parse_calls=bool(offered))
 
     async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
@@ -250,7 +258,7 @@ class Service:
                            "prompt", "invalid_value")
         self._check_context(len(prompt_ids), "prompt", req.max_tokens)
         params = GenerationParams(max_tokens=req.max_tokens, stop_token_ids=frozenset(), stop_strings=req.stop,
-                                  draft=True, temperature=req.temperature, seed=req.seed)
+                                  draft=True, sampling=req.sampling)
         prep = _Prepared(prompt_ids, params, "", [], False)
         rid, created = new_id("cmpl"), int(time.time())
         if req.stream:

@@ -43,6 +43,9 @@ class Settings:
     trace_rotate_mb: int = field(default=64, metadata={"help": "start a new trace file past this size"})
     default_max_tokens: int = field(default=2048, metadata={
         "help": "completion limit when a chat request sets no max_tokens"})
+    generation_defaults: bool = field(default=True, metadata={
+        "help": "take defaults for the sampling fields a request omits from the checkpoint's generation_config, "
+                "as vLLM does (--no-generation-defaults: greedy unless a request asks to sample)"})
     watch_index: float = field(default=5.0, metadata={
         "help": "seconds between checks for a rebuilt index (0: only on SIGHUP or POST /admin/reload-index)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})

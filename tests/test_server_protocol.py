@@ -228,9 +228,16 @@ def test_limits_stop_and_ignored_fields(client):
     assert r.choices[0].message.content == "Hello there"
     r = client.chat.completions.create(model="m", messages=hi, stop="How", store=True, metadata={"a": "b"},
                                        parallel_tool_calls=False, logprobs=False, user="u1", seed=3, n=1,
-                                       temperature=0, top_p=1.0, frequency_penalty=0,
-                                       extra_body={"some_vendor_field": {"x": 1}})
+                                       temperature=0, top_p=1.0, frequency_penalty=0)
     assert r.choices[0].message.content == "Hello there! "
+    # A field that cannot be honoured is refused, never ignored (issue: sampled drafting).
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=hi, extra_body={"some_vendor_field": {"x": 1}})
+    assert e.value.body["code"] == "unknown_parameter" and e.value.body["param"] == "some_vendor_field"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=hi, tools=[tool], parallel_tool_calls=False)
+    assert e.value.body["param"] == "parallel_tool_calls"
 
 
 def test_completions_endpoint(client):
@@ -464,7 +471,7 @@ def test_oversized_body_is_a_413_and_deep_tool_results_render_as_text(server):
 def test_tiny_temperature_is_greedy_and_token_ids_are_checked():
     from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
-    assert ChatCompletionRequest.parse({"messages": HI, "temperature": 1e-320}).temperature == 0.0
+    assert ChatCompletionRequest.parse({"messages": HI, "temperature": 1e-320}).sampling.temperature == 0.0
     with pytest.raises(APIError):
         CompletionRequest.parse({"prompt": [5, -1]})
     engine = ScriptedEngine()
@@ -491,3 +498,43 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing():
         r = httpx.post(url + "/v1/completions", json={"prompt": "y" * (MAX_CHARS_PER_TOKEN * 64 + 1)})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert not any(n > MAX_CHARS_PER_TOKEN * 64 for n in seen)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5),
+                                         ("top_k", -2), ("top_k", 1.5), ("min_p", -0.1), ("min_p", 1.1),
+                                         ("presence_penalty", 2.1), ("frequency_penalty", -3),
+                                         ("repetition_penalty", 0), ("repetition_penalty", 11), ("seed", 2**64),
+                                         ("logit_bias", {"5": 10}), ("top_logprobs", 2), ("min_tokens", 3)])
+def test_each_bad_sampling_value_gets_a_400_naming_it(field, value):
+    from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+    for parse, body in ((ChatCompletionRequest.parse, {"messages": HI}), (CompletionRequest.parse, {"prompt": "x"})):
+        with pytest.raises(APIError) as e:
+            parse({**body, field: value})
+        assert e.value.status == 400 and e.value.body()["error"]["param"] == field
+
+
+def test_sampling_fields_and_model_defaults_are_parsed():
+    from server.protocol import ChatCompletionRequest
+
+    s = ChatCompletionRequest.parse({"messages": HI, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+                                     "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                                     "repetition_penalty": 1.1, "seed": -3}).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.presence_penalty, s.frequency_penalty,
+            s.repetition_penalty, s.seed) == (0.7, 0.8, 20, 0.05, 0.5, -0.5, 1.1, -3)
+    assert ChatCompletionRequest.parse({"messages": HI, "top_k": -1}).sampling.top_k == 0  # vLLM's "off"
+    defaults = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+    s = ChatCompletionRequest.parse({"messages": HI, "top_p": 0.5}, defaults).sampling
+    assert (s.temperature, s.top_k, s.top_p) == (1.0, 64, 0.5)  # the request's own field wins
+    assert ChatCompletionRequest.parse({"messages": HI}).sampling.greedy
+
+
+def test_generation_config_defaults_follow_the_checkpoint():
+    from transformers import GenerationConfig
+
+    from server.sampling import sampling_defaults
+
+    assert sampling_defaults(None) == {}
+    assert sampling_defaults(GenerationConfig(eos_token_id=1)) == {}           # the bundled base model: greedy
+    assert sampling_defaults(GenerationConfig(do_sample=True, top_k=64, top_p=0.95)) == {
+        "temperature": 1.0, "top_k": 64, "top_p": 0.95}                          # Gemma's published defaults
