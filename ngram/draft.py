@@ -1,13 +1,31 @@
-"""The value a drafter returns, shared by every drafter and by the engine that verifies it.
+"""The drafter interface, shared by every drafter and by the engine and the replay that use one.
 
-Contract: `tokens` are the proposed next token ids (a sequence of ints, possibly empty: the n-gram
-drafter returns a list, other drafters may return an int array); `confidence[i]` is the
-drafter's estimate (0..1) that tokens[:i+1] all match the target; `source` names where the draft came
-from ("index", "context", "overlay", "suffix", ... or "none"); `match_length` is the number of context
-tokens the drafter matched before proposing.
+`Drafter.session()` starts one request's drafting, a `DrafterSession` (see its docstring). A `Draft`
+is what a session proposes: `tokens` are the proposed next token ids (a sequence of ints, possibly
+empty: the n-gram drafter returns a list, other drafters may return an int array); `confidence[i]` is
+the drafter's estimate (0..1) that tokens[:i+1] all match the target; `source` names where the draft
+came from ("index", "context", "overlay", "suffix", ... or "none"); `match_length` is the number of
+context tokens the drafter matched before proposing.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class DrafterSession(Protocol):
+    """One request: `propose` a Draft of at most max_tokens tokens after the context (prompt + tokens
+    committed so far); `feedback` how many of its tokens were verified and accepted; `finish` once
+    when the request is over (`context_ids`: its final prompt + completion). Every session has all
+    three: the n-gram drafter's finish adds the completion to its online overlay, drafters with
+    nothing to learn from it (prompt lookup, the peers) make it a no-op."""
+
+    def propose(self, context_ids, max_tokens: int) -> "Draft": ...
+    def feedback(self, drafted: int, accepted: int) -> None: ...
+    def finish(self, context_ids=None) -> None: ...
+
+
+class Drafter(Protocol):
+    def session(self) -> DrafterSession: ...
 
 
 class Draft:

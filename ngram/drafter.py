@@ -1,30 +1,26 @@
-"""The n-gram drafter: longest-suffix matching over the index and the live context.
+"""The n-gram drafter: longest-suffix matching over the index, the live context and the overlay.
 
-Contract:
+Contract (the session is an ngram.draft.DrafterSession):
     drafter = NgramDrafter(index_or_None, DrafterConfig(...))
     session = drafter.session()                         # one per request
     draft = session.propose(context_ids, max_tokens)    # context = prompt + tokens committed so far
     session.feedback(drafted=len(draft), accepted=n)    # after verification
+    session.finish(final_context_ids)                   # the completion joins the online overlay
 `propose` never returns more than `max_tokens` tokens, and returns an empty Draft (source "none")
 when no source matches at least `min_match` tokens with confidence above the cut-off.
 
 A session serves one growing context: it encodes only the tokens appended since its last call (a
 context that does not extend the previous one is encoded anew, only as much of it as is kept: past
-2 x context_window tokens the text is cut back to the last context_window), and it remembers each
-source's last rows and match. Rows that still agree with the appended tokens are followed without a
-search; otherwise the last match bounds the next one (a match grows by at most the appended tokens),
-which the index probes first (see match.longest_index_match) and the context search starts from.
-A fresh index match's draft comes from IndexLookup.draft, memoized per matched suffix (tool-call
-traffic matches the same suffixes again and again); followed rows are walked as they are.
+2 x context_window tokens the text is cut back to the last context_window) and hands that text to
+its sources (ngram.sources), each of which keeps its last match to follow or bound the next one.
 
 Choice between sources (index, live context, online overlay): the longer match wins (it conditions
 on more context), then the larger expected accepted length (the sum of cumulative confidences), as
 if every source were asked every step. They are asked lazily: the source whose last draft was
 accepted in full first, then in that order; once the best draft fills the request, the remaining
 sources are skipped if its match is `trusted_match` tokens or longer, and otherwise each one whose
-longest possible match (its last match plus the tokens appended since, see the `_*_bound` methods)
-cannot exceed the best one's. A source whose match is shorter than the best so far is searched (its
-rows are kept for the next step) but not walked.
+`bound` (its longest possible match) cannot exceed the best one's. A source whose match is shorter
+than the best so far is searched (its state is kept for the next step) but not drafted from.
 Draft length adapts per session: a fully accepted draft raises the session's limit by `grow`, a
 partly rejected one lowers it by one (never below `min_draft`), as transformers' assisted decoding
 does; cutting the limit to what was accepted cost a fifth of tau in replay on BFCL. Whether a draft
@@ -41,14 +37,8 @@ from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
 from ngram.lookup import IndexLookup
 from ngram.overlay import Overlay
-from ngram.match import (
-    context_rows,
-    context_match,
-    follow_rows,
-    longest_index_match,
-    prompt_lookup,
-    walk,
-)
+from ngram.match import prompt_lookup
+from ngram.sources import ContextSource, IndexSource, OverlaySource, Source
 
 
 @dataclass(frozen=True)
@@ -95,40 +85,8 @@ class NgramDrafter:
         return DraftSession(self).propose(context_ids, max_tokens)
 
 
-class _Followed:
-    """A source's last rows (continuations that agree with the context up to `depth`) and the text
-    length they were valid for. The rows that also agree with the tokens appended since are exactly
-    the occurrences of the new, longer suffix (a match can grow by at most the appended tokens), so
-    while some remain, no search is needed."""
-
-    __slots__ = ("rows", "depth", "text_at")
-
-    def __init__(self) -> None:
-        self.rows: list = []
-        self.depth = -1  # the last match length (0: none, -1: never searched), which bounds the next one
-        self.text_at = 0
-
-    def follow(self, text: str) -> tuple[int, list]:
-        """(depth, rows) that still agree with `text`; callers check that there are rows first."""
-        appended = text[self.text_at :]
-        if not appended:
-            return self.depth, self.rows
-        rows = follow_rows(self.rows, self.depth, appended)
-        return (self.depth + len(appended), rows) if rows else (0, [])
-
-    def keep(self, rows: list, depth: int, text_len: int) -> None:
-        self.rows, self.depth, self.text_at = rows, depth, text_len
-
-    def reach(self, text_len: int) -> int:
-        """The longest match the kept rows can grow to by `text_len` (the appended tokens added)."""
-        return self.depth + text_len - self.text_at
-
-    def shift(self, dropped: int) -> None:
-        self.text_at = max(0, self.text_at - dropped)
-
-
 class DraftSession:
-    """Per-request state: encoded context, each source's followed rows, adaptive limit, counters."""
+    """Per-request state: the encoded context, its sources (ngram.sources), adaptive limit, counters."""
 
     def __init__(self, drafter: NgramDrafter):
         cfg = drafter.config
@@ -139,15 +97,9 @@ class DraftSession:
         self._text = ""
         self._seen = 0          # context tokens consumed (the text may keep only the last ones)
         self._last_id = -1
-        self._index = _Followed()
-        self._context = _Followed()
-        self._overlay = _Followed()
-        self._context_bound = (0, 0)  # (last context search's match, tokens seen then): bounds the next
         self._prompt_end = -1  # text offset where generation started (set by the first propose)
         self._sticky = ""       # the source whose last draft was accepted in full
         self._last_source = ""
-        self._cutoff = cfg.confidence_cutoff
-        self._min_match = cfg.min_match
         self._trusted_match = cfg.trusted_match
         # The index first: its followed rows usually give the longest match. Measured on the BFCL
         # held-out replay (tau, all turns): asking every source every step 6.68; this lazy search
@@ -155,13 +107,13 @@ class DraftSession:
         # first full draft instead cost either 10% of tau with the context first (multi-turn 9.0 vs
         # 11.6) or, with the index first, 40% on outputs that copy their own context (the bundled
         # model's agentic workload, 5.7 vs 9.5).
-        sources = []
+        sources: list[Source] = []
         if cfg.use_index and drafter.index is not None:
-            sources.append(("index", self._from_index, self._index_bound))
+            sources.append(IndexSource(drafter.lookup, drafter.max_index_match, cfg))
         if cfg.use_context:
-            sources.append(("context", self._from_context, self._context_bound_now))
+            sources.append(ContextSource(cfg))
         if drafter.overlay is not None:
-            sources.append(("overlay", self._from_overlay, self._overlay_bound))
+            sources.append(OverlaySource(drafter.overlay, cfg))
         self._sources = sources
 
     def propose(self, context_ids, max_tokens: int) -> Draft:
@@ -169,28 +121,23 @@ class DraftSession:
         if max_tokens <= 0 or len(context_ids) == 0:
             return EMPTY_DRAFT
         self._sync(context_ids)
+        text, seen = self._text, self._seen
         sources = self._sources
-        if self._sticky and sources[0][0] != self._sticky:
-            sources = sorted(sources, key=lambda s: s[0] != self._sticky)
+        if self._sticky and sources[0].name != self._sticky:
+            sources = sorted(sources, key=lambda s: s.name != self._sticky)
         best, best_key = _NO_CANDIDATE, (0, 0.0)
         trusted = self._trusted_match
-        for name, search, bound in sources:
-            if len(best[0]) == max_tokens and (best_key[0] >= trusted or best_key[0] >= bound()):
+        for source in sources:
+            if len(best[0]) == max_tokens and (best_key[0] >= trusted or best_key[0] >= source.bound(text, seen)):
                 continue  # a full draft, trusted, or whose match this source cannot outgrow
-            k, found = search()
+            k = source.search(text, seen)
             # The longer match wins, then the larger expected accepted length: a shorter match than
-            # the best so far cannot win, so it needs no walk.
-            if found and k >= best_key[0]:
-                if type(found) is str:  # a fresh index match: its draft is memoized per suffix
-                    drafted, confs = self.drafter.lookup.draft(found)
-                    drafted, confs = drafted[:max_tokens], confs[:max_tokens]
-                else:                   # rows that agree with the context
-                    drafted, confs = walk(found, k, max_tokens, self._cutoff)
-                    if name == "index":
-                        drafted, confs = self.drafter.lookup.extend(self._text[-k:], drafted, confs, max_tokens)
+            # the best so far cannot win, so it needs no walk (its state is kept for the next step).
+            if k and k >= best_key[0]:
+                drafted, confs = source.draft(text, k, max_tokens)
                 key = (k, sum(confs))
                 if key > best_key:
-                    best, best_key = (drafted, confs, name, k), key
+                    best, best_key = (drafted, confs, source.name, k), key
         drafted, confs, source, match_length = best
         self._last_source = source
         if not drafted:
@@ -235,8 +182,8 @@ class DraftSession:
                 self._last_id = int(context_ids[n - 1])
         else:  # a new context: only the part that would be kept is encoded
             self._text = encode(context_ids[-window:] if n > 2 * window else context_ids)
-            self._index, self._context, self._overlay = _Followed(), _Followed(), _Followed()
-            self._context_bound = (0, 0)
+            for source in self._sources:
+                source.reset()
             self._prompt_end = len(self._text)
             self._last_id = int(context_ids[n - 1])
         self._seen = n
@@ -244,85 +191,10 @@ class DraftSession:
             drop = len(self._text) - window
             self._text = self._text[drop:]
             self._prompt_end -= drop
-            for state in (self._index, self._context, self._overlay):
-                state.shift(drop)
-
-    # The longest match each source could return now (a source is skipped when that cannot beat a
-    # full draft's match). Followed rows can grow by the tokens appended since; a fresh match by at
-    # most that past the last one (every part of an occurring string occurs), and a search that
-    # found nothing had a match below min_match.
-    def _index_bound(self) -> int:
-        state = self._index
-        return state.reach(len(self._text)) if state.rows else self._fresh_index_bound()
-
-    def _fresh_index_bound(self) -> int:
-        state, longest = self._index, self.drafter.max_index_match
-        if state.depth < 0:  # never searched
-            return longest
-        return min(longest, max(state.depth, self._min_match - 1) + len(self._text) - state.text_at)
-
-    def _context_bound_now(self) -> int:
-        state = self._context
-        if state.rows:
-            return state.reach(len(self._text))
-        return min(self.drafter.config.max_match, self._fresh_context_bound())
-
-    def _fresh_context_bound(self) -> int:
-        last_k, seen_then = self._context_bound
-        return max(last_k, self._min_match - 1) + self._seen - seen_then
-
-    def _overlay_bound(self) -> int:
-        state = self._overlay
-        if state.rows:
-            return state.reach(len(self._text))
-        return self.drafter.config.max_match  # the overlay keeps no match between searches
-
-    def _from_index(self) -> tuple[int, list | str]:
-        """The index: the rows followed from the last step while some still agree with the context
-        (no trie lookup), else (k, text[-k:]) for a fresh longest match, whose rows are kept for the
-        next step; (0, []) when nothing matches. The previous match plus the tokens appended since
-        bounds k, so the bound is probed first."""
-        lookup, longest = self.drafter.lookup, self.drafter.max_index_match
-        text, state = self._text, self._index
-        k, rows = state.follow(text) if state.rows else (0, [])
-        if rows:
-            state.keep(rows, k, len(text))
-            return k, rows
-        n = len(text)
-        bound = min(n, self._fresh_index_bound())
-        k = longest_index_match(lookup.has_prefix, text[-longest:], self._min_match, longest, bound)
-        prefix = text[-k:] if k else ""
-        state.keep(lookup.scan(prefix) if k else [], k, n)  # k is kept even when its occurrences end keys
-        return (k, prefix) if k else (0, [])
-
-    def _from_context(self) -> tuple[int, list]:
-        """The request's own context: follow its rows, else search anew (bounded by the last search)."""
-        text, state = self._text, self._context
-        k, rows = state.follow(text) if state.rows else (0, [])
-        if not rows:
-            cfg = self.drafter.config
-            bound = self._fresh_context_bound()
-            start = max(0, len(text) - cfg.context_window)
-            k, starts = context_match(text, cfg.min_match, cfg.max_match, cfg.context_occurrences, start, bound)
-            self._context_bound = (k, self._seen)
-            rows = context_rows(text, starts, k, ROW_TOKENS) if k else []
-        state.keep(rows, k, len(text))
-        return k, rows
-
-    def _from_overlay(self) -> tuple[int, list]:
-        """The online overlay: follow its rows, else search anew."""
-        text, state = self._text, self._overlay
-        k, rows = state.follow(text) if state.rows else (0, [])
-        if not rows:
-            cfg = self.drafter.config
-            k, rows = self.drafter.overlay.match(text[-cfg.max_match :], cfg.min_match, cfg.max_match,
-                                                 cfg.context_occurrences, ROW_TOKENS)
-        state.keep(rows, k, len(text))
-        return k, rows
+            for source in self._sources:
+                source.shift(drop)
 
 
-# How far past a match a context or overlay row reaches: later steps can follow it without a search.
-ROW_TOKENS = 32
 # Prompt tokens kept before each completion added to the overlay.
 OVERLAY_ANCHOR_TOKENS = 6
 
@@ -344,6 +216,9 @@ class PromptLookupDrafter:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
+
+    def finish(self, context_ids=None) -> None:
+        pass  # stateless: nothing to learn from a finished request
 
 
 def _draft(tokens: list[int], confs: list[float], source: str, match_length: int) -> Draft:

@@ -72,6 +72,9 @@ class _SuffixSession:
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
 
+    def finish(self, context_ids=None) -> None:
+        pass  # the response joins the global tree when the next session() stops this request
+
     def close(self) -> None:
         if self.open:
             self.drafter.cache.stop_request(self.rid)

@@ -80,8 +80,7 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
         stats.verify_steps += 1
         stats.draft_lengths.append(int(proposed.shape[0]))
         pos += min(accepted + 1, remaining)
-    if hasattr(session, "finish"):  # the completed turn feeds the drafter's online overlay
-        session.finish(full)
+    session.finish(full)  # the completed turn feeds the drafter's online overlay
     stats.turns += 1
     stats.target_tokens += n
 

@@ -29,27 +29,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from ngram.draft import Draft
+from ngram.draft import Drafter
 from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 from server.engine_config import EngineConfig
 from server.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("sailfish.engine")
-
-
-class DrafterSession(Protocol):
-    def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft: ...
-    def feedback(self, drafted: int, accepted: int) -> None: ...
-
-
-class Drafter(Protocol):
-    def session(self) -> DrafterSession: ...
 
 
 @dataclass
@@ -323,7 +314,7 @@ class Engine:
                             finish = "length"
                             break
                     stats.decode_s = time.perf_counter() - t_decode
-                    if finish is not None and session is not None and hasattr(session, "finish"):
+                    if finish is not None and session is not None:
                         session.finish(context[:length])  # a finished completion feeds the online overlay
                     clean = True
                     yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats)

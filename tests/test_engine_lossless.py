@@ -35,6 +35,9 @@ class _Session:
         assert 0 <= accepted <= drafted
         self.fed.append((drafted, accepted))
 
+    def finish(self, context_ids=None) -> None:
+        pass
+
 
 class OracleWithErrors:
     """Proposes the known greedy continuation with wrong tokens injected at random positions."""

@@ -28,6 +28,9 @@ class ScriptedDrafter:
     def feedback(self, drafted, accepted):
         self.feedback_log.append((drafted, accepted))
 
+    def finish(self, context_ids=None):
+        pass
+
 
 def test_replay_hand_computed():
     # target 1..6. step 1: draft [1,2,9] -> 2 accepted + target's 3 (pos 3)
