@@ -110,6 +110,48 @@ def run_workloads(cfg, engine, drafter, suffix, llama, fmt, tok, stop_ids) -> tu
     return results, turns
 
 
+SAMPLING_PRESETS = {
+    "T0.7 top_p0.8 top_k20": dict(temperature=0.7, top_p=0.8, top_k=20),     # an agent-benchmark client's
+    "T1.0 top_k64 top_p0.95": dict(temperature=1.0, top_k=64, top_p=0.95),   # Gemma's recommendation
+}
+
+
+def run_sampled(cfg, engine, drafter, fmt, tok) -> dict:
+    """Drafted against plain decoding under each sampling preset, same seed per request, on the
+    tool-call and agentic workloads: decode tokens/s, whether the outputs are identical, and the
+    engine's step counts (the GPU projection reads them)."""
+    from server.sampling import SamplingParams
+
+    out = {}
+    for preset, fields in SAMPLING_PRESETS.items():
+        for name in ("tool_calls", "agentic"):
+            rows = []
+            for k, req in enumerate(WORKLOADS[name](cfg["requests"])):
+                prompt = prompt_ids(fmt, tok, req, cfg["max_prompt"])
+                sampling = SamplingParams(seed=1000 + k, **fields)
+                engine.set_drafter(drafter)
+                plain = run_engine(engine, prompt, cfg["max_tokens"], draft=False, sampling=sampling)
+                drafted = run_engine(engine, prompt, cfg["max_tokens"], draft=True, sampling=sampling)
+                rows.append({"plain_tok_s": plain.decode_tok_s, "drafted_tok_s": drafted.decode_tok_s,
+                             "speedup": drafted.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s else None,
+                             "identical": drafted.tokens == plain.tokens, "tokens": len(drafted.tokens),
+                             **drafted.stats})
+                log(f"  sampled {preset} {name} {req['id'][:30]:30s} plain {plain.decode_tok_s:6.2f} "
+                    f"drafted {drafted.decode_tok_s:6.2f} tok/s identical {rows[-1]['identical']}")
+            steps = sum(r["verify_steps"] + r["plain_steps"] for r in rows)
+            out.setdefault(preset, {})[name] = {
+                "speedup": spread([r["speedup"] for r in rows if r["speedup"]]),
+                "plain_tok_s": spread([r["plain_tok_s"] for r in rows]),
+                "drafted_tok_s": spread([r["drafted_tok_s"] for r in rows]),
+                "identical": all(r["identical"] for r in rows), "requests": len(rows),
+                # as a replay would report them, for bench.project_gpu
+                "tau": sum(r["tokens"] for r in rows) / max(steps, 1),
+                "drafted_tokens": sum(r["drafted"] for r in rows), "verify_steps": steps,
+                "acceptance_rate": sum(r["accepted"] for r in rows) / max(sum(r["drafted"] for r in rows), 1),
+                "rows": rows}
+    return out
+
+
 def loop_rate(prompt: list[int], out: list[int], n: int = 6) -> float:
     """Share of output tokens that end an n-gram already seen earlier (prompt or output): how much
     of the output is copying or looping, which any n-gram drafter predicts."""
@@ -253,6 +295,8 @@ def main(argv=None) -> int:
     g.add_argument("--full", action="store_true", help="everything, the whole matrix, 32k context")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--max-prompt", type=int, help="keep the last N prompt tokens (default: per mode)")
+    p.add_argument("--sampled-only", action="store_true",
+                   help="only the sampled-decoding section (drafted vs plain, same seeds); writes bench-sampled.*")
     args = p.parse_args(argv)
     mode = "quick" if args.quick else "full" if args.full else "default"
     cfg = dict(MODES[mode])
@@ -280,6 +324,16 @@ def main(argv=None) -> int:
         drafter = NgramDrafter(index, DrafterConfig())
         engine = Engine(target, drafter, EngineConfig())
         results["cost_curve"] = [float(c) for c in engine.policy.cost[1:]]
+        if args.sampled_only:
+            log(f"sampled decoding ({mode}: {cfg['requests']} requests per workload, {cfg['max_tokens']} tokens)")
+            results["sampled"] = run_sampled(cfg, engine, drafter, fmt, tok)
+            results["seconds"] = time.perf_counter() - started
+            from bench.report import sampled_markdown
+
+            md = sampled_markdown(results)
+            write_results(args.out, "bench-sampled", results, md)
+            print(md)
+            return 0
         suffix = SuffixDecodingDrafter(list(index.turns()), DrafterConfig.max_draft)
         llama = None
         try:
@@ -288,6 +342,8 @@ def main(argv=None) -> int:
             results["llamacpp"] = f"not run: {e}"
         log(f"workloads ({mode}: {cfg['requests']} requests each, {cfg['max_tokens']} tokens)")
         results["workloads"], turns = run_workloads(cfg, engine, drafter, suffix, llama, fmt, tok, stop_ids)
+        log("sampled decoding: drafted vs plain, same seeds")
+        results["sampled"] = run_sampled(cfg, engine, drafter, fmt, tok)
         log("offline replay")
         results["replay"] = replay_all(turns, index, DrafterConfig.max_draft)
         plain_speeds = [r["sailfish_plain"]["tok_s"] for w in results["workloads"].values() for r in w["requests"]]

@@ -25,9 +25,12 @@ class Run:
         return max(len(self.tokens) - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def run_engine(engine: Engine, prompt: list[int], max_tokens: int, draft: bool) -> Run:
+def run_engine(engine: Engine, prompt: list[int], max_tokens: int, draft: bool, sampling=None) -> Run:
     tokens, stats = [], None
-    for chunk in engine.generate(prompt, GenerationParams(max_tokens=max_tokens, draft=draft)):
+    params = GenerationParams(max_tokens=max_tokens, draft=draft)
+    if sampling is not None:
+        params.sampling = sampling
+    for chunk in engine.generate(prompt, params):
         tokens += chunk.token_ids
         stats = chunk.stats
     s = stats

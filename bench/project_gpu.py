@@ -5,7 +5,8 @@ Reads two measured results files and combines them; nothing is typed in:
   E4B shape, int4 weights, bf16);
 - replay figures: bench/results/ngram.json (BFCL v4 held-out turns, i.e. what a tool-calling model
   emitted: the better proxy for E4B's own tool calls) and bench/results/bench.json (the bundled 270M
-  base model's own outputs per workload: inflated by its looping).
+  base model's own outputs per workload: inflated by its looping), and its sampled-decoding runs
+  (tokens per engine step and drafted tokens per step under each sampling preset).
 Projection per workload: a replayed step verifies d drafted tokens on average (drafted tokens / steps)
 and yields tau tokens, so tokens/s = tau / t(1 + d), with t(n) the measured forward time for n new
 tokens (d rounded up). Plain decoding is 1 / t(1). Written to bench/results/gpu_projection.{json,md}.
@@ -40,6 +41,9 @@ def main() -> int:
         bench = json.loads(bench_path.read_text())
         for workload, r in bench["replay"].items():
             rows[f"{workload} (270M base model's own outputs)"] = project(r["sailfish"], curve)
+        for preset, per in bench.get("sampled", {}).items():  # drafted sampling: the engine's own steps
+            for workload, r in per.items():
+                rows[f"{workload}, sampled {preset} (270M engine steps, same seeds)"] = project(r, curve)
     plain = 1 / curve["1"]
     lines = [f"Plain decoding on the fast path: {plain:.0f} tokens/s (1 / t(1), t(1) = {curve['1'] * 1000:.2f} ms, "
              f"H200, E4B shape, int4, 1k context).", "",

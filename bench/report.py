@@ -16,6 +16,29 @@ def _s(d: dict | None, fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}..{fmt.format(d['max'])})"
 
 
+def _sampled_lines(r: dict) -> list[str]:
+    lines: list[str] = []
+    if r.get("sampled"):
+        lines += ["", "Sampled decoding, drafted vs plain with the same seed per request (decode tok/s, "
+                  "median [min-max] of per-request speed-ups):", "",
+                  "| preset | workload | plain tok/s | drafted tok/s | speed-up | acceptance | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for preset, per in r["sampled"].items():
+            for name, w in per.items():
+                sp = w["speedup"]
+                lines.append(f"| {preset} | {name} | {_s(w['plain_tok_s'])} | {_s(w['drafted_tok_s'])} | "
+                             f"{sp['median']:.2f}x [{sp['min']:.2f}-{sp['max']:.2f}] | {w['acceptance_rate']:.2f} | "
+                             f"{'yes' if w['identical'] else 'NO'} ({w['requests']}) |")
+    return lines
+
+
+def sampled_markdown(r: dict) -> str:
+    """`python -m bench --sampled-only`: the sampled-decoding table alone."""
+    head = (f"Mode `{r['mode']}`, {r['config']['requests']} requests per workload, max_tokens "
+            f"{r['config']['max_tokens']}; bundled Gemma 3 270M, fp32, CPU; run took {r['seconds'] / 60:.1f} min.")
+    return "\n".join([head, *_sampled_lines(r)]) + "\n"
+
+
 def markdown(r: dict) -> str:
     lines = [f"Mode `{r['mode']}`, workloads v{r['workload_version']}, {r['config']['requests']} requests per workload, "
              f"{r['config']['max_tokens']} new tokens, prompts cut to their last {r['config']['max_prompt']} tokens; "
@@ -37,6 +60,7 @@ def markdown(r: dict) -> str:
               "| workload | overhead % | acceptance | verify steps | loop rate |", "|---|---|---|---|---|"]
     for name, w in r["workloads"].items():
         lines.append(f"| {name} | {_s(w['overhead_per_verify_step_pct'])} | {w['acceptance']:.2f} | {w['verify_steps']} | {_s(w['loop_rate'])} |")
+    lines += _sampled_lines(r)
     lines += ["", "Offline replay of the plain outputs (ngram.replay): tau / acceptance / draft p50 us / p99 us:", "",
               "| workload | Sailfish | Sailfish, context only | prompt lookup | SuffixDecoding |", "|---|---|---|---|---|"]
     for name, rep in r["replay"].items():
