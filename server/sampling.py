@@ -15,8 +15,9 @@ Order of processing (vLLM's): on the raw logits,
   3. temperature 0 (or top_k 1): the argmax, done;
   4. logits / temperature, then top_k, then top_p (the smallest most-likely set whose probability
      reaches top_p), then min_p (tokens at least min_p times the most likely one's probability);
-  5. the Gumbel-max draw among the tokens left: argmax(logit / T + g), g = -log(-log u) with u a
-     counter-based hash of (seed, i, token id). This is an exact sample of the processed distribution.
+  5. the draw among the tokens left: inverse-CDF sampling of their renormalized probabilities with
+     one uniform u, a counter-based hash of (seed, i). This is an exact sample of the processed
+     distribution, and one u per position keeps a 262k vocabulary cheap (no per-token noise).
 Verification under sampling (server.engine): the target is sampled at every drafted position with
 these rules; a drafted token is accepted while it equals the sampled one, and the first sampled token
 that differs is the step's new token. With a deterministic drafter the output is distributed as plain
@@ -68,7 +69,7 @@ def _mix64(z: int) -> int:
 
 
 def keyed_uniform(key: int, token_ids: np.ndarray) -> np.ndarray:
-    """u in (0, 1) per token id, a pure function of (key, id): splitmix64 over the ids."""
+    """u in (0, 1) per id, a pure function of (key, id): splitmix64 over the ids."""
     z = token_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -92,52 +93,79 @@ class Sampler:
         p = self.params
         if p.plain_argmax:
             return int(logits.argmax())
-        scores = logits.detach().float().cpu()
+        # numpy from here: single-threaded, and fast on one row (torch's threaded elementwise ops over
+        # a 262k vocabulary cost more in hand-off than in work)
+        scores = logits.detach().float().cpu().numpy()
         if p.penalized:
-            scores = self._penalize(scores.clone(), pending)
+            scores = self._penalize(scores.copy(), pending)
         if p.greedy:
             return int(scores.argmax())
-        scores = scores / p.temperature
-        ids, kept = self._candidates(scores)
-        u = keyed_uniform(_mix64((self.seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK), ids)
-        return int(ids[int(np.argmax(kept - np.log(-np.log(u))))])
+        ids, vals = self._candidates(scores)
+        u = float(keyed_uniform(_mix64((self.seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK),
+                                np.zeros(1, dtype=np.int64))[0])
+        return int(ids[_inverse_cdf(np.exp(vals - vals.max()), u)])
 
-    def _penalize(self, scores: torch.Tensor, pending) -> torch.Tensor:
+    def _penalize(self, scores: np.ndarray, pending) -> np.ndarray:
         p = self.params
         counts = self.output_counts + Counter(int(t) for t in pending) if pending else self.output_counts
-        out_ids = torch.tensor(sorted(counts), dtype=torch.long)
+        out_ids = np.fromiter(counts, dtype=np.int64, count=len(counts))
         if p.repetition_penalty != 1.0:
-            seen = torch.unique(torch.cat([torch.from_numpy(self._prompt_ids), out_ids]))
+            seen = np.union1d(self._prompt_ids, out_ids)
             vals = scores[seen]
-            scores[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            scores[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if len(out_ids) and (p.frequency_penalty or p.presence_penalty):
-            n = torch.tensor([counts[int(t)] for t in out_ids], dtype=torch.float32)
+            n = np.fromiter((counts[int(t)] for t in out_ids), dtype=np.float32, count=len(out_ids))
             scores[out_ids] -= p.frequency_penalty * n + p.presence_penalty
         return scores
 
-    def _candidates(self, scores: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, their scaled logits) that survive top_k, top_p and min_p, most likely first."""
+    def _candidates(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, their logits / temperature) that survive top_k, top_p and min_p, most likely
+        first when top_k or top_p cut (temperature keeps the order, so the cut comes first)."""
         p = self.params
+        vocab = scores.shape[0]
         if p.top_k > 0 or p.top_p < 1.0:
-            k = p.top_k if p.top_k > 0 else min(_TOP_P_FIRST, scores.shape[0])
-            vals, ids = torch.topk(scores, min(k, scores.shape[0]))
+            k = min(p.top_k if p.top_k > 0 else _TOP_P_FIRST, vocab)
+            vals, ids = torch.topk(torch.from_numpy(scores), k)
+            vals, ids = vals.numpy().astype(np.float64) / p.temperature, ids.numpy()
             if p.top_p < 1.0:
-                log_z = torch.logsumexp(scores, 0) if p.top_k <= 0 else torch.logsumexp(vals, 0)
-                probs = torch.exp(vals - log_z)
-                cum = torch.cumsum(probs, 0)
-                if p.top_k <= 0 and cum[-1] < p.top_p and k < scores.shape[0]:
-                    vals, ids = torch.sort(scores, descending=True)  # the first tokens were not enough
-                    probs = torch.exp(vals - log_z)
-                    cum = torch.cumsum(probs, 0)
-                # keep up to and including the first token where the cumulative mass reaches top_p
-                keep = int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype)).item()) + 1
+                # probabilities over what top_k left (the whole vocabulary when top_k is off)
+                log_z = _logsumexp(vals) if p.top_k > 0 else _logsumexp(scores.astype(np.float64) / p.temperature)
+                cum = np.cumsum(np.exp(vals - log_z))
+                if p.top_k <= 0 and cum[-1] < p.top_p and k < vocab:  # the first tokens were not enough
+                    ids = np.argsort(-scores, kind="stable")
+                    vals = scores[ids].astype(np.float64) / p.temperature
+                    cum = np.cumsum(np.exp(vals - log_z))
+                # up to and including the first token where the cumulative mass reaches top_p
+                keep = int(np.searchsorted(cum, p.top_p)) + 1
                 vals, ids = vals[:keep], ids[:keep]
         else:
-            vals, ids = scores, torch.arange(scores.shape[0])
+            vals, ids = scores / np.float32(p.temperature), np.arange(vocab)  # float32: exp at SIMD speed
         if p.min_p > 0.0:
-            keep = vals >= vals.max() + float(np.log(p.min_p))
+            keep = vals >= vals.max() + np.log(p.min_p)
             vals, ids = vals[keep], ids[keep]
-        return ids.numpy(), vals.double().numpy()
+        return ids, vals
+
+
+def _inverse_cdf(weights: np.ndarray, u: float, block: int = 512) -> int:
+    """The index i with cumsum(weights)[i-1] <= u * sum(weights) < cumsum(weights)[i]. Two levels
+    (block sums, then one block's cumsum) so that a whole vocabulary costs two passes, not a serial
+    cumsum; a pure function of (weights, u), like everything that chooses a token."""
+    n = weights.shape[0]
+    if n <= 4 * block:
+        cdf = np.cumsum(weights, dtype=np.float64)
+        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
+    padded = np.zeros(-(-n // block) * block, dtype=np.float64)
+    padded[:n] = weights
+    sums = np.cumsum(padded.reshape(-1, block).sum(1))
+    b = min(int(np.searchsorted(sums, u * sums[-1], side="right")), len(sums) - 1)
+    rest = u * sums[-1] - (sums[b - 1] if b else 0.0)
+    inner = np.cumsum(padded[b * block:(b + 1) * block])
+    return min(b * block + int(np.searchsorted(inner, rest, side="right")), n - 1)
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    m = float(x.max())
+    return m + float(np.log(np.exp(x - m).sum()))
 
 
 def sampling_defaults(generation_config) -> dict:
