@@ -2,11 +2,16 @@
 
 Contract: `ChatFormat.for_tokenizer(tok)` uses the tokenizer's own chat template when it has one
 that mentions `tools`; otherwise Sailfish's built-in Gemma 4 format below. Either way:
-`render_prompt(messages, tools)` is the text before the next assistant turn (generation prompt
-included); `assistant_turns(messages, tools)` gives, per assistant message, (prompt, generated)
+`render_prompt(messages, tools, tool_choice)` is the text before the next assistant turn (generation
+prompt included); `assistant_turns(messages, tools)` gives, per assistant message, (prompt, generated)
 with prompt + generated a prefix of the whole rendered conversation; `turn_token_ids` gives the
 same as token ids; `parse_generated` / `ToolCallStreamParser` turn generated text back into
 content plus OpenAI-shaped tool calls (`{"name", "arguments": JSON string}`).
+
+tool_choice "required" / {"name": NAME} is ENFORCED in the built-in format: the prompt ends with
+`forced_call(tool_choice)` (`<|tool_call>call:`, resp. `<|tool_call>call:NAME{`), and
+`ToolCallStreamParser(forced_call(...))` parses what is generated after it. With a chat template
+the call is only requested, by a system message.
 
 Built-in Gemma 4 rendering rules (all of them live in this module; `_render` applies them):
 - The text starts with the tokenizer's BOS string (`<bos>`); tokenize rendered text with
@@ -221,10 +226,12 @@ class ToolCallStreamParser:
     Text that could still become `<|tool_call>` is held back, and so is an open call until its
     `<tool_call|>` arrives, so no partial markup is emitted as content. A call that does not
     parse is released as content. `finish()` flushes what is held (an unclosed call as content).
+    `forced` is the part of the model turn the prompt already holds (`ChatFormat.forced_call`): it is
+    parsed as the start of the generated text, so a forced call left unclosed is released as content too.
     """
 
-    def __init__(self) -> None:
-        self._buf = ""
+    def __init__(self, forced: str = "") -> None:
+        self._buf = forced
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self._buf += delta
@@ -436,14 +443,27 @@ class ChatFormat:
             raise ValueError("render_with_spans is for the built-in format; use assistant_turns")
         return _render(self.bos, messages, tools)
 
-    def render_prompt(self, messages: list[dict], tools: list[dict]) -> str:
+    def forced_call(self, tool_choice: str | dict) -> str:
+        """The start of a tool call that ends the prompt to enforce `tool_choice` (see the module
+        docstring); "" for "auto" and "none", and always with a chat template."""
+        if self.uses_template or tool_choice in ("auto", "none"):
+            return ""
+        return f"{CALL_OPEN}call:" + (f"{tool_choice['name']}{{" if isinstance(tool_choice, dict) else "")
+
+    def render_prompt(self, messages: list[dict], tools: list[dict], tool_choice: str | dict = "auto") -> str:
         if self.uses_template:
+            if tool_choice not in ("auto", "none"):
+                name = tool_choice["name"] if isinstance(tool_choice, dict) else None
+                ask = f"You must call the tool {name}." if name else "You must call one of the tools."
+                messages = [{"role": "system", "content": ask}] + messages
             return self._apply_template(messages, tools, gen=True)
         text, _ = _render(self.bos, messages, tools)
         if messages and messages[-1]["role"] == "tool":
             # the open model turn continues after the tool response: drop the closing marker
-            return text[: -len(f"{TURN_CLOSE}\n")]
-        return text + _generation_prompt(messages)
+            text = text[: -len(f"{TURN_CLOSE}\n")]
+        else:
+            text += _generation_prompt(messages)
+        return text + self.forced_call(tool_choice)
 
     def assistant_turns(self, messages: list[dict], tools: list[dict]) -> list[tuple[str, str]]:
         if self.uses_template:

@@ -11,6 +11,7 @@ When `service.settings.api_key` is set, /v1/* and /admin/* require `Authorizatio
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -27,6 +28,7 @@ from starlette.routing import Route
 
 from server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest, CompletionRequest, error_body,
                              model_list, parse_body)
+from server.reload import ReloadStatus
 from server.serving import Service
 
 log = logging.getLogger("sailfish.app")
@@ -98,12 +100,10 @@ def create_app(service: Service) -> Starlette:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def reload_index(request: Request) -> Response:
-        import asyncio
-
-        changed, message = await asyncio.to_thread(service.reload_index)
-        if message.startswith("refused"):
-            return _error(409, message, "invalid_request_error", None, "index_refused")
-        return JSONResponse({"reloaded": changed, "message": message})
+        result = await asyncio.to_thread(service.reload_index)
+        if result.status is ReloadStatus.REFUSED:
+            return _error(409, result.message, "invalid_request_error", None, "index_refused")
+        return JSONResponse({"reloaded": result.status is ReloadStatus.RELOADED, "message": result.message})
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

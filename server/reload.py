@@ -1,9 +1,10 @@
 """Hot reload of the n-gram index: a rebuilt index goes into service without a restart.
 
 Contract: `IndexReloader(engine, settings).reload()` loads the index directory's current generation
-and, when it is new and valid, swaps the engine's drafter for one over it; it returns
-(changed, message). A broken index, or one built for another tokenizer, is refused with the loader's
-message and the index in service stays. Three triggers call it: POST /admin/reload-index (guarded by
+and, when it is new and valid, swaps the engine's drafter for one over it; it returns a
+`ReloadResult`: RELOADED, UNCHANGED (already in service, or drafting off) or REFUSED, and a message
+for people. A broken index, or one built for another tokenizer, is refused with the loader's message
+and the index in service stays. Three triggers call it: POST /admin/reload-index (guarded by
 the API key like /v1/*), SIGHUP, and a watcher thread that checks the index's `current` link every
 `--watch-index` seconds (0: off).
 
@@ -14,8 +15,10 @@ lossless either way, so outputs cannot differ. The online overlay carries over t
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.paths import default_index_dir
@@ -26,6 +29,15 @@ from ngram.index_file import IndexLoadError, load_index, resolve_generation
 log = logging.getLogger("sailfish.reload")
 
 
+ReloadStatus = enum.Enum("ReloadStatus", "RELOADED UNCHANGED REFUSED")
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    status: ReloadStatus
+    message: str  # for people: what the HTTP answer and the log say
+
+
 class IndexReloader:
     def __init__(self, engine, settings):
         self.engine = engine
@@ -33,8 +45,6 @@ class IndexReloader:
         self.directory = Path(settings.index) if settings.index else default_index_dir()
         self.fingerprint = tokenizer_fingerprint(engine.tokenizer)
         self._lock = threading.Lock()
-        self.reloads = 0
-        self.refusals = 0
         self._stop = threading.Event()
 
     def _current_generation(self) -> Path | None:
@@ -42,32 +52,26 @@ class IndexReloader:
         index = getattr(drafter, "index", None)
         return Path(index.path) if index is not None else None
 
-    def reload(self) -> tuple[bool, str]:
+    def reload(self) -> ReloadResult:
         if not self.settings.draft:
-            return False, "drafting is off (--no-draft): there is no index to reload"
+            return ReloadResult(ReloadStatus.UNCHANGED, "drafting is off (--no-draft): there is no index to reload")
         with self._lock:
             try:
                 generation = resolve_generation(self.directory)
-            except IndexLoadError as e:
-                self.refusals += 1
-                return False, f"refused: {e}; the index in service stays"
-            if generation == self._current_generation():
-                return False, f"unchanged: {generation.name} is already in service"
-            try:
+                if generation == self._current_generation():
+                    return ReloadResult(ReloadStatus.UNCHANGED, f"unchanged: {generation.name} is already in service")
                 index = load_index(generation, self.fingerprint)
             except IndexLoadError as e:
-                self.refusals += 1
                 log.warning("index reload refused: %s", e)
-                return False, f"refused: {e}; the index in service stays"
+                return ReloadResult(ReloadStatus.REFUSED, f"refused: {e}; the index in service stays")
             old = self.engine._drafter
             drafter = NgramDrafter(index, self.settings.drafter)
             if old is not None and getattr(old, "overlay", None) is not None:
                 drafter.overlay = old.overlay
             self.engine.set_drafter(drafter)
-            self.reloads += 1
             message = f"index {generation.name} in service: {index.num_turns} turns, {len(index.trie)} keys"
             log.info("%s", message)
-            return True, message
+            return ReloadResult(ReloadStatus.RELOADED, message)
 
     def watch(self, every_s: float) -> None:
         """Poll the index's `current` link in a daemon thread and reload when it moves."""

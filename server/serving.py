@@ -2,18 +2,19 @@
 
 Contract: `Service(engine, settings, drafter_note)` serves validated requests from `server.protocol`.
 `chat(req, receive)` / `complete(req, receive)` return a response dict, or an async iterator of SSE
-lines when `req.stream`; errors are `APIError`s. Every generation runs on the scheduler's single
-worker thread (one request at a time, arrival order) and stops when the client disconnects.
-`load_engine(settings)` builds the engine the CLI serves: model, index and drafter, logging what it
-chose.
+lines when `req.stream`; errors are `APIError`s. Either way the answer comes from the one generation
+path, `Service._generate`: a stream of events (content deltas, each tool call once complete, one
+`Finish` with finish_reason and usage) that a streaming response formats as chunks and a non-streaming
+one gathers whole. Every generation runs on the scheduler's single worker thread (one request at a
+time, arrival order) and stops when the client disconnects. `load_engine(settings)` builds the engine
+the CLI serves: model, index and drafter, logging what it chose.
 
 Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
 when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,
 so it also serves models with neither). Generated text is parsed back into OpenAI `tool_calls`.
-tool_choice: "none" renders no tools and parses no calls; "auto" renders them; with the built-in
-format "required" and a named function are ENFORCED by prefilling the model turn with
-`<|tool_call>call:` (resp. `<|tool_call>call:NAME{`), so the first thing generated is that call;
-with a chat template they are only requested by a system instruction (not enforced).
+tool_choice: "none" renders no tools and parses no calls; "auto" renders them; "required" and a named
+function are enforced by a forced call prefix (built-in format) or only requested (chat template), as
+common.chat_format describes.
 Sampling (server.sampling): every OpenAI/vLLM sampling field is honoured and sampled requests are
 drafted too; for the same `seed` the output is the same with or without drafting. Fields a request
 omits take the checkpoint's generation_config defaults (`--no-generation-defaults`: greedy).
@@ -24,17 +25,18 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from common.progress import phase
-from common.chat_format import CALL_OPEN, ChatFormat, ToolCallStreamParser
+from common.chat_format import ChatFormat, ToolCallStreamParser
 from server.engine import GenerationParams
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
                              completion, error_body, new_call_id, new_id, usage_body)
 from server.sampling import describe_defaults, sampling_defaults
+from server.reload import IndexReloader, ReloadResult, ReloadStatus
 from server.scheduler import Scheduler
 from server.settings import Settings
 from server.trace_log import TraceLog
@@ -112,28 +114,19 @@ def _engine_about(device, settings: Settings) -> str:
 class _Prepared:
     prompt_ids: list[int]
     params: GenerationParams
-    forced: str            # text prefilled into the model turn (counts as generated, not as a token)
-    offered: list[dict]    # tools the model saw
-    parse_calls: bool
+    offered: list[dict] = field(default_factory=list)  # tools the model saw; their calls are parsed back
+    forced: str = ""  # the start of a tool call that ends the prompt (ChatFormat.forced_call)
 
 
-def _sse_errors(stream):
-    """Wrap an SSE generator method: once streaming has begun the status is sent, so an error is
-    reported as one last event in the OpenAI error shape (a generic message for unexpected ones)."""
-    async def guarded(self, req, prep, rid, *args) -> AsyncIterator[str]:
-        inner = stream(self, req, prep, rid, *args)
-        try:
-            async for line in inner:
-                yield line
-        except APIError as e:
-            yield _sse(e.body())
-        except Exception:
-            log.exception("stream %s failed", rid)
-            self.metrics.internal_error()
-            yield _sse(error_body("internal error while generating", "server_error", None, "internal_error"))
-        finally:
-            await inner.aclose()  # a client that went away closes us: cancel the generation now
-    return guarded
+@dataclass
+class Finish:
+    reason: str  # the OpenAI finish_reason
+    usage: dict
+
+
+# What a generation yields: a content delta (never empty), a tool call (OpenAI-shaped, id included) as
+# soon as it is complete, and one Finish last.
+Event = str | dict | Finish
 
 
 class Service:
@@ -155,8 +148,6 @@ class Service:
             self.trace_log = TraceLog(settings.trace_dir or default_trace_dir(),
                                       settings.trace_rotate_mb * 1024 * 1024)
         self.created = int(time.time())
-        from server.reload import IndexReloader
-
         self.reloader = IndexReloader(engine, settings)
 
     @property
@@ -166,17 +157,9 @@ class Service:
     # ------------------------------------------------------------ chat
 
     def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
-        fmt, messages = self.chat_format, req.messages
+        fmt = self.chat_format
         offered = req.tools if req.tool_choice != "none" else []
-        forced = ""
-        if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
-            name = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
-            if fmt.uses_template:
-                ask = f"You must call the tool {name}." if name else "You must call one of the tools."
-                messages = [{"role": "system", "content": ask}] + messages
-            else:
-                forced = f"{CALL_OPEN}call:{name}{{" if name else f"{CALL_OPEN}call:"
-        text = fmt.render_prompt(messages, offered) + forced
+        text = fmt.render_prompt(req.messages, offered, req.tool_choice)
         self._check_characters(len(text), "messages")
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
@@ -184,66 +167,38 @@ class Service:
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
                                   sampling=req.sampling)
-        return _Prepared(prompt_ids, params, forced, offered, parse_calls=bool(offered))
+        return _Prepared(prompt_ids, params, offered, fmt.forced_call(req.tool_choice))
 
     async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
         prep = self.prepare_chat(req)
         rid = new_id("chatcmpl")
+        events = self._generate("chat", prep, None if req.stream else receive, capture=req)
         if req.stream:
-            return self._chat_stream(req, prep, rid)
-        run = _Run(self, "chat", prep, receive)
-        content, calls = [], []
-        parser = ToolCallStreamParser() if prep.parse_calls else None
-        async for text in run.texts():
-            c, k = parser.feed(text) if parser else (text, [])
-            content.append(c)
-            calls += k
-        if parser:
-            rest, more = parser.finish()
-            content.append(rest)
-            calls += more
-        message = _assistant_message("".join(content), calls)
-        finish = "tool_calls" if calls and run.finish == "stop" else run.finish
-        self._capture(req, prep, message)
-        return chat_completion(rid, self.model_id, message, finish, run.usage())
+            return self._sse(rid, self._chat_chunks(req, rid, events))
+        content, calls, end = await _collect(events)
+        return chat_completion(rid, self.model_id, _assistant_message(content, calls), end.reason, end.usage)
 
-    @_sse_errors
-    async def _chat_stream(self, req: ChatCompletionRequest, prep: _Prepared, rid: str) -> AsyncIterator[str]:
+    async def _chat_chunks(self, req: ChatCompletionRequest, rid: str, events) -> AsyncIterator[dict]:
+        """The role, one chunk per content delta, two per tool call (id and name, then the arguments),
+        the finish_reason, and with include_usage a last chunk with the usage only."""
         created = int(time.time())
-        chunk = lambda delta, finish=None: _sse(chat_chunk(rid, self.model_id, created, delta, finish,
-                                                           None, req.include_usage))
-        run = _Run(self, "chat", prep, None)
-        parser = ToolCallStreamParser() if prep.parse_calls else None
-        content, calls = [], []
-
-        def deltas(c: str, k: list[dict]) -> list[str]:
-            out = []
-            if c:
-                content.append(c)
-                out.append(chunk({"content": c}))
-            for call in k:
-                call = _openai_call(call)
-                i = len(calls)
-                calls.append(call)
-                out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                                  "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-                arguments = call["function"]["arguments"]
-                out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": arguments}}]}))
-            return out
-
+        chunk = lambda delta, finish=None: chat_chunk(rid, self.model_id, created, delta, finish, None,
+                                                      req.include_usage)
         yield chunk({"role": "assistant", "content": ""})
-        async for text in run.texts():
-            for line in deltas(*(parser.feed(text) if parser else (text, []))):
-                yield line
-        if parser:
-            for line in deltas(*parser.finish()):
-                yield line
-        finish = "tool_calls" if calls and run.finish == "stop" else run.finish
-        self._capture(req, prep, _assistant_message("".join(content), calls))
-        yield chunk({}, finish)
-        if req.include_usage:
-            yield _sse(chat_chunk(rid, self.model_id, created, None, None, run.usage(), True))
-        yield "data: [DONE]\n\n"
+        index = 0
+        async for event in events:
+            if isinstance(event, str):
+                yield chunk({"content": event})
+            elif isinstance(event, Finish):
+                yield chunk({}, event.reason)
+                if req.include_usage:
+                    yield chat_chunk(rid, self.model_id, created, None, None, event.usage, True)
+            else:
+                name, arguments = event["function"]["name"], event["function"]["arguments"]
+                yield chunk({"tool_calls": [{"index": index, "id": event["id"], "type": "function",
+                                             "function": {"name": name, "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+                index += 1
 
     # ------------------------------------------------------------ text completions
 
@@ -259,24 +214,87 @@ class Service:
         self._check_context(len(prompt_ids), "prompt", req.max_tokens)
         params = GenerationParams(max_tokens=req.max_tokens, stop_token_ids=frozenset(), stop_strings=req.stop,
                                   draft=True, sampling=req.sampling)
-        prep = _Prepared(prompt_ids, params, "", [], False)
         rid, created = new_id("cmpl"), int(time.time())
+        events = self._generate("completions", _Prepared(prompt_ids, params), None if req.stream else receive)
         if req.stream:
-            return self._complete_stream(req, prep, rid, created)
-        run = _Run(self, "completions", prep, receive)
-        text = "".join([t async for t in run.texts()])
-        return completion(rid, self.model_id, created, text, run.finish, run.usage())
+            return self._sse(rid, self._completion_chunks(req, rid, created, events))
+        text, _, end = await _collect(events)
+        return completion(rid, self.model_id, created, text, end.reason, end.usage)
 
-    @_sse_errors
-    async def _complete_stream(self, req, prep, rid, created) -> AsyncIterator[str]:
-        run = _Run(self, "completions", prep, None)
-        async for text in run.texts():
-            if text:
-                yield _sse(completion(rid, self.model_id, created, text, None, None, req.include_usage))
-        yield _sse(completion(rid, self.model_id, created, "", run.finish, None, req.include_usage))
-        if req.include_usage:
-            yield _sse(completion(rid, self.model_id, created, None, None, run.usage(), True))
-        yield "data: [DONE]\n\n"
+    async def _completion_chunks(self, req: CompletionRequest, rid: str, created: int, events) -> AsyncIterator[dict]:
+        """One chunk per text delta, the finish_reason, and with include_usage a last chunk with the usage only."""
+        async for event in events:
+            if isinstance(event, Finish):
+                yield completion(rid, self.model_id, created, "", event.reason, None, req.include_usage)
+                if req.include_usage:
+                    yield completion(rid, self.model_id, created, None, None, event.usage, True)
+            else:
+                yield completion(rid, self.model_id, created, event, None, None, req.include_usage)
+
+    # ------------------------------------------------------------ the one generation path
+
+    async def _generate(self, endpoint: str, prep: _Prepared, receive,
+                        capture: ChatCompletionRequest | None = None) -> AsyncIterator[Event]:
+        """One generation through the scheduler as `Event`s, for both endpoints, streamed or not; its
+        metrics are recorded. When the model saw tools, their calls are parsed out of the text and a
+        finish_reason "stop" after a call is "tool_calls". With `capture`, the chat request and its
+        answer are appended to the trace log. `receive` (non-streaming only) watches for a disconnect."""
+        parser = ToolCallStreamParser(prep.forced) if prep.offered else None
+        content, calls, finish, stats, ttft, t0 = [], [], None, None, None, time.perf_counter()
+
+        def events(delta: str, completed: list[dict]) -> list[Event]:
+            new_calls = [_openai_call(call) for call in completed]
+            content.append(delta)
+            calls.extend(new_calls)
+            return ([delta] if delta else []) + new_calls
+
+        job = self.scheduler.submit(lambda cancelled: self.engine.generate(prep.prompt_ids, prep.params, cancelled))
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, job)) if receive else None
+        outcome = "error"
+        try:
+            async for chunk in job:
+                if ttft is None and chunk.token_ids:
+                    ttft = time.perf_counter() - t0
+                stats, finish = chunk.stats, chunk.finish_reason or finish
+                if chunk.text:
+                    for event in events(*(parser.feed(chunk.text) if parser else (chunk.text, []))):
+                        yield event
+            outcome = "ok" if finish is not None or not job.cancelled else "cancelled"
+        except ValueError as e:  # the engine's refusal of a request (e.g. it does not fit the context)
+            raise APIError(400, str(e), None, "invalid_request") from e
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            job.cancel()  # a no-op once finished; stops the engine when the client went away
+            if watcher is not None:
+                watcher.cancel()
+            queue_s = job.started - job.submitted if job.started is not None else None
+            self.metrics.record(endpoint, outcome, stats, time.perf_counter() - t0, ttft, queue_s)
+        if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
+            raise APIError(499, "the client disconnected", None, "client_disconnected")
+        for event in events(*parser.finish()) if parser else []:
+            yield event
+        if capture is not None:
+            self._capture(capture, prep, _assistant_message("".join(content), calls))
+        finish = finish or "stop"
+        yield Finish("tool_calls" if calls and finish == "stop" else finish, _usage(prep, stats, queue_s or 0.0))
+
+    async def _sse(self, rid: str, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """`chunks` as SSE lines, then [DONE]. Once streaming has begun the status is sent, so an error is
+        reported as one last event in the OpenAI error shape (a generic message for unexpected ones)."""
+        try:
+            async for chunk in chunks:
+                yield _sse_line(chunk)
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse_line(e.body())
+        except Exception:
+            log.exception("stream %s failed", rid)
+            self.metrics.internal_error()
+            yield _sse_line(error_body("internal error while generating", "server_error", None, "internal_error"))
+        finally:
+            await chunks.aclose()  # a client that went away closes us: cancel the generation now
 
     # ------------------------------------------------------------ helpers
 
@@ -309,11 +327,11 @@ class Service:
             seen["tool_calls"] = message["tool_calls"]
         self.trace_log.append(req.messages + [seen], prep.offered)
 
-    def reload_index(self) -> tuple[bool, str]:
-        changed, message = self.reloader.reload()
-        if changed:
-            self.drafter_note = message
-        return changed, message
+    def reload_index(self) -> ReloadResult:
+        result = self.reloader.reload()
+        if result.status is ReloadStatus.RELOADED:
+            self.drafter_note = result.message
+        return result
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,
@@ -321,63 +339,17 @@ class Service:
                 "waiting": self.scheduler.waiting, "running": self.scheduler.running}
 
 
-class _Run:
-    """One generation through the scheduler: text deltas out, usage and metrics at the end."""
-
-    def __init__(self, service: Service, endpoint: str, prep: _Prepared, receive):
-        self.service, self.endpoint, self.prep, self.receive = service, endpoint, prep, receive
-        self.finish: str | None = None
-        self.stats = None
-        self.queue_s = 0.0
-
-    async def texts(self) -> AsyncIterator[str]:
-        svc, prep = self.service, self.prep
-        if prep.forced:
-            yield prep.forced
-        t0 = time.perf_counter()
-        ttft = None
-        job = svc.scheduler.submit(lambda cancelled: svc.engine.generate(prep.prompt_ids, prep.params, cancelled))
-        watcher = asyncio.ensure_future(_watch_disconnect(self.receive, job)) if self.receive else None
-        outcome = "error"
-        try:
-            async for chunk in job:
-                if ttft is None and chunk.token_ids:
-                    ttft = time.perf_counter() - t0
-                self.stats = chunk.stats
-                if chunk.finish_reason is not None:
-                    self.finish = chunk.finish_reason
-                if chunk.text:
-                    yield chunk.text
-            outcome = "ok" if self.finish is not None or not job.cancelled else "cancelled"
-        except ValueError as e:  # the engine's refusal of a request (e.g. it does not fit the context)
-            raise APIError(400, str(e), None, "invalid_request") from e
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
-        finally:
-            job.cancel()  # a no-op once finished; stops the engine when the client went away
-            if watcher is not None:
-                watcher.cancel()
-            if job.started is not None:
-                self.queue_s = job.started - job.submitted
-            svc.metrics.record(self.endpoint, outcome, self.stats, time.perf_counter() - t0, ttft,
-                               self.queue_s if job.started is not None else None)
-        if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
-            raise APIError(499, "the client disconnected", None, "client_disconnected")
-        if self.finish is None:
-            self.finish = "stop"
-
-    def usage(self) -> dict:
-        s = self.stats
-        if s is None:
-            return usage_body(len(self.prep.prompt_ids), 0, {})
-        extra = {"cached_tokens": s.cached_tokens, "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-                 "drafts": s.drafts, "verify_steps": s.verify_steps, "plain_steps": s.plain_steps,
-                 "acceptance_rate": round(s.accepted_tokens / s.drafted_tokens, 4) if s.drafted_tokens else None,
-                 "decode_tokens_per_s": round(s.tokens_per_s, 2),
-                 "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
-                 "queue_s": round(self.queue_s, 4)}
-        return usage_body(s.prompt_tokens, s.completion_tokens, extra, s.cached_tokens)
+def _usage(prep: _Prepared, stats, queue_s: float) -> dict:
+    """OpenAI's usage, plus what drafting did and where the time went under `sailfish`."""
+    if stats is None:
+        return usage_body(len(prep.prompt_ids), 0, {})
+    drafted, accepted = stats.drafted_tokens, stats.accepted_tokens
+    extra = {"cached_tokens": stats.cached_tokens, "drafted_tokens": drafted, "accepted_tokens": accepted,
+             "drafts": stats.drafts, "verify_steps": stats.verify_steps, "plain_steps": stats.plain_steps,
+             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+             "decode_tokens_per_s": round(stats.tokens_per_s, 2),
+             "prefill_s": round(stats.prefill_s, 4), "decode_s": round(stats.decode_s, 4), "queue_s": round(queue_s, 4)}
+    return usage_body(stats.prompt_tokens, stats.completion_tokens, extra, stats.cached_tokens)
 
 
 async def _watch_disconnect(receive, job) -> None:
@@ -392,15 +364,20 @@ async def _watch_disconnect(receive, job) -> None:
         return
 
 
+async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[dict], Finish]:
+    """A non-streaming answer: the events of its generation gathered into (content, tool calls, Finish)."""
+    gathered = [event async for event in events]
+    content = "".join(event for event in gathered if isinstance(event, str))
+    return content, [event for event in gathered if isinstance(event, dict)], gathered[-1]
+
+
 def _openai_call(call: dict) -> dict:
-    if "function" in call:
-        return call
+    """A parsed call ({"name", "arguments"}) in the OpenAI shape, with a new id."""
     return {"id": new_call_id(), "type": "function",
             "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
-def _assistant_message(content: str, calls: list[dict]) -> dict:
-    tool_calls = [_openai_call(c) for c in calls]
+def _assistant_message(content: str, tool_calls: list[dict]) -> dict:
     message: dict[str, Any] = {"role": "assistant",
                                "content": content if (content.strip() or not tool_calls) else None,
                                "refusal": None}
@@ -409,5 +386,5 @@ def _assistant_message(content: str, calls: list[dict]) -> dict:
     return message
 
 
-def _sse(obj: dict) -> str:
+def _sse_line(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

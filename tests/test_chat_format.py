@@ -97,6 +97,23 @@ def test_stream_parser_holds_back_partial_marker():
     assert p.feed("<tool_call|>!") == ("!", [{"name": "f", "arguments": "{}"}])
 
 
+
+def test_forced_call_ends_the_prompt_and_the_parser_continues_it():
+    cf, user = ChatFormat(), MESSAGES[:2]
+    assert cf.forced_call("auto") == cf.forced_call("none") == ""
+    assert cf.forced_call("required") == "<|tool_call>call:"
+    assert cf.forced_call({"name": "search"}) == "<|tool_call>call:search{"
+    for choice in ("auto", "required", {"name": "search"}):
+        assert cf.render_prompt(user, TOOLS, choice) == cf.render_prompt(user, TOOLS) + cf.forced_call(choice)
+    after_tool = MESSAGES[:5]  # the model turn continues after a tool result: the call comes right after it
+    assert cf.render_prompt(after_tool, TOOLS, "required").endswith("<tool_response|><|tool_call>call:")
+    p = ToolCallStreamParser(cf.forced_call({"name": "search"}))
+    assert p.feed('q:<|"|>x<|"|>}') == ("", [])
+    assert p.feed("<tool_call|>done") == ("done", [{"name": "search", "arguments": '{"q": "x"}'}])
+    p = ToolCallStreamParser(cf.forced_call("required"))
+    assert p.feed("sea") == ("", []) and p.finish() == ("<|tool_call>call:sea", [])  # cut off: content, as ever
+
+
 class _FakeTemplateTokenizer:
     chat_template = "{% for m in messages %}...{% endfor %}{{ tools }}"
     bos_token = "<s>"
@@ -112,6 +129,11 @@ def test_template_is_used_when_it_supports_tools():
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert cf.assistant_turns(msgs, []) == [("<s>[user]hi[end][assistant]", "yo[end]")]
     assert cf.render_prompt(msgs[:1], []) == "<s>[user]hi[end][assistant]"
+    # tool_choice is requested in a system message, never forced: the template's call syntax is its own
+    assert cf.forced_call("required") == cf.forced_call({"name": "search"}) == ""
+    assert cf.render_prompt(msgs[:1], TOOLS, {"name": "search"}) == \
+        "<s>[system]You must call the tool search.[end][user]hi[end][assistant]"
+    assert cf.render_prompt(msgs[:1], TOOLS, "required").startswith("<s>[system]You must call one of the tools.")
 
 
 @pytest.fixture(scope="module")

@@ -538,3 +538,93 @@ def test_generation_config_defaults_follow_the_checkpoint():
     assert sampling_defaults(GenerationConfig(eos_token_id=1)) == {}           # the bundled base model: greedy
     assert sampling_defaults(GenerationConfig(do_sample=True, top_k=64, top_p=0.95)) == {
         "temperature": 1.0, "top_k": 64, "top_p": 0.95}                          # Gemma's published defaults
+
+
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAME_ANSWER_CASES = [
+    dict(messages=HI), dict(messages=HI, max_tokens=2), dict(messages=HI, stop=["!"]),
+    dict(messages=WEATHER, tools=[WEATHER_TOOL]), dict(messages=WEATHER, tools=[WEATHER_TOOL], tool_choice="none"),
+    dict(messages=WEATHER, tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    dict(messages=HI, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required"),
+    dict(messages=HI, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", max_tokens=3),  # forced call cut off
+    dict(messages=[{"role": "user", "content": "weather and time, both please"}], tools=[WEATHER_TOOL, TIME_TOOL]),
+    dict(messages=[{"role": "user", "content": "weather and time, both please"}], tools=[WEATHER_TOOL, TIME_TOOL],
+         max_tokens=20),  # the second call cut off
+]
+
+
+@pytest.mark.parametrize("req", SAME_ANSWER_CASES)
+def test_streamed_and_whole_answers_are_the_same(client, req):
+    whole = client.chat.completions.create(model="m", **req)
+    chunks = list(client.chat.completions.create(model="m", **req, stream=True, stream_options={"include_usage": True}))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    content = "".join(c.delta.content or "" for c in choices)
+    streamed: dict[int, list] = {}
+    for d in (d for c in choices for d in c.delta.tool_calls or []):
+        call = streamed.setdefault(d.index, [d.id, "", ""])
+        call[1] += d.function.name or ""
+        call[2] += d.function.arguments or ""
+    message = whole.choices[0].message
+    whole_calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert [(name, args) for _, name, args in (streamed[i] for i in sorted(streamed))] == whole_calls
+    assert all(call_id.startswith("call_") for call_id, _, _ in streamed.values())
+    assert message.content == (content if content.strip() or not whole_calls else None)
+    assert [c.finish_reason for c in choices if c.finish_reason] == [whole.choices[0].finish_reason]
+    assert _token_counts(chunks[-1].usage) == _token_counts(whole.usage)
+
+
+def _token_counts(usage) -> tuple:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("req", [dict(prompt="Say hello", max_tokens=4), dict(prompt="Say hello", max_tokens=50),
+                                 dict(prompt="Say hello", stop="!"), dict(prompt=[72, 105], max_tokens=5)])
+def test_streamed_and_whole_completions_are_the_same(client, req):
+    whole = client.completions.create(model="m", **req)
+    chunks = list(client.completions.create(model="m", **req, stream=True, stream_options={"include_usage": True}))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == whole.choices[0].text
+    assert [c.finish_reason for c in choices if c.finish_reason] == [whole.choices[0].finish_reason]
+    assert _token_counts(chunks[-1].usage) == _token_counts(whole.usage)
+
+
+class ReloadableEngine(ScriptedEngine):
+    _drafter = None
+
+    def set_drafter(self, drafter):
+        self._drafter = drafter
+
+
+def test_reload_status_maps_to_http(tmp_path):
+    import numpy as np
+
+    from common.tokenizer import tokenizer_fingerprint
+    from ngram.index_file import BuildParams, write_index
+    from server.reload import ReloadStatus
+
+    engine, index_dir = ReloadableEngine(), tmp_path / "index"
+    write_turns = lambda fingerprint: write_index(index_dir, [np.arange(1, 41, dtype=np.uint32)] * 4, fingerprint,
+                                                  BuildParams())
+    service, thread = _serve(engine, index=index_dir)
+    off, off_thread = _serve(ReloadableEngine(), index=index_dir, draft=False)
+    with thread as url, off_thread as off_url:
+        reload = lambda base: httpx.post(base + "/admin/reload-index")
+        r = reload(url)  # no index yet
+        assert r.status_code == 409 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.json()["error"]["code"] == "index_refused" and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.json()["error"]["message"].startswith("refused: no n-gram index")
+        write_turns(tokenizer_fingerprint(engine.tokenizer))
+        r = reload(url)
+        assert r.status_code == 200 and r.json()["reloaded"] is True and set(r.json()) == {"reloaded", "message"}
+        assert engine._drafter is not None and service.drafter_note == r.json()["message"]
+        r = reload(url)
+        assert r.status_code == 200 and r.json()["reloaded"] is False and r.json()["message"].startswith("unchanged")
+        in_service = engine._drafter
+        write_turns("another-tokenizer")
+        r = reload(url)
+        assert r.status_code == 409 and "different tokenizer" in r.json()["error"]["message"]
+        assert engine._drafter is in_service
+        r = reload(off_url)
+        assert r.status_code == 200 and r.json() == {"reloaded": False, "message": off.reload_index().message}
+    assert off.reload_index().status is ReloadStatus.UNCHANGED
+    assert service.reload_index().status is ReloadStatus.REFUSED
