@@ -187,7 +187,7 @@ def summarize(rows: list[dict], with_llama: bool) -> dict:
 
 def replay_all(turns: dict, index, max_draft: int) -> dict:
     from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
-    from ngram.peers import SuffixDecodingDrafter
+    from index.peers import SuffixDecodingDrafter
     from ngram.replay import replay
 
     out = {}
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     from common.bundled_model import bundled_gguf_path
     from common.chat_format import ChatFormat
     from ngram.drafter import DrafterConfig, NgramDrafter
-    from ngram.peers import SuffixDecodingDrafter
+    from index.peers import SuffixDecodingDrafter
     from server.engine import Engine, EngineConfig
     from server.model_loading import load_target
 

@@ -114,7 +114,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -125,6 +124,7 @@ from typing import Callable, Iterable
 
 import httpx
 
+from bench.live_server import free_port
 from bench.sessions import (BFCL_MULTI_TURN, DEFAULT_CLAUDE_SAMPLES, ROOT, Probe, Session, Turn, build_sessions,
                             chain_conversations, last_prompt_tokens, load_conversations, plan_probes,
                             select_sessions, turn_token_counts)
@@ -278,12 +278,6 @@ class Server:
     base: str
     log_path: Path
     startup_s: float
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_flags() -> str:

@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                     help="the server's prefix cache budget (bounded, so resident memory reaches its level early)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fuzz.md")
     args = ap.parse_args(argv)
-    from server.app import free_port
+    from bench.live_server import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "server", "--port", str(port), "--no-trace-log", "--default-max-tokens", "4",

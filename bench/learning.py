@@ -79,7 +79,8 @@ def scenario(target, tmp: Path, batch: int, max_tokens: int) -> dict:
     from index.build import build_index
     from ngram.drafter import DrafterConfig, NgramDrafter
     from ngram.index_file import load_index
-    from server.app import ServerThread, create_app
+    from bench.live_server import ServerThread
+    from server.app import create_app
     from server.engine import Engine, EngineConfig
     from server.serving import Service
     from server.settings import Settings

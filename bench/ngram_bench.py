@@ -146,7 +146,7 @@ def _suffix_decoding(index, max_draft: int):
 
     if importlib.util.find_spec("arctic_inference") is None:
         return None
-    from ngram.peers import SuffixDecodingDrafter
+    from index.peers import SuffixDecodingDrafter
 
     seed = list(index.turns())
     return lambda: SuffixDecodingDrafter(seed, max_draft)

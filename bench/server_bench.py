@@ -11,6 +11,8 @@ speed-up is inflated: it echoes and loops, which any n-gram drafter predicts wel
 """
 from __future__ import annotations
 
+from bench.live_server import free_port
+
 import argparse
 import json
 import statistics
@@ -40,16 +42,8 @@ def holdout_requests(n: int, categories: list[str]) -> list[dict]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "server", "--port", str(port), "--no-trace-log", *extra]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     base = replay(PromptLookupDrafter(max_draft=k), turns, k).as_dict()
     result = {**ours, "max_draft": k, "index": str(args.index) if args.index else None, "baseline": base}
     if "suffix" in args.peers:
-        from ngram.peers import SuffixDecodingDrafter
+        from index.peers import SuffixDecodingDrafter
 
         seed_turns = list(index.turns()) if index is not None else []
         result["peers"] = {"suffix": replay(SuffixDecodingDrafter(seed_turns, k), turns, k).as_dict()}

@@ -6,8 +6,7 @@ POST /v1/completions, GET /health, GET /metrics and POST /admin/reload-index (se
 exception, is answered in the one OpenAI shape `{"error": {"message", "type", "param", "code"}}`;
 an unexpected exception is logged with its trace server-side and the client gets a generic 500.
 When `service.settings.api_key` is set, /v1/* and /admin/* require `Authorization: Bearer KEY` (401 otherwise);
-/health and /metrics stay open. `ServerThread` runs an app under uvicorn on a background thread
-(tests and benchmarks).
+/health and /metrics stay open. Tests and benchmarks serve it on a thread with bench.live_server.
 """
 from __future__ import annotations
 
@@ -15,11 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import socket
-import threading
-import time
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -146,36 +141,3 @@ class _BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """Serve `app` with uvicorn on a daemon thread: `with ServerThread(app) as base_url: ...`."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
-        self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
-                                                    lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)

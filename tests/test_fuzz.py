@@ -7,7 +7,8 @@ import pytest
 
 from bench.fuzz import hostile_requests, run_fuzz
 from ngram.drafter import NgramDrafter
-from server.app import ServerThread, create_app
+from bench.live_server import ServerThread
+from server.app import create_app
 from server.engine import Engine, EngineConfig
 from server.serving import Service
 from server.settings import Settings

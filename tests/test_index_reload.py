@@ -11,7 +11,8 @@ import pytest
 
 from common.tokenizer import tokenizer_fingerprint
 from ngram.index_file import BuildParams, write_index
-from server.app import ServerThread, create_app
+from bench.live_server import ServerThread
+from server.app import create_app
 from server.engine import Engine, EngineConfig
 from server.serving import Service
 from server.settings import Settings

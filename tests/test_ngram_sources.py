@@ -7,7 +7,7 @@ from ngram.codec import encode
 from ngram.draft import DrafterSession
 from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
 from ngram.index_file import BuildParams, load_index, write_index
-from ngram.peers import _SuffixSession
+from index.peers import _SuffixSession
 from ngram.sources import ContextSource, IndexSource, OverlaySource
 
 

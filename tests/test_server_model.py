@@ -23,7 +23,8 @@ import openai
 import pytest
 
 from ngram.drafter import DrafterConfig, NgramDrafter
-from server.app import ServerThread, create_app, free_port
+from bench.live_server import ServerThread, free_port
+from server.app import create_app
 from server.engine import Engine, EngineConfig
 from server.serving import Service
 from server.settings import Settings

@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from server.app import ServerThread, create_app
+from bench.live_server import ServerThread
+from server.app import create_app
 from server.engine import GenerationChunk, RequestStats
 from server.serving import Service
 from server.settings import Settings

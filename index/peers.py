@@ -1,7 +1,7 @@
-"""Peer drafters behind Sailfish's drafter interface, for side-by-side replay and benchmarks.
+"""Peer drafters behind Sailfish's drafter interface, for side-by-side replay (`--peers`) and benchmarks.
+Not Sailfish's drafter (that is ngram/), so kept beside the replay command that compares against them.
 
-SuffixDecoding (the `arctic-inference` package, imported only when used; numpy-only like the rest
-of ngram/).
+SuffixDecoding (the `arctic-inference` package, imported only when used).
 
 Contract: `SuffixDecodingDrafter(turns, max_draft)` seeds SuffixDecodingCache's global tree with the
 same token turns a Sailfish index holds (each as a finished request), so both drafters start from the
