@@ -3,6 +3,7 @@ benchmark's reference loop (the server's loop is server.engine; this one has no 
 prefix cache and no stop strings, so a test sees the fast path alone)."""
 from __future__ import annotations
 
+from server.backend import accept
 from server.fast_path import FastTarget
 
 
@@ -17,8 +18,16 @@ def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propo
         room = min(max_new - len(out) - 1, max_draft)
         draft = list(propose(prompt_ids + out, room))[:room] if (propose is not None and room > 0) else []
         if draft:
-            out += fast.verify(out[-1], draft)
+            out += verify(fast, out[-1], draft)
         else:
-            out.append(int(fast.decode_one(out[-1]).argmax()))
+            out.append(int(fast.step([out[-1]])[0].argmax()))
         steps += 1
     return out[:max_new], steps
+
+
+def verify(fast: FastTarget, pending: int, draft: list[int]) -> list[int]:
+    """Verify `draft` after `pending` with server.backend.accept's rule; the accepted tokens + 1."""
+    target = fast.step([pending, *draft]).argmax(-1).tolist()
+    k = accept(draft, target)
+    fast.rollback(len(draft) - k)
+    return list(draft[:k]) + [target[k]]

@@ -178,7 +178,7 @@ def margins(fast, prompt, plain, n=64):
     """Median top-1 minus top-2 logit over the first n plain steps (teacher-forced, one token each)."""
     out = [float((lambda t: t[0] - t[1])(fast.prefill(prompt).float().topk(2).values))]
     for tok in plain[:n - 1]:
-        v = fast.decode_one(tok).float().topk(2).values
+        v = fast.step([tok])[0].float().topk(2).values
         out.append(float(v[0] - v[1]))
     return statistics.median(out)
 

@@ -6,7 +6,6 @@ with the same meaning as `server/engine.py`'s functions:
 
 - `reset()` starts a request (position 0); `prefill(ids) -> logits[vocab]` of the last prompt token;
 - `step(ids) -> logits[len(ids), vocab]` appends 1..max_bucket tokens at the current position;
-- `decode_one(token) -> logits[vocab]`; `verify(pending, draft) -> accepted tokens + 1`;
 - `rollback(n)` forgets the last n positions: the cache keeps every slot, masks hide positions past
   the current one, so rolling back only moves `pos`.
 
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from server.backend import Prefill, accept
+from server.backend import Prefill
 from server.fast_prefill import _w, prefill_layers
 from server.small_m_matmul import MAX_ROWS
 
@@ -576,16 +575,6 @@ class FastTarget:
         self.prefix.note_written(self.pos, ids, T)
         self.pos += n
         return logits[:n]
-
-    def decode_one(self, token: int) -> torch.Tensor:
-        return self.step([token])[0]
-
-    def verify(self, pending: int, draft: list[int]) -> list[int]:
-        """Verify `draft` after `pending` with server.backend.accept's rule; the accepted tokens + 1."""
-        target = self.step([pending, *draft]).argmax(-1).tolist()
-        k = accept(draft, target)
-        self.rollback(len(draft) - k)
-        return list(draft[:k]) + [target[k]]
 
     def _check_room(self, end: int) -> None:
         if end > self.max_len:
