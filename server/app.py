@@ -1,8 +1,9 @@
 """The HTTP layer: thin Starlette routes over `server.serving.Service`.
 
 Contract: `create_app(service)` returns the ASGI app with GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions, GET /health, GET /metrics and POST /admin/reload-index (see server.reload;
-409 in the error shape when the rebuilt index is refused). Every error, from validation to an unexpected
+POST /v1/completions, POST /v1/responses (stateless, over the chat path: server.responses_api),
+GET /health, GET /metrics and POST /admin/reload-index (see server.reload; 409 in the error shape
+when the rebuilt index is refused). Every error, from validation to an unexpected
 exception, is answered in the one OpenAI shape `{"error": {"message", "type", "param", "code"}}`;
 an unexpected exception is logged with its trace server-side and the client gets a generic 500.
 When `service.settings.api_key` is set, /v1/* and /admin/* require `Authorization: Bearer KEY` (401 otherwise);
@@ -24,6 +25,7 @@ from starlette.routing import Route
 from server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest, CompletionRequest, error_body,
                              model_list, parse_body)
 from server.reload import ReloadStatus
+from server.responses_api import ResponsesRequest, create_response
 from server.serving import Service
 
 log = logging.getLogger("sailfish.app")
@@ -83,6 +85,10 @@ def create_app(service: Service) -> Starlette:
         req = CompletionRequest.parse(await _json_body(request), service.sampling_defaults)
         return _respond(await service.complete(req, request.receive))
 
+    async def responses(request: Request) -> Response:
+        req = ResponsesRequest.parse(await _json_body(request), service.sampling_defaults)
+        return _respond(await create_response(service, req, request.receive))
+
     async def models(request: Request) -> Response:
         return JSONResponse(model_list(service.model_id, service.created, service.engine.max_context))
 
@@ -117,6 +123,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/models", guard(models), methods=["GET"]),
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(completions), methods=["POST"]),
+        Route("/v1/responses", guard(responses), methods=["POST"]),
         Route("/health", guard(health), methods=["GET"]),
         Route("/metrics", guard(metrics), methods=["GET"]),
         Route("/admin/reload-index", guard(reload_index), methods=["POST"]),

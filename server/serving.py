@@ -169,10 +169,16 @@ class Service:
                                   sampling=req.sampling)
         return _Prepared(prompt_ids, params, offered, fmt.forced_call(req.tool_choice))
 
-    async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
+    def chat_events(self, req: ChatCompletionRequest, endpoint: str = "chat", receive=None) -> AsyncIterator[Event]:
+        """One chat generation as `Event`s, for `chat` and for other API shapes over it (server.responses_api).
+        The request is checked against the context here (APIError); it is generated as the events are read,
+        and recorded in the metrics under `endpoint`. `receive` (non-streaming only) watches for a disconnect."""
         prep = self.prepare_chat(req)
+        return self._generate(endpoint, prep, None if req.stream else receive, capture=req)
+
+    async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
+        events = self.chat_events(req, "chat", receive)
         rid = new_id("chatcmpl")
-        events = self._generate("chat", prep, None if req.stream else receive, capture=req)
         if req.stream:
             return self._sse(rid, self._chat_chunks(req, rid, events))
         content, calls, end = await _collect(events)
