@@ -19,10 +19,21 @@ the first rejected token (`server.backend.accept` is the rule). When the request
 cancelled or disconnected) the KV of the committed tokens is handed back to the backend for reuse;
 after an error inside a forward it is discarded.
 
-Counters: `drafts` = non-empty drafts proposed, `verify_steps` = forwards that verified a draft,
-`plain_steps` = one-token forwards, `drafted_tokens` / `accepted_tokens` = drafted tokens verified /
-accepted, `completion_tokens` = generated tokens including a final stop token (which is never
-emitted), `cached_tokens` = prompt tokens reused from the prefix cache.
+Constrained decoding (`GenerationParams.constraint`, a server.grammar.Constraint): every token is
+chosen from logits whose grammar-disallowed tokens are -inf (the prefill's first token, plain steps
+and every verify row alike), drafts are cut to the prefix the grammar accepts before they are
+verified, and generation stops ("stop") once the grammar is complete. The request's matcher always
+equals the committed tokens between steps: a verify step advances it through the accepted drafted
+tokens (row j is masked by the state after pending + draft[:j]) and rolls it back afterwards, and
+the commit loop consumes each committed token. The token at a position is the same function of the
+logits, the tokens before it and (seed, position) as without drafting, so drafting stays lossless.
+
+Counters: `drafts` = non-empty drafts proposed (after the grammar's cut), `verify_steps` = forwards
+that verified a draft, `plain_steps` = one-token forwards, `drafted_tokens` / `accepted_tokens` =
+drafted tokens verified / accepted, `completion_tokens` = generated tokens including a final stop
+token (which is never emitted), `cached_tokens` = prompt tokens reused from the prefix cache,
+`grammar_cut_tokens` = drafted tokens the grammar rejected before verification, `grammar_s` = time
+in the grammar (masks, advancing, draft checks; inside `forward_s` and `draft_s`).
 """
 from __future__ import annotations
 
@@ -34,10 +45,11 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ngram.draft import Drafter
+from ngram.draft import Draft, Drafter
 from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 from server.engine_config import EngineConfig
+from server.grammar import Constraint, GrammarMatcher
 from server.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("sailfish.engine")
@@ -51,6 +63,7 @@ class GenerationParams:
     draft: bool = True          # False = plain decoding, the baseline
     sampling: SamplingParams = SamplingParams()  # greedy by default; sampled requests are drafted too
     prefix_cache: bool = True   # False: compute the whole prompt and keep nothing
+    constraint: Constraint | None = None  # a grammar the output must follow (server.grammar)
 
 
 @dataclass
@@ -64,10 +77,12 @@ class RequestStats:
     verify_steps: int = 0
     plain_steps: int = 0
     probes: int = 0
+    grammar_cut_tokens: int = 0  # drafted tokens the grammar rejected, never verified
     prefill_s: float = 0.0
     decode_s: float = 0.0       # wall time after the prefill, everything included
     draft_s: float = 0.0        # drafter.propose + the draft/no-draft decision
     forward_s: float = 0.0      # model forwards (decode and verify) and their argmax
+    grammar_s: float = 0.0      # grammar masks, advancing and draft checks (part of the two above)
 
     @property
     def tokens_per_s(self) -> float:
@@ -162,8 +177,8 @@ class Engine:
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
                                              "accepted_tokens", "verify_steps", "plain_steps", "probes",
-                                             "cached_tokens")}
-        self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0)
+                                             "cached_tokens", "grammar_cut_tokens")}
+        self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0, grammar_s=0.0)
 
     def _cost_curve(self) -> np.ndarray:
         """The verify cost curve: kept from an earlier start under the same conditions, else measured
@@ -284,6 +299,7 @@ class Engine:
         context[:len(prompt_ids)] = prompt_ids
         length = len(prompt_ids)
         sampler = Sampler(params.sampling, prompt_ids)
+        grammar = params.constraint.start(stop_ids) if params.constraint is not None else None
         session = self._drafter.session() if (self._drafter is not None and params.draft) else None
         tracker = AcceptanceTracker()
         clean = False  # the backend's cache is consistent at every yield, and only there
@@ -292,7 +308,7 @@ class Engine:
                 t0 = time.perf_counter()
                 pre = backend.start(prompt_ids, reuse=params.prefix_cache)
                 stats.cached_tokens = pre.reused
-                new = [sampler.pick(pre.logits, 0)]
+                new = [_choose(sampler, grammar, pre.logits, 0)]
                 stats.prefill_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
                 while True:
@@ -306,14 +322,21 @@ class Engine:
                         if token in stop_ids:
                             finish = "stop"
                             break
+                        if grammar is not None:
+                            grammar.consume(token)
                         emitted.append(token)
                         if text.add(token):
                             finish = "stop"
+                            break
+                        if grammar is not None and grammar.is_stopped():
+                            finish = "stop"  # the grammar is complete: nothing but a stop token may follow
                             break
                         if stats.completion_tokens >= max_tokens:
                             finish = "length"
                             break
                     stats.decode_s = time.perf_counter() - t_decode
+                    if grammar is not None:
+                        stats.grammar_s = grammar.seconds
                     if finish is not None and session is not None:
                         session.finish(context[:length])  # a finished completion feeds the online overlay
                     clean = True
@@ -328,6 +351,8 @@ class Engine:
                     if session is not None and room > 0:
                         t = time.perf_counter()
                         draft = session.propose(context[:length], room)
+                        if grammar is not None and len(draft):
+                            draft = _grammar_cut(draft, grammar, room, stats)
                         if len(draft):
                             stats.drafts += 1
                             n, probe = self.policy.choose(draft.confidence[:room], draft.match_length, tracker)
@@ -335,8 +360,8 @@ class Engine:
                     t = time.perf_counter()
                     if n > 0:
                         proposal = [int(x) for x in draft.tokens[:n]]
-                        accepted, token = _verify(sampler, backend.step([pending, *proposal]), proposal,
-                                                  stats.completion_tokens)
+                        logits = backend.step([pending, *proposal])
+                        accepted, token = _verify(sampler, grammar, logits, proposal, stats.completion_tokens)
                         backend.rollback(n - accepted)
                         new = proposal[:accepted] + [token]
                         stats.verify_steps += 1
@@ -346,7 +371,7 @@ class Engine:
                         tracker.record(n, accepted, probe)
                         session.feedback(n, accepted)
                     else:
-                        new = [sampler.pick(backend.step([pending])[0], stats.completion_tokens)]
+                        new = [_choose(sampler, grammar, backend.step([pending])[0], stats.completion_tokens)]
                         stats.plain_steps += 1
                     stats.forward_s += time.perf_counter() - t
         finally:
@@ -361,21 +386,52 @@ class Engine:
                 backend.discard()
 
 
-def _verify(sampler: Sampler, logits: torch.Tensor, proposal: list[int], position: int) -> tuple[int, int]:
+def _choose(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tensor, position: int,
+            pending: list[int] | tuple = ()) -> int:
+    """The token of output position `position`: the sampler's choice among the tokens the grammar
+    allows in its current state (every token without a grammar)."""
+    if grammar is not None:
+        logits = grammar.mask_logits(logits)
+    return sampler.pick(logits, position, pending)
+
+
+def _grammar_cut(draft: Draft, grammar: GrammarMatcher, room: int, stats: RequestStats) -> Draft:
+    """The draft's longest prefix (up to `room` tokens) that the grammar accepts from its state."""
+    offered = min(len(draft), room)
+    valid = grammar.validate_tokens(draft.tokens[:offered])
+    stats.grammar_cut_tokens += offered - valid
+    if valid == len(draft):
+        return draft
+    return Draft(draft.tokens[:valid], draft.confidence[:valid], draft.source, draft.match_length)
+
+
+def _verify(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tensor, proposal: list[int],
+            position: int) -> tuple[int, int]:
     """(accepted drafted tokens, the step's new token) for logits [1 + len(proposal), vocab] of
     [pending, *proposal], whose row j chooses output position `position + j`. Each row's token is
-    chosen exactly as a plain step would choose it there (server.sampling); drafted tokens are
-    accepted while they equal those choices, and the first choice that differs is the new token."""
-    if sampler.params.plain_argmax:  # greedy: one vectorized argmax, then the rule of server.backend
+    chosen exactly as a plain step would choose it there (server.sampling; under a grammar, masked
+    by the grammar state after the committed tokens and proposal[:j]); drafted tokens are accepted
+    while they equal those choices, and the first choice that differs is the new token. The grammar
+    is advanced through the accepted tokens and rolled back before returning: it is left as it was."""
+    if grammar is None and sampler.params.plain_argmax:  # one vectorized argmax, then server.backend's rule
         target = logits.argmax(-1).tolist()
         k = accept(proposal, target)
         return k, target[k]
+    advanced, result = 0, None
     for j, drafted in enumerate(proposal):
-        token = sampler.pick(logits[j], position + j, proposal[:j])
+        token = _choose(sampler, grammar, logits[j], position + j, proposal[:j])
         if token != drafted:
-            return j, token
-    n = len(proposal)
-    return n, sampler.pick(logits[n], position + n, proposal)
+            result = (j, token)
+            break
+        if grammar is not None:
+            grammar.consume(token)
+            advanced += 1
+    else:
+        n = len(proposal)
+        result = (n, _choose(sampler, grammar, logits[n], position + n, proposal))
+    if grammar is not None:
+        grammar.rollback(advanced)
+    return result
 
 
 def _prefix_note(budget: int) -> str:

@@ -1,0 +1,280 @@
+"""Grammars (llguidance's Lark dialect, as text) for tool calls, built from OpenAI `tools`.
+
+Contract: pure functions from a list of OpenAI tools (`{"type": "function", "function": {"name",
+"parameters"}}`, or the bare function objects) to grammar text that `server.grammar.GrammarCompiler`
+compiles (its `tool_call` / `tool_call_json` methods call these with the tokenizer's special tokens).
+`special_tokens` maps the text of the tokenizer's special tokens to their ids: a marker's text that
+is a special token is written as that token, `<[id]>` (a special token never matches text), the rest
+of it as text.
+
+- `tool_call_grammar(tools, named=None, parallel=True)`: the built-in Gemma 4 format of
+  common.chat_format, `<|tool_call>call:NAME{ARGS}<tool_call|>`, one call or (parallel) one or more
+  in a row, NAME one of the offered tools (`named`: only that one), ARGS in the format's value syntax
+  (bare keys, strings `<|"|>text<|"|>`, JSON numbers, true/false/null) following the tool's
+  `parameters` schema: `properties` in their declared order (required ones always, optional ones
+  optionally; no other keys), `type` (also a list of types), `enum`, `const`, `anyOf`/`oneOf`,
+  `allOf` (shallowly merged), array `items` and `minItems` >= 1, local `$ref`s (`#/$defs/...`,
+  `#/definitions/...`, recursive ones included). Not enforced (any value of the type is allowed):
+  string `pattern`/`format`/lengths, numeric bounds, array `maxItems`/`prefixItems`,
+  `additionalProperties` (an object with `properties` takes no other keys; one without takes any
+  keys). What it accepts, `common.chat_format.parse_generated` parses into the same call.
+- `tool_call_json_grammar(tools, named=None, parallel=False, open_marker="", close_marker="")`: for
+  a chat template whose model writes calls as JSON, `{"name": NAME, "arguments": {...}}` validated
+  by llguidance's JSON-schema support (lenient: unsupported keywords are ignored; whitespace as in
+  server.grammar's JSON), each call between the template's markers (e.g. `<tool_call>\\n` and
+  `\\n</tool_call>`; special tokens inside a marker are matched as tokens); parallel calls are
+  separated by optional newlines.
+Both raise ValueError for no tools, an unknown `named`, or a name/key the format cannot carry.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from common.chat_format import CALL_CLOSE, CALL_OPEN, QUOTE, format_value
+
+# JSON whitespace: at most this much at each place JSON allows it. Unbounded whitespace lets a small
+# model loop on newlines until max_tokens (outlines bounds it for the same reason).
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,32}"
+_NAME_OK = re.compile(r"[^{}<>\s]+")          # what common.chat_format's call parser takes as a name
+_KEY_BAD = set("{}[],<>:")                     # what it cannot take inside a bare key
+# Any value of the value syntax; keys of an object without declared properties are identifiers.
+_GENERIC_RULES = r"""
+g_value: g_string | NUMBER | "true" | "false" | "null" | g_object | g_array
+g_object: "{" (g_member ("," g_member)*)? "}"
+g_member: G_KEY ":" g_value
+g_array: "[" (g_value ("," g_value)*)? "]"
+G_KEY: /[A-Za-z_][A-Za-z0-9_.\-]*/
+NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+INTEGER: /-?(0|[1-9][0-9]*)/
+"""
+
+
+def tool_functions(tools: list[dict], named: str | None = None) -> list[dict]:
+    """The offered function objects (`named`: only that one), checked to be callable by name."""
+    functions = [t.get("function", t) for t in tools if isinstance(t, dict)]
+    functions = [f for f in functions if isinstance(f, dict) and f.get("name")]
+    if not functions:
+        raise ValueError("no tools to call")
+    if named is not None:
+        functions = [f for f in functions if f["name"] == named]
+        if not functions:
+            raise ValueError(f"tool {named!r} is not among the offered tools")
+    return functions
+
+
+def lark_string(text: str) -> str:
+    """A Lark string literal matching `text` exactly."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def marker(text: str, special_tokens: Mapping[str, int]) -> str:
+    """A marker as grammar items: each special token's text in it (leftmost, longest first) as that
+    token, the text around them as text (e.g. `<tool_call>\\n` -> `<[id]> "\\n"`)."""
+    items, rest = [], text
+    while rest:
+        hits = [(rest.find(s), -len(s), s) for s in special_tokens if s and s in rest]
+        if not hits:
+            items.append(lark_string(rest))
+            break
+        at, _, special = min(hits)
+        if at:
+            items.append(lark_string(rest[:at]))
+        items.append(f"<[{special_tokens[special]}]>")
+        rest = rest[at + len(special):]
+    return " ".join(items)
+
+
+def tool_call_grammar(tools: list[dict], named: str | None = None, parallel: bool = True,
+                      special_tokens: Mapping[str, int] | None = None) -> str:
+    special_tokens = special_tokens or {}
+    rules = _ValueSyntaxRules(special_tokens)
+    alternatives = []
+    for fn in tool_functions(tools, named):
+        name = fn["name"]
+        if not _NAME_OK.fullmatch(name) or "call:" in name:
+            raise ValueError(f"tool name {name!r} cannot be written in the Gemma 4 call syntax")
+        parameters = fn.get("parameters") or {"type": "object"}
+        args = rules.value(parameters, parameters, force_object=True)
+        alternatives.append(f"{lark_string('call:' + name)} {args}")
+    call = f"{marker(CALL_OPEN, special_tokens)} ({' | '.join(alternatives)}) {marker(CALL_CLOSE, special_tokens)}"
+    head = f"start: call{'+' if parallel else ''}\ncall: {call}\n"
+    return head + rules.text()
+
+
+def tool_call_json_schema(tools: list[dict], named: str | None = None) -> dict:
+    """JSON schema of one call object `{"name": NAME, "arguments": {...}}` for the offered tools."""
+    functions = tool_functions(tools, named)
+    options = []
+    for i, fn in enumerate(functions):
+        # a parameters schema's local $refs point into itself: rebase them to where it now sits
+        at = "#/properties/arguments" if len(functions) == 1 else f"#/anyOf/{i}/properties/arguments"
+        options.append({"type": "object",
+                        "properties": {"name": {"const": fn["name"]},
+                                       "arguments": _rebase_refs(fn.get("parameters") or {"type": "object"}, at)},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _rebase_refs(schema: Any, at: str) -> Any:
+    if isinstance(schema, dict):
+        return {k: (at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, at))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase_refs(v, at) for v in schema]
+    return schema
+
+
+def tool_call_json_grammar(tools: list[dict], named: str | None = None, parallel: bool = False,
+                           open_marker: str = "", close_marker: str = "",
+                           special_tokens: Mapping[str, int] | None = None) -> str:
+    special_tokens = special_tokens or {}
+    schema = dict(tool_call_json_schema(tools, named))
+    schema["x-guidance"] = {"lenient": True, "whitespace_pattern": JSON_WHITESPACE}
+    body = " ".join(p for p in (marker(open_marker, special_tokens) if open_marker else "", "call_json",
+                                marker(close_marker, special_tokens) if close_marker else "") if p)
+    start = 'start: call ("\\n"* call)*' if parallel else "start: call"
+    return f"{start}\ncall: {body}\ncall_json: %json {json.dumps(schema)}\n"
+
+
+class _ValueSyntaxRules:
+    """Lark rules for schemas in common.chat_format's value syntax; `value` returns a rule name."""
+
+    def __init__(self, special_tokens: Mapping[str, int]):
+        self.quote_token = special_tokens.get(QUOTE)
+        self.rules: dict[str, str] = {}
+        self.by_ref: dict[str, str] = {}
+
+    def text(self) -> str:
+        if self.quote_token is None:  # lazy: the string ends at the first closing quote marker
+            q = re.escape(QUOTE)
+            string_rules = f"g_string[lazy]: /{q}(?s:.*){q}/\n"
+        else:                         # the quote is a token; the text between must not spell it
+            q = f"<[{self.quote_token}]>"
+            string_rules = (f"g_string: {q} G_TEXT {q}\n"
+                            f"G_TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(QUOTE)}(?s:.*)/\n")
+        return "".join(f"{name}: {body}\n" for name, body in self.rules.items()) + string_rules + _GENERIC_RULES
+
+    def _rule(self, body: str) -> str:
+        name = f"v{len(self.rules)}"
+        self.rules[name] = body
+        return name
+
+    def literal(self, value: Any) -> str:
+        """A grammar item matching exactly format_value(value)."""
+        if isinstance(value, str):
+            if QUOTE in value:
+                raise ValueError(f"a string containing {QUOTE} cannot be written in the Gemma 4 value syntax")
+            if self.quote_token is None:
+                return lark_string(format_value(value))
+            q = f"<[{self.quote_token}]>"
+            return f"{q} {lark_string(value)} {q}" if value else f"{q} {q}"
+        if isinstance(value, dict):
+            members = [f"{lark_string(_key(k) + ':')} {self.literal(v)}" for k, v in value.items()]
+            return '"{" ' + ' "," '.join(members) + ' "}"' if members else '"{" "}"'
+        if isinstance(value, (list, tuple)):
+            items = [self.literal(v) for v in value]
+            return '"[" ' + ' "," '.join(items) + ' "]"' if items else '"[" "]"'
+        return lark_string(format_value(value))
+
+    def value(self, schema: Any, root: dict, force_object: bool = False) -> str:
+        if schema is True or not isinstance(schema, dict) or not schema:
+            return "g_object" if force_object else "g_value"
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], root)
+        if "allOf" in schema:
+            return self.value(_merge_all_of(schema), root, force_object)
+        if "const" in schema:
+            return self._rule(self.literal(schema["const"]))
+        if "enum" in schema:
+            return self._rule(" | ".join(self.literal(v) for v in schema["enum"]))
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return self._rule(" | ".join(self.value(s, root) for s in schema[key]))
+        types = schema.get("type")
+        if types is None:
+            types = "object" if ("properties" in schema or force_object) else "array" if "items" in schema else None
+        if types is None:
+            return "g_value"
+        if isinstance(types, list):
+            return self._rule(" | ".join(self._typed(t, schema, root) for t in types))
+        return self._typed(types, schema, root)
+
+    def _typed(self, kind: str, schema: dict, root: dict) -> str:
+        if kind == "string":
+            return "g_string"
+        if kind == "integer":
+            return "INTEGER"
+        if kind == "number":
+            return "NUMBER"
+        if kind == "boolean":
+            return self._rule('"true" | "false"')
+        if kind == "null":
+            return self._rule('"null"')
+        if kind == "array":
+            item = self.value(schema.get("items", True), root)
+            if schema.get("minItems", 0) >= 1:
+                return self._rule(f'"[" {item} ("," {item})* "]"')
+            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
+        if kind == "object":
+            return self._object(schema, root)
+        raise ValueError(f"unknown JSON schema type {kind!r}")
+
+    def _object(self, schema: dict, root: dict) -> str:
+        properties = schema.get("properties") or {}
+        if not properties:
+            return "g_object"
+        required = set(schema.get("required") or ())
+        members = [(f"{lark_string(_key(k) + ':')} {self.value(s, root)}", k in required)
+                   for k, s in properties.items()]
+        # first_i: the members from i on when none was written yet; rest_i: after one was (so each
+        # starts with a comma). Declared order, required ones always, optional ones maybe: linear size.
+        first, rest = "", ""
+        for member, needed in reversed(members):
+            rest_next = rest
+            rest = self._rule(f'"," {member} {rest_next}' if needed else f'("," {member})? {rest_next}')
+            first_next = first
+            if needed:
+                first = self._rule(f"{member} {rest_next}")
+            else:
+                first = self._rule(f"{member} {rest_next} | {first_next}" if first_next else f"({member} {rest_next})?")
+        return self._rule(f'"{{" {first} "}}"')
+
+    def _ref(self, ref: str, root: dict) -> str:
+        if ref in self.by_ref:
+            return self.by_ref[ref]
+        target: Any = root
+        if not ref.startswith("#"):
+            raise ValueError(f"only local $refs are supported, not {ref!r}")
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise ValueError(f"$ref {ref!r} does not resolve")
+            target = target[part]
+        name = f"v{len(self.rules)}"
+        self.rules[name] = ""  # reserved first, so a recursive reference finds it
+        self.by_ref[ref] = name
+        self.rules[name] = self.value(target, root)
+        return name
+
+
+def _key(name: str) -> str:
+    if not name or name != name.strip() or _KEY_BAD & set(name):
+        raise ValueError(f"property name {name!r} cannot be written as a bare key in the Gemma 4 value syntax")
+    return name
+
+
+def _merge_all_of(schema: dict) -> dict:
+    merged = {k: v for k, v in schema.items() if k != "allOf"}
+    for part in schema["allOf"]:
+        if not isinstance(part, dict):
+            continue
+        for k, v in part.items():
+            if k == "properties":
+                merged["properties"] = {**merged.get("properties", {}), **v}
+            elif k == "required":
+                merged["required"] = list(dict.fromkeys([*merged.get("required", []), *v]))
+            else:
+                merged.setdefault(k, v)
+    return merged
