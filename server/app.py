@@ -7,7 +7,9 @@ when the rebuilt index is refused). Every error, from validation to an unexpecte
 exception, is answered in the one OpenAI shape `{"error": {"message", "type", "param", "code"}}`;
 an unexpected exception is logged with its trace server-side and the client gets a generic 500.
 When `service.settings.api_key` is set, /v1/* and /admin/* require `Authorization: Bearer KEY` (401 otherwise);
-/health and /metrics stay open. Tests and benchmarks serve it on a thread with bench.live_server.
+/health and /metrics stay open. POST /v1/messages and /v1/messages/count_tokens are Anthropic's Messages API
+(server.anthropic_api): there every error, 401 and 404 included, is in Anthropic's shape, and `x-api-key: KEY`
+is accepted as well as the Bearer header. Tests and benchmarks serve it on a thread with bench.live_server.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from server import anthropic_api
 from server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest, CompletionRequest, error_body,
                              model_list, parse_body)
 from server.reload import ReloadStatus
@@ -107,8 +110,11 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse({"reloaded": result.status is ReloadStatus.RELOADED, "message": result.message})
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if anthropic_api.serves(request.url.path):
+            return anthropic_api.error_response(exc.status_code, message)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+        return _error(exc.status_code, message, kind)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -127,6 +133,7 @@ def create_app(service: Service) -> Starlette:
         Route("/health", guard(health), methods=["GET"]),
         Route("/metrics", guard(metrics), methods=["GET"]),
         Route("/admin/reload-index", guard(reload_index), methods=["POST"]),
+        *anthropic_api.routes(service, _json_body),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
@@ -134,17 +141,27 @@ def create_app(service: Service) -> Starlette:
 
 
 class _BearerAuth:
-    """ASGI wrapper: /v1/* needs `Authorization: Bearer KEY` when a key is configured."""
+    """ASGI wrapper: /v1/* needs `Authorization: Bearer KEY` when a key is configured; the Messages API
+    also takes `x-api-key: KEY` (Anthropic's header) and answers a 401 in its own shape."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, headers: dict, messages_api: bool) -> bool:
+        if hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return True
+        return messages_api and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
 
     async def __call__(self, scope, receive, send):
-        if self.expected and scope["type"] == "http" and scope["path"].startswith(("/v1/", "/admin/")):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                response = _error(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`.",
-                                  "invalid_request_error", None, "invalid_api_key")
+        path = scope.get("path", "")
+        if self.expected and scope["type"] == "http" and path.startswith(("/v1/", "/admin/")):
+            messages_api = anthropic_api.serves(path)
+            if not self._authorized(dict(scope["headers"]), messages_api):
+                response = (anthropic_api.error_response(401, "invalid x-api-key: send `x-api-key: KEY` or "
+                                                              "`Authorization: Bearer KEY`") if messages_api else
+                            _error(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`.",
+                                   "invalid_request_error", None, "invalid_api_key"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

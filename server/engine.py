@@ -96,6 +96,7 @@ class GenerationChunk:
     text: str                 # their decoded text delta (stop strings removed)
     finish_reason: str | None # None while generating, then "stop" or "length"
     stats: RequestStats       # running per-request counters
+    stop_string: str | None = None  # the stop string that ended generation (finish "stop"), if one did
 
 
 # ---------------------------------------------------------------- text: deltas and stop strings
@@ -112,6 +113,7 @@ class TextStream:
         self.read_offset = len(self.ids)
         self.text = ""
         self.emitted = 0
+        self.stopped_by: str | None = None  # the stop string `add` cut the text at
 
     def add(self, token: int) -> bool:
         """Append a token; True when a stop string is complete (the text is cut before it)."""
@@ -128,9 +130,10 @@ class TextStream:
         for stop in self.stop_strings:
             i = self.text.find(stop, max(0, before - len(stop) + 1))
             if i >= 0:
-                hits.append(i)
+                hits.append((i, stop))
         if hits:
-            self.text = self.text[:min(hits)]
+            cut, self.stopped_by = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:cut]
             return True
         return False
 
@@ -340,7 +343,8 @@ class Engine:
                     if finish is not None and session is not None:
                         session.finish(context[:length])  # a finished completion feeds the online overlay
                     clean = True
-                    yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats)
+                    yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats,
+                                          text.stopped_by if finish == "stop" else None)
                     if finish is not None or (cancelled is not None and cancelled()):
                         return
                     clean = False

@@ -4,10 +4,13 @@ Contract: `Service(engine, settings, drafter_note)` serves validated requests fr
 `chat(req, receive)` / `complete(req, receive)` return a response dict, or an async iterator of SSE
 lines when `req.stream`; errors are `APIError`s. Either way the answer comes from the one generation
 path, `Service._generate`: a stream of events (content deltas, each tool call once complete, one
-`Finish` with finish_reason and usage) that a streaming response formats as chunks and a non-streaming
-one gathers whole. Every generation runs on the scheduler's single worker thread (one request at a
-time, arrival order) and stops when the client disconnects. `load_engine(settings)` builds the engine
-the CLI serves: model, index and drafter, logging what it chose.
+`Finish` with finish_reason, the stop string that ended it, and usage) that a streaming response formats
+as chunks and a non-streaming one gathers whole. `chat_events(req, receive, endpoint)` hands out that
+event stream for another wire format (server.anthropic_api, the Messages API), and
+`count_chat_tokens(req)` the length of the prompt a chat request renders to. Every generation runs on
+the scheduler's single worker thread (one request at a time, arrival order) and stops when the client
+disconnects. `load_engine(settings)` builds the engine the CLI serves: model, index and drafter,
+logging what it chose.
 
 Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
 when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,
@@ -122,6 +125,7 @@ class _Prepared:
 class Finish:
     reason: str  # the OpenAI finish_reason
     usage: dict
+    stop_string: str | None = None  # the stop string (the format's end markers or the request's) that ended it
 
 
 # What a generation yields: a content delta (never empty), a tool call (OpenAI-shaped, id included) as
@@ -156,12 +160,20 @@ class Service:
 
     # ------------------------------------------------------------ chat
 
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict]]:
+        """(prompt ids, the tools the model sees) of a chat request."""
+        offered = req.tools if req.tool_choice != "none" else []
+        text = self.chat_format.render_prompt(req.messages, offered, req.tool_choice)
+        self._check_characters(len(text), "messages")
+        return self.engine.tokenizer.encode(text, add_special_tokens=False), offered
+
+    def count_chat_tokens(self, req: ChatCompletionRequest) -> int:
+        """The prompt tokens `req` renders to (not checked against the context: a count, not a request)."""
+        return len(self._chat_prompt(req)[0])
+
     def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
         fmt = self.chat_format
-        offered = req.tools if req.tool_choice != "none" else []
-        text = fmt.render_prompt(req.messages, offered, req.tool_choice)
-        self._check_characters(len(text), "messages")
-        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids, offered = self._chat_prompt(req)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
@@ -169,15 +181,15 @@ class Service:
                                   sampling=req.sampling)
         return _Prepared(prompt_ids, params, offered, fmt.forced_call(req.tool_choice))
 
-    def chat_events(self, req: ChatCompletionRequest, endpoint: str = "chat", receive=None) -> AsyncIterator[Event]:
-        """One chat generation as `Event`s, for `chat` and for other API shapes over it (server.responses_api).
-        The request is checked against the context here (APIError); it is generated as the events are read,
-        and recorded in the metrics under `endpoint`. `receive` (non-streaming only) watches for a disconnect."""
+    def chat_events(self, req: ChatCompletionRequest, receive=None,
+                    endpoint: str = "chat") -> tuple[_Prepared, AsyncIterator[Event]]:
+        """The prepared prompt and the events of the request's generation (a non-streaming request
+        watches `receive` for a disconnect); `endpoint` labels its metrics."""
         prep = self.prepare_chat(req)
-        return self._generate(endpoint, prep, None if req.stream else receive, capture=req)
+        return prep, self._generate(endpoint, prep, None if req.stream else receive, capture=req)
 
     async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
-        events = self.chat_events(req, "chat", receive)
+        _, events = self.chat_events(req, receive)
         rid = new_id("chatcmpl")
         if req.stream:
             return self._sse(rid, self._chat_chunks(req, rid, events))
@@ -247,6 +259,7 @@ class Service:
         answer are appended to the trace log. `receive` (non-streaming only) watches for a disconnect."""
         parser = ToolCallStreamParser(prep.forced) if prep.offered else None
         content, calls, finish, stats, ttft, t0 = [], [], None, None, None, time.perf_counter()
+        stop_string = None
 
         def events(delta: str, completed: list[dict]) -> list[Event]:
             new_calls = [_openai_call(call) for call in completed]
@@ -262,6 +275,7 @@ class Service:
                 if ttft is None and chunk.token_ids:
                     ttft = time.perf_counter() - t0
                 stats, finish = chunk.stats, chunk.finish_reason or finish
+                stop_string = chunk.stop_string or stop_string
                 if chunk.text:
                     for event in events(*(parser.feed(chunk.text) if parser else (chunk.text, []))):
                         yield event
@@ -284,7 +298,8 @@ class Service:
         if capture is not None:
             self._capture(capture, prep, _assistant_message("".join(content), calls))
         finish = finish or "stop"
-        yield Finish("tool_calls" if calls and finish == "stop" else finish, _usage(prep, stats, queue_s or 0.0))
+        yield Finish("tool_calls" if calls and finish == "stop" else finish, _usage(prep, stats, queue_s or 0.0),
+                     stop_string)
 
     async def _sse(self, rid: str, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         """`chunks` as SSE lines, then [DONE]. Once streaming has begun the status is sent, so an error is

@@ -87,10 +87,11 @@ class ScriptedEngine:
         with self.lock:
             self.prompts.append(prompt)
         text = self.script(prompt)
-        finish = "stop"
-        cut = [text.find(s) for s in params.stop_strings if s and s in text]
+        finish, stop_string = "stop", None
+        cut = [(text.find(s), s) for s in params.stop_strings if s and s in text]
         if cut:
-            text = text[:min(cut)]
+            at, stop_string = min(cut, key=lambda hit: hit[0])
+            text = text[:at]
         pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
         if len(pieces) > params.max_tokens:
             pieces, finish = pieces[:params.max_tokens], "length"
@@ -103,11 +104,12 @@ class ScriptedEngine:
                 stats.completion_tokens += 1
                 emitted += 1
                 last = i == len(pieces) - 1
-                yield GenerationChunk([i], piece, finish if last else None, stats)
+                yield GenerationChunk([i], piece, finish if last else None, stats,
+                                      stop_string if last and finish == "stop" else None)
                 if cancelled is not None and cancelled():
                     return
             if not pieces:
-                yield GenerationChunk([], "", finish, stats)
+                yield GenerationChunk([], "", finish, stats, stop_string if finish == "stop" else None)
             stopped_early = False
         finally:
             self.log.append((prompt[-40:], emitted, stopped_early))
