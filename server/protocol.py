@@ -4,10 +4,12 @@ Contract: `ChatCompletionRequest.parse(body)` / `CompletionRequest.parse(body)` 
 JSON body and return a validated request or raise `APIError` (status, message, type, param, code),
 whose `body()` is the one error shape every endpoint uses:
 `{"error": {"message", "type", "param", "code"}}`. Fields are listed in the order of the OpenAI
-API reference. Fields real clients send that Sailfish does not act on (`store`, `metadata`,
-`parallel_tool_calls`, `user`, `top_p`, penalties, ...) are accepted and ignored; fields whose
-meaning Sailfish cannot honour (`n` > 1, `logprobs: true`, a JSON `response_format`, image or audio
-content) are refused with a 400 rather than silently ignored. The response builders at the end
+API reference. Fields with no effect on what Sailfish does (`store`, `metadata`, `user`,
+`service_tier`) are accepted; every sampling field is honoured (server.sampling); `response_format`
+json_object / json_schema and a required or named `tool_choice` are enforced by a grammar
+(server.grammar; `parallel_tool_calls: false` too, where a call is enforced); fields whose meaning
+Sailfish cannot honour (`n` > 1, `logprobs: true`, `logit_bias`, image or audio content, an unknown
+field) are refused with a 400 rather than silently ignored. The response builders at the end
 return plain dicts shaped like OpenAI's responses and stream chunks.
 """
 from __future__ import annotations
@@ -309,6 +311,25 @@ def parse_tool_choice(raw: Any, tools: list[dict]) -> str | dict:
     return {"name": name}
 
 
+def _response_format(body: dict) -> dict | None:
+    """None for text; {"type": "json_object"}; {"type": "json_schema", "schema": S} (from json_schema.schema)."""
+    fmt = _opt(body, "response_format", dict, {"type": "text"}, "an object")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad("response_format json_schema needs json_schema.schema, a JSON Schema object",
+                       "response_format", "invalid_value")
+        return {"type": "json_schema", "schema": schema}
+    raise _bad(f"response_format {kind!r} is not supported (text, json_object or json_schema)", "response_format",
+               "unsupported_value")
+
+
 # ---------------------------------------------------------------- requests
 
 _SAMPLING_FIELDS = {*_SAMPLING_RANGES, "top_k", "n", "seed"}
@@ -330,6 +351,8 @@ class ChatCompletionRequest:
     tool_choice: str | dict = "none"
     tools: list[dict] = field(default_factory=list)
     user: str | None = None
+    response_format: dict | None = None  # None: text; {"type": "json_object"} or {"type": "json_schema", "schema": S}
+    parallel_tool_calls: bool = True
 
     @classmethod
     def parse(cls, body: Any, sampling_defaults: dict | None = None) -> "ChatCompletionRequest":
@@ -341,21 +364,22 @@ class ChatCompletionRequest:
         if body.get("logprobs"):
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         max_tokens = _max_tokens(body)
-        fmt = _opt(body, "response_format", dict, {"type": "text"}, "an object")
-        if fmt.get("type", "text") != "text":
-            raise _bad(f"response_format {fmt.get('type')!r} is not supported (text only)", "response_format",
-                       "unsupported_value")
+        response_format = _response_format(body)
         sampling = _sampling(body, sampling_defaults)
         stop = _stop(body)
         stream, include_usage = _stream(body)
         tools = parse_tools(body.get("tools"))
         tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-        if body.get("parallel_tool_calls") is False and tool_choice != "none":
-            raise _bad("parallel_tool_calls=false cannot be enforced (the model may call several tools)",
-                       "parallel_tool_calls", "unsupported_value")
+        parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
+        if not parallel and tool_choice == "auto":
+            raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required' or a named function "
+                       "(with 'auto' the model may call several tools)", "parallel_tool_calls", "unsupported_value")
+        if response_format is not None and tool_choice not in ("none", "auto"):
+            raise _bad("a JSON response_format and a required tool call cannot both be enforced", "response_format",
+                       "unsupported_value")
         user = _opt(body, "user", str, None, "a string")
         return cls(messages, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling,
-                   tool_choice, tools, user)
+                   tool_choice, tools, user, response_format, parallel)
 
 
 @dataclass

@@ -139,6 +139,8 @@ class Service:
         self.settings = settings
         self.drafter_note = drafter_note
         self.chat_format = ChatFormat.for_tokenizer(engine.tokenizer)
+        self._compiler = None  # server.grammar.GrammarCompiler, built on the first constrained request
+        self._compiler_error: str | None = None
         model = getattr(engine, "model", None)
         self.sampling_defaults = (sampling_defaults(getattr(model, "generation_config", None))
                                   if settings.generation_defaults else {})
@@ -173,13 +175,62 @@ class Service:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
         fmt = self.chat_format
-        prompt_ids, offered = self._chat_prompt(req)
+        offered = req.tools if req.tool_choice != "none" else []
+        constraint = self._constraint(req, offered)
+        # An enforced call is the grammar's to write from its first token: no forced prefix then.
+        tool_choice = "auto" if constraint is not None and offered else req.tool_choice
+        text = fmt.render_prompt(req.messages, offered, tool_choice)
+        self._check_characters(len(text), "messages")
+        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
-                                  sampling=req.sampling)
-        return _Prepared(prompt_ids, params, offered, fmt.forced_call(req.tool_choice))
+                                  sampling=req.sampling, constraint=constraint)
+        return _Prepared(prompt_ids, params, offered, fmt.forced_call(tool_choice))
+
+    def _constraint(self, req: ChatCompletionRequest, offered: list[dict]):
+        """The grammar the reply must follow (server.grammar), or None: a JSON response_format, or a
+        required / named tool call in the Gemma 4 call syntax. Under a chat template a tool call is
+        requested by the template's instruction only, since its call syntax is the template's own;
+        with a tokenizer llguidance cannot read, a call is enforced by its forced first tokens only
+        (ChatFormat.forced_call) and a JSON format is refused."""
+        enforced_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        if req.response_format is None and not (enforced_call and not self.chat_format.uses_template):
+            return None
+        compiler = self._grammar_compiler()
+        if compiler is None:
+            if req.response_format is not None:
+                raise APIError(400, f"response_format needs constrained decoding, which this model's tokenizer "
+                               f"does not support ({self._compiler_error})", "response_format",
+                               "unsupported_value")
+            return None
+        try:
+            if req.response_format is None:
+                named = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
+                return compiler.tool_call(offered, named=named, parallel=req.parallel_tool_calls)
+            if req.response_format["type"] == "json_object":
+                return compiler.json_object()
+            return compiler.json_schema(req.response_format["schema"])
+        except ValueError as e:
+            raise APIError(400, f"cannot enforce this request's format: {e}",
+                           "response_format" if req.response_format else "tools", "invalid_value") from None
+
+    def _grammar_compiler(self):
+        """The tokenizer's grammar compiler, built on the first constrained request (a few seconds);
+        None when llguidance cannot read the tokenizer (the reason is logged once)."""
+        if self._compiler is None and self._compiler_error is None:
+            from server.grammar import GrammarCompiler
+
+            t0 = time.perf_counter()
+            try:
+                vocab = getattr(self.engine, "vocab_size", None)
+                self._compiler = GrammarCompiler.for_tokenizer(self.engine.tokenizer, vocab_size=vocab)
+                log.info("grammar compiler for the tokenizer built in %.1f s", time.perf_counter() - t0)
+            except Exception as e:  # llguidance refuses tokenizers it cannot read, in its own ways
+                self._compiler_error = f"{type(e).__name__}: {e}"[:300]
+                log.warning("constrained decoding unavailable: %s", self._compiler_error)
+        return self._compiler
 
     def chat_events(self, req: ChatCompletionRequest, receive=None,
                     endpoint: str = "chat") -> tuple[_Prepared, AsyncIterator[Event]]:

@@ -1,0 +1,112 @@
+"""Enforced formats through the real server on the bundled 270M base model (which follows no
+instruction on its own): a json_schema response_format parses and validates on 20 of 20 requests, a
+required tool call comes back as tool_calls on 20 of 20, and drafted constrained output equals plain
+constrained output, greedy and seeded sampling alike.
+"""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from bench.live_server import ServerThread
+from ngram.drafter import DrafterConfig, NgramDrafter
+from server.app import create_app
+from server.engine import Engine, EngineConfig
+from server.serving import Service
+from server.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "role": {"enum": ["admin", "user", "guest"]}}}
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                           "parameters": {"type": "object", "required": ["path"],
+                                                          "properties": {"path": {"type": "string", "maxLength": 40}}}}},
+         {"type": "function", "function": {"name": "list_dir", "description": "List a directory",
+                                           "parameters": {"type": "object", "properties": {
+                                               "depth": {"type": "integer"}}}}}]
+ASKS = [f"Describe user number {i} of the {topic} team." for i, topic in
+        enumerate(["web", "data", "ops", "ml", "mobile"] * 4)]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from server.model_loading import load_target
+
+    target = load_target(None)
+    drafted = Service(Engine(target, NgramDrafter(None, DrafterConfig()), EngineConfig(adaptive=False)),
+                      Settings(trace_log=False))
+    plain = Service(Engine(target, None, EngineConfig(adaptive=False)), Settings(trace_log=False, draft=False))
+    with ServerThread(create_app(drafted)) as a, ServerThread(create_app(plain)) as b:
+        yield (openai.OpenAI(base_url=a + "/v1", api_key="x", max_retries=0, timeout=300),
+               openai.OpenAI(base_url=b + "/v1", api_key="x", max_retries=0, timeout=300))
+
+
+def _valid_person(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"name", "age", "role"} and isinstance(value["name"], str)
+            and len(value["name"]) <= 16 and isinstance(value["age"], int) and 0 <= value["age"] <= 150 and value["role"] in ("admin", "user", "guest"))
+
+
+def test_json_schema_replies_parse_and_validate_20_of_20(servers):
+    drafted, _ = servers
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for ask in ASKS:
+        r = drafted.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}],
+                                            response_format=fmt, max_tokens=96)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert _valid_person(json.loads(r.choices[0].message.content)), r.choices[0].message.content
+
+
+def test_json_object_replies_parse(servers):
+    drafted, _ = servers
+    for ask in ASKS[:5]:
+        r = drafted.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}],
+                                            response_format={"type": "json_object"}, max_tokens=64)
+        if r.choices[0].finish_reason == "stop":  # an object may be longer than max_tokens
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_required_tool_choice_yields_tool_calls_20_of_20(servers):
+    drafted, _ = servers
+    for k, ask in enumerate(ASKS):
+        choice = "required" if k % 2 else {"type": "function", "function": {"name": "read_file"}}
+        r = drafted.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], tools=TOOLS,
+                                            tool_choice=choice, parallel_tool_calls=False, max_tokens=64)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        assert calls[0].function.name in ("read_file", "list_dir")
+        assert isinstance(json.loads(calls[0].function.arguments), dict)
+        if not isinstance(choice, str):
+            assert calls[0].function.name == "read_file" and "path" in json.loads(calls[0].function.arguments)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}])
+def test_drafted_constrained_equals_plain_constrained(servers, sampling):
+    drafted, plain = servers
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for ask in ASKS[:3]:
+        kw = dict(model="m", messages=[{"role": "user", "content": ask}], max_tokens=96, **sampling)
+        a = drafted.chat.completions.create(response_format=fmt, **kw)
+        b = plain.chat.completions.create(response_format=fmt, **kw)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        a = drafted.chat.completions.create(tools=TOOLS, tool_choice="required", **kw)
+        b = plain.chat.completions.create(tools=TOOLS, tool_choice="required", **kw)
+        assert a.choices[0].message.model_dump(exclude={"tool_calls"}) == b.choices[0].message.model_dump(
+            exclude={"tool_calls"})
+        assert [(c.function.name, c.function.arguments) for c in a.choices[0].message.tool_calls or []] == \
+            [(c.function.name, c.function.arguments) for c in b.choices[0].message.tool_calls or []]
+
+
+def test_unenforceable_formats_get_a_400(servers):
+    drafted, _ = servers
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError):
+        drafted.chat.completions.create(model="m", messages=hi, max_tokens=8,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(openai.BadRequestError):
+        drafted.chat.completions.create(model="m", messages=hi, max_tokens=8, tools=TOOLS, tool_choice="required",
+                                        response_format={"type": "json_object"})
+    assert drafted.chat.completions.create(model="m", messages=hi, max_tokens=4).choices[0].message is not None
