@@ -16,7 +16,11 @@ under each constraint, grammar seconds (RequestStats.grammar_s) per token beside
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import sys
 import time
+from pathlib import Path
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -84,7 +88,26 @@ def _stats(seconds: list[float]) -> str:
     return f"{np.median(us):8.0f} {np.percentile(us, 90):8.0f}"
 
 
+class _Tee(io.StringIO):
+    """Prints through and keeps a copy: the printed table is also the results file."""
+
+    def write(self, text: str) -> int:
+        sys.__stdout__.write(text)
+        return super().write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
+    tee = _Tee()
+    with contextlib.redirect_stdout(tee):
+        code = _measure(argv)
+    from bench.results import write_results
+
+    write_results(Path("bench/results"), "grammar_cost", {"printed": tee.getvalue()},
+                  "```\n" + tee.getvalue().rstrip() + "\n```\n")
+    return code
+
+
+def _measure(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.grammar_cost", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-engine", action="store_true", help="skip the decoding measurement (loads the model)")

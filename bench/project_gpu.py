@@ -41,9 +41,12 @@ def main() -> int:
         bench = json.loads(bench_path.read_text())
         for workload, r in bench["replay"].items():
             rows[f"{workload} (270M base model's own outputs)"] = project(r["sailfish"], curve)
-        for preset, per in bench.get("sampled", {}).items():  # drafted sampling: the engine's own steps
-            for workload, r in per.items():
-                rows[f"{workload}, sampled {preset} (270M engine steps, same seeds)"] = project(r, curve)
+    # drafted sampling: the engine's own steps, from `make bench` or `python -m bench --sampled-only`
+    for path in (bench_path, RESULTS / "bench-sampled.json"):
+        if path.exists():
+            for preset, per in json.loads(path.read_text()).get("sampled", {}).items():
+                for workload, r in per.items():
+                    rows[f"{workload}, sampled {preset} (270M engine steps, same seeds)"] = project(r, curve)
     plain = 1 / curve["1"]
     lines = [f"Plain decoding on the fast path: {plain:.0f} tokens/s (1 / t(1), t(1) = {curve['1'] * 1000:.2f} ms, "
              f"H200, E4B shape, int4, 1k context).", "",
