@@ -6,7 +6,10 @@ that mentions `tools`; otherwise Sailfish's built-in Gemma 4 format below. Eithe
 prompt included); `assistant_turns(messages, tools)` gives, per assistant message, (prompt, generated)
 with prompt + generated a prefix of the whole rendered conversation; `turn_token_ids` gives the
 same as token ids; `parse_generated` / `ToolCallStreamParser` turn generated text back into
-content plus OpenAI-shaped tool calls (`{"name", "arguments": JSON string}`).
+content plus OpenAI-shaped tool calls (`{"name", "arguments": JSON string}`), a call once it is whole;
+`ToolCallStreamer` does it as the text is generated (what the server streams): a call starts once its
+name is complete and its arguments follow as JSON fragments whose concatenation is the same
+`arguments` text.
 
 tool_choice "required" / {"name": NAME} is ENFORCED in the built-in format: the prompt ends with
 `forced_call(tool_choice)` (`<|tool_call>call:`, resp. `<|tool_call>call:NAME{`), and
@@ -99,6 +102,20 @@ def _as_object(text: str | None) -> dict:
     return parsed if isinstance(parsed, dict) else {"value": parsed}
 
 
+def _bare_value(raw: str) -> Any:
+    """An unquoted value (the text up to the next `,`, `}` or `]`): a JSON literal or number, else the
+    bare word itself as a string; ValueError when it is empty."""
+    raw = raw.strip()
+    if raw in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[raw]
+    try:
+        return json.loads(raw)
+    except ValueError:
+        if not raw:
+            raise ValueError("empty value") from None
+        return raw  # a bare word the model left unquoted: keep it as a string
+
+
 class _ValueParser:
     """Parses the value syntax at `pos`; raises ValueError on anything malformed or truncated."""
 
@@ -136,16 +153,9 @@ class _ValueParser:
         m = self._BARE_END.search(t, self.pos)
         if m is None:
             raise ValueError("truncated value")
-        raw = t[self.pos:m.start()].strip()
+        raw = t[self.pos:m.start()]
         self.pos = m.start()
-        if raw in ("true", "false", "null"):
-            return {"true": True, "false": False, "null": None}[raw]
-        try:
-            return json.loads(raw)
-        except ValueError:
-            if not raw:
-                raise ValueError("empty value") from None
-            return raw  # a bare word the model left unquoted: keep it as a string
+        return _bare_value(raw)
 
     def obj(self) -> dict:
         t = self.text
@@ -221,7 +231,8 @@ def parse_generated(text: str) -> ParsedTurn:
 
 
 class ToolCallStreamParser:
-    """Feed text deltas; get (content delta, completed tool calls) back.
+    """Feed text deltas; get (content delta, completed tool calls) back (`ToolCallStreamer` streams a
+    call's arguments as they arrive instead).
 
     Text that could still become `<|tool_call>` is held back, and so is an open call until its
     `<tool_call|>` arrives, so no partial markup is emitted as content. A call that does not
@@ -269,6 +280,312 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+# ---------------------------------------------------------------- streaming calls as they are generated
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    """A tool call's name is complete (`<|tool_call>call:NAME{` was generated); its arguments follow."""
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """The next fragment of the open call's arguments, JSON text (never empty)."""
+    text: str
+
+
+@dataclass(frozen=True)
+class CallEnded:
+    """The open call is over. `arguments` is the concatenation of its ArgumentsDelta fragments.
+    `complete`: its top-level object closed, so `arguments` is valid JSON. An incomplete call (cut off
+    by the end of generation, or a body that broke the value syntax) has the JSON prefix converted up
+    to there, which is not valid JSON: it is never made to look like a finished call."""
+    name: str
+    arguments: str
+    complete: bool
+
+
+StreamEvent = str | CallStarted | ArgumentsDelta | CallEnded
+
+
+class _ArgumentsConverter:
+    """The value syntax of a call body (from its opening `{`) converted to JSON text as it arrives.
+
+    `feed(text)` returns the JSON that is certain so far: structure as soon as it opens or closes,
+    a key together with the start of its value, string contents as they arrive (escaped per
+    character, holding back only a partial `<|"|>`), a bare value (number, literal, bare word) once
+    the character ending it arrives, separators with the element that follows them. So the prefix
+    emitted never ends in a dangling key or separator. The rules are `_ValueParser`'s, and for a body
+    `parse_value_object` accepts the emitted text is exactly `json.dumps(obj, ensure_ascii=False)`, the
+    arguments `parse_generated` gives, except that a key repeated in one object is repeated in the
+    JSON too (JSON parsers keep its last value, as the dict does). `done` is set when the top-level
+    object closes (text after it is not consumed), `broken` when the body breaks the syntax or nests
+    deeper than MAX_VALUE_DEPTH; `end()` says the body is over (it breaks one that has not closed).
+    """
+
+    _KEY_FORBIDDEN = frozenset("{}[],<>")
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._stack: list[list[str]] = []  # open containers: [kind "obj"|"arr", what comes next]
+        self._in_string = False
+        self._pending = ""  # separator and key, emitted with the next value's start
+        self._top_opened = False
+        self.done = self.broken = False
+
+    def feed(self, text: str) -> str:
+        self._buf += text
+        out: list[str] = []
+        pos = 0
+        while not (self.done or self.broken):
+            step = self._step(pos, out)
+            if step is None:
+                break
+            pos = step
+        self._buf = self._buf[pos:]
+        return "".join(out)
+
+    def end(self) -> None:
+        if not self.done:
+            self.broken = True
+
+    def _step(self, pos: int, out: list[str]) -> int | None:
+        """Consume one token at `pos`, appending its JSON to `out`; the new position, or None when more
+        text is needed (or the body just broke)."""
+        b = self._buf
+        if self._in_string:
+            end = b.find(QUOTE, pos)
+            if end < 0:
+                stop = len(b) - _partial_suffix(b[pos:], QUOTE)
+                if stop > pos:
+                    out.append(_json_string_chars(b[pos:stop]))
+                return stop if stop > pos else None
+            out.append(_json_string_chars(b[pos:end]) + '"')
+            self._in_string = False
+            self._value_done()
+            return end + len(QUOTE)
+        if pos >= len(b):
+            return None
+        if not self._top_opened:
+            if b[pos] != "{":
+                self.broken = True
+                return None
+            self._top_opened = True
+            return self._open(pos, out, "obj")
+        kind, expect = self._stack[-1]
+        if expect == "after":
+            closer = "}" if kind == "obj" else "]"
+            if b[pos] == ",":
+                self._stack[-1][1] = "key" if kind == "obj" else "value"
+                self._pending = ", "
+                return pos + 1
+            if b[pos] == closer:
+                return self._close(pos, out, closer)
+            self.broken = True
+            return None
+        if expect == "first" and b[pos] == ("}" if kind == "obj" else "]"):
+            return self._close(pos, out, b[pos])
+        if kind == "obj" and expect in ("first", "key"):
+            return self._key(pos)
+        return self._value(pos, out)
+
+    def _key(self, pos: int) -> int | None:
+        b = self._buf
+        colon = b.find(":", pos)
+        segment = b[pos:] if colon < 0 else b[pos:colon]
+        if self._KEY_FORBIDDEN.intersection(segment):
+            self.broken = True
+            return None
+        if colon < 0:
+            return None
+        key = segment.strip()
+        if not key:
+            self.broken = True
+            return None
+        self._pending += json.dumps(key, ensure_ascii=False) + ": "
+        self._stack[-1][1] = "value"
+        return colon + 1
+
+    def _value(self, pos: int, out: list[str]) -> int | None:
+        b = self._buf
+        rest = b[pos:pos + len(QUOTE)]
+        if rest == QUOTE:
+            out.append(self._pending + '"')
+            self._pending, self._in_string = "", True
+            return pos + len(QUOTE)
+        if QUOTE.startswith(rest):  # a partial `<|"|>` (or a bare word starting so): wait
+            return None
+        if b[pos] in "{[":
+            return self._open(pos, out, "obj" if b[pos] == "{" else "arr")
+        m = _ValueParser._BARE_END.search(b, pos)
+        if m is None:
+            return None
+        try:
+            value = _bare_value(b[pos:m.start()])
+        except ValueError:
+            self.broken = True
+            return None
+        out.append(self._pending + json.dumps(value, ensure_ascii=False))
+        self._pending = ""
+        self._value_done()
+        return m.start()
+
+    def _open(self, pos: int, out: list[str], kind: str) -> int | None:
+        if len(self._stack) >= MAX_VALUE_DEPTH:
+            self.broken = True
+            return None
+        out.append(self._pending + self._buf[pos])
+        self._pending = ""
+        self._stack.append([kind, "first"])
+        return pos + 1
+
+    def _close(self, pos: int, out: list[str], closer: str) -> int:
+        out.append(closer)
+        self._stack.pop()
+        self._value_done()
+        return pos + 1
+
+    def _value_done(self) -> None:
+        if self._stack:
+            self._stack[-1][1] = "after"
+        else:
+            self.done = True
+
+
+def _json_string_chars(text: str) -> str:
+    """`text` escaped as the inside of a JSON string (escaping is per character, so pieces concatenate)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class ToolCallStreamer:
+    """Feed text deltas; get `StreamEvent`s back as soon as they are certain: content (str), and per
+    call `CallStarted` once its name is complete, `ArgumentsDelta` fragments as its body is generated
+    (see `_ArgumentsConverter`), `CallEnded` when its object closes (or it is cut off or breaks).
+
+    Content is held back only while it could still become `<|tool_call>`. Text after `<|tool_call>`
+    that cannot become `call:NAME{` is content, through its `<tool_call|>`, as `parse_generated` has it.
+    Once a call has started it is committed (a stream cannot take it back): a body that breaks the
+    value syntax, or generation ending before the object closes, ends the call incomplete
+    (`CallEnded.complete` False, its arguments the JSON converted so far); the rest of its text through
+    `<tool_call|>` is dropped, as is any text between the object's closing `}` and `<tool_call|>`.
+    For every call `parse_generated` accepts, the events carry the same content and the same arguments
+    text (`_ArgumentsConverter` says the one exception). `forced` is the part of the model turn the
+    prompt already holds (`ChatFormat.forced_call`), parsed as the start of the generated text.
+    `finish()` flushes what is held and ends an open call.
+    """
+
+    _TEXT, _HEAD, _NOT_A_CALL, _BODY, _AFTER_CALL = range(5)
+
+    def __init__(self, forced: str = "") -> None:
+        self._buf = ""
+        self._state = self._TEXT
+        self._name = ""
+        self._arguments: list[str] = []
+        self._converter: _ArgumentsConverter | None = None
+        self._held_events: list[StreamEvent] = []
+        self._held_events = self.feed(forced)
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        events, self._held_events = self._held_events, []
+        self._buf += delta
+        while self._step(events):
+            pass
+        return _joined_text(events)
+
+    def finish(self) -> list[StreamEvent]:
+        events, self._held_events = self._held_events, []
+        rest, self._buf = self._buf, ""
+        if self._state == self._HEAD:
+            events.append(CALL_OPEN + rest)
+        elif self._state in (self._TEXT, self._NOT_A_CALL):
+            events.append(rest)
+        elif self._state == self._BODY:
+            self._to_converter(rest, events)
+            if self._state == self._BODY:
+                self._converter.end()
+                self._end_call(events)
+        self._state = self._TEXT
+        return _joined_text(events)
+
+    def _step(self, events: list[StreamEvent]) -> bool:
+        """Advance through the buffer in the current state; whether to go on."""
+        b = self._buf
+        if self._state == self._TEXT:
+            start = b.find(CALL_OPEN)
+            if start < 0:
+                keep = _partial_suffix(b, CALL_OPEN)
+                events.append(b[: len(b) - keep])
+                self._buf = b[len(b) - keep:]
+                return False
+            events.append(b[:start])
+            self._buf, self._state = b[start + len(CALL_OPEN):], self._HEAD
+            return True
+        if self._state == self._HEAD:
+            m = _CALL_HEAD.match(b)
+            if m:
+                self._name, self._arguments = m.group(1), []
+                self._converter = _ArgumentsConverter()
+                events.append(CallStarted(self._name))
+                self._buf, self._state = b[m.end() - 1:], self._BODY
+                return True
+            if _could_become_call_head(b):
+                return False
+            events.append(CALL_OPEN)
+            self._state = self._NOT_A_CALL
+            return True
+        if self._state in (self._NOT_A_CALL, self._AFTER_CALL):
+            end = b.find(CALL_CLOSE)
+            cut = end + len(CALL_CLOSE) if end >= 0 else len(b) - _partial_suffix(b, CALL_CLOSE)
+            if self._state == self._NOT_A_CALL:
+                events.append(b[:cut])
+            self._buf = b[cut:]
+            if end >= 0:
+                self._state = self._TEXT
+            return end >= 0
+        end = b.find(CALL_CLOSE)  # _BODY
+        cut = end if end >= 0 else len(b) - _partial_suffix(b, CALL_CLOSE)
+        self._buf = b[cut:]
+        self._to_converter(b[:cut], events)
+        if self._state == self._BODY and end >= 0:  # the body is over before its object closed
+            self._converter.end()
+            self._end_call(events)
+        return self._state != self._BODY
+
+    def _to_converter(self, text: str, events: list[StreamEvent]) -> None:
+        fragment = self._converter.feed(text)
+        if fragment:
+            self._arguments.append(fragment)
+            events.append(ArgumentsDelta(fragment))
+        if self._converter.done or self._converter.broken:
+            self._end_call(events)
+
+    def _end_call(self, events: list[StreamEvent]) -> None:
+        events.append(CallEnded(self._name, "".join(self._arguments), self._converter.done))
+        self._state, self._converter = self._AFTER_CALL, None
+
+
+def _could_become_call_head(text: str) -> bool:
+    """Whether `text` (what follows `<|tool_call>`) is a prefix of some `call:NAME{`."""
+    if len(text) <= len("call:"):
+        return "call:".startswith(text)
+    return text.startswith("call:") and re.fullmatch(r"[^{}<>\s]*", text[len("call:"):]) is not None
+
+
+def _joined_text(events: list[StreamEvent]) -> list[StreamEvent]:
+    """Adjacent content pieces joined, empty ones dropped."""
+    out: list[StreamEvent] = []
+    for event in events:
+        if isinstance(event, str):
+            if not event:
+                continue
+            if out and isinstance(out[-1], str):
+                out[-1] += event
+                continue
+        out.append(event)
+    return out
 
 
 # ---------------------------------------------------------------- rendering

@@ -29,7 +29,7 @@ Translation, field by field:
 - `tools`: custom tools (`name`, `description`, `input_schema`; `type` "custom" or absent). Server
   tools (`web_search_...`, `bash_...`, ...), `strict`, `defer_loading`, `input_examples` and
   `allowed_callers` other than ["direct"] get a 400. `eager_input_streaming` is accepted: a tool's
-  input always arrives as one `input_json_delta`, which is valid either way.
+  input always streams as it is generated, one `input_json_delta` per fragment.
 - `tool_choice`: auto -> "auto", any -> "required", tool -> the named function, none -> "none"
   (enforced as server.serving describes). `disable_parallel_tool_use: true` gets a 400 (it cannot be
   enforced), as `parallel_tool_calls: false` does on the OpenAI route.
@@ -46,7 +46,9 @@ Translation, field by field:
   headers are accepted with any value. Any other field gets a 400.
 - `stop_reason`: "tool_use" when the answer has a tool call, "max_tokens" at the length limit,
   "stop_sequence" (with `stop_sequence`) when one of the request's stop sequences ended it, else
-  "end_turn". `usage`: `input_tokens` the prompt tokens computed, `cache_read_input_tokens` those
+  "end_turn". A tool_use block cut off by max_tokens streams its unfinished JSON; its `input` in the
+  whole message is what Anthropic's SDK reads from that partial JSON (`partial_json_object`: an
+  unfinished string is dropped with its key, open brackets are closed), so both agree. `usage`: `input_tokens` the prompt tokens computed, `cache_read_input_tokens` those
   reused from the prefix cache, `cache_creation_input_tokens` 0 (keeping a prefix costs nothing
   extra), `output_tokens`; `sailfish` carries the drafting figures of the OpenAI usage. In
   `message_start` the whole prompt is counted as `input_tokens`; `message_delta` has the final split.
@@ -64,7 +66,7 @@ from starlette.routing import Route
 
 from server.protocol import (APIError, ChatCompletionRequest, _bad, _max_tokens, _opt, _sampling, parse_messages,
                              parse_tool_choice, parse_tools)
-from server.serving import Finish, Service
+from server.serving import Finish, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.anthropic")
 MESSAGES_PATH = "/v1/messages"
@@ -390,7 +392,8 @@ def _stop(finish: Finish, stop_sequences: tuple[str, ...]) -> dict:
 async def message_events(message_id: str, model: str, prompt_tokens: int, events: AsyncIterator,
                          stop_sequences: tuple[str, ...]) -> AsyncIterator[StreamEvent]:
     """A generation's events (server.serving.Event) as Anthropic's stream events. Consecutive text
-    deltas form one text block; each tool call is one tool_use block. Text that is only whitespace
+    deltas form one text block; each tool call is one tool_use block, opened when its name is complete,
+    one input_json_delta per arguments fragment, closed at its end. Text that is only whitespace
     is held back and dropped when a tool call or the end follows it."""
     yield "message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
@@ -415,15 +418,16 @@ async def message_events(message_id: str, model: str, prompt_tokens: int, events
                 yield "message_delta", {"type": "message_delta", "delta": _stop(event, stop_sequences),
                                         "usage": _usage(event.usage)}
                 yield "message_stop", {"type": "message_stop"}
-            else:  # a complete tool call
+            elif isinstance(event, ToolCallStart):
                 if text_open:
                     yield _block_stop(index)
                     index, text_open = index + 1, False
                 held = ""
-                function = event["function"]
-                yield _block_start(index, {"type": "tool_use", "id": _tool_use_id(event["id"]),
-                                           "name": function["name"], "input": {}})
-                yield _block_delta(index, {"type": "input_json_delta", "partial_json": function["arguments"]})
+                yield _block_start(index, {"type": "tool_use", "id": _tool_use_id(event.id),
+                                           "name": event.name, "input": {}})
+            elif isinstance(event, ToolCallDelta):
+                yield _block_delta(index, {"type": "input_json_delta", "partial_json": event.arguments})
+            elif isinstance(event, ToolCallEnd):
                 yield _block_stop(index)
                 index += 1
     finally:
@@ -457,12 +461,51 @@ async def whole_message(stream: AsyncIterator[StreamEvent]) -> dict:
                 message["content"][index]["text"] += delta["text"]
             else:
                 partial_json[index] = partial_json.get(index, "") + delta["partial_json"]
-        elif kind == "content_block_stop" and data["index"] in partial_json:
-            message["content"][data["index"]]["input"] = json.loads(partial_json.pop(data["index"]))
+        elif kind == "content_block_stop" and message["content"][data["index"]]["type"] == "tool_use":
+            message["content"][data["index"]]["input"] = partial_json_object(partial_json.pop(data["index"], ""))
         elif kind == "message_delta":
             message.update(data["delta"])
             message["usage"] = data["usage"]
     return message
+
+
+def partial_json_object(text: str) -> dict:
+    """The object a tool_use block's streamed JSON describes: the JSON itself when it is whole, else
+    what Anthropic's SDK reads from a partial one (jiter's partial mode): an unfinished string is
+    dropped together with its key (or array slot), and the open objects and arrays are closed. The
+    fragments Sailfish streams never end in a dangling key, separator or number
+    (common.chat_format._ArgumentsConverter), so that is the whole repair; "" is {}."""
+    try:
+        value = json.loads(text) if text else {}
+        return value if isinstance(value, dict) else {"value": value}
+    except ValueError:
+        pass
+    open_brackets: list[list] = []  # [closer, where its current element starts]
+    in_string = escaped = False
+    for at, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            open_brackets.append(["}" if char == "{" else "]", at + 1])
+        elif char in "}]" and open_brackets:
+            open_brackets.pop()
+        elif char == "," and open_brackets:
+            open_brackets[-1][1] = at
+    if in_string and open_brackets:
+        text = text[:open_brackets[-1][1]]
+    repaired = text + "".join(closer for closer, _ in reversed(open_brackets))
+    try:
+        value = json.loads(repaired)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
 
 
 def _sse_event(kind: str, data: dict) -> str:

@@ -9,7 +9,11 @@ an unexpected exception is logged with its trace server-side and the client gets
 When `service.settings.api_key` is set, /v1/* and /admin/* require `Authorization: Bearer KEY` (401 otherwise);
 /health and /metrics stay open. POST /v1/messages and /v1/messages/count_tokens are Anthropic's Messages API
 (server.anthropic_api): there every error, 401 and 404 included, is in Anthropic's shape, and `x-api-key: KEY`
-is accepted as well as the Bearer header. Tests and benchmarks serve it on a thread with bench.live_server.
+is accepted as well as the Bearer header. With `settings.cors_origins` (`--cors-origins`: comma-separated
+origins, or `*`) Starlette's CORSMiddleware wraps everything, authentication included, so a browser's
+preflight (OPTIONS, which carries no key) gets a 200 with the CORS headers (methods GET/POST/OPTIONS;
+headers Authorization, Content-Type, x-api-key, anthropic-version); without it no CORS header is sent and
+OPTIONS is a 405. Tests and benchmarks serve it on a thread with bench.live_server.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +38,8 @@ from server.serving import Service
 
 log = logging.getLogger("sailfish.app")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CORS_METHODS = ("GET", "POST", "OPTIONS")
+CORS_HEADERS = ("Authorization", "Content-Type", "x-api-key", "anthropic-version")
 
 
 def _error(status: int, message: str, type: str, param=None, code=None) -> JSONResponse:
@@ -137,7 +144,22 @@ def create_app(service: Service) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
-    return _BearerAuth(app, service.settings.api_key)
+    return _with_cors(_BearerAuth(app, service.settings.api_key), service.settings.cors_origins)
+
+
+def cors_origin_list(setting: str | None) -> list[str]:
+    """`--cors-origins` as a list: comma-separated origins (blanks dropped), `*` for any; [] for none."""
+    return [origin.strip() for origin in (setting or "").split(",") if origin.strip()]
+
+
+def _with_cors(app, setting: str | None):
+    """`app` wrapped in CORSMiddleware for the configured origins (outermost, so preflights need no key);
+    `app` itself when none are configured."""
+    origins = cors_origin_list(setting)
+    if not origins:
+        return app
+    return CORSMiddleware(app, allow_origins=origins, allow_methods=list(CORS_METHODS),
+                          allow_headers=list(CORS_HEADERS))
 
 
 class _BearerAuth:

@@ -96,13 +96,21 @@ def _opt(body: dict, name: str, kind: type | tuple, default: Any = None, what: s
 
 
 def _max_tokens(body: dict) -> int | None:
+    """The completion limit: `max_completion_tokens` (OpenAI's current name) or `max_tokens` (its older
+    one, vLLM's), each an integer of at least 1; both may be sent if they agree, and two different
+    values get a 400 naming max_completion_tokens."""
+    values = {}
     for name in ("max_completion_tokens", "max_tokens"):
         value = _opt(body, name, int, what="an integer")
         if value is not None:
             if value < 1:
                 raise _bad(f"'{name}' must be at least 1, got {value}", name)
-            return value
-    return None
+            values[name] = value
+    if len(set(values.values())) > 1:
+        raise _bad(f"'max_completion_tokens' ({values['max_completion_tokens']}) and 'max_tokens' "
+                   f"({values['max_tokens']}) disagree: send one of them, or the same value",
+                   "max_completion_tokens")
+    return next(iter(values.values()), None)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -335,7 +343,7 @@ def _response_format(body: dict) -> dict | None:
 _SAMPLING_FIELDS = {*_SAMPLING_RANGES, "top_k", "n", "seed"}
 _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "logprobs", "response_format", "stop",
                 "stream", "tools", "tool_choice", "parallel_tool_calls", *_SAMPLING_FIELDS}
-_COMPLETION_FIELDS = {"prompt", "model", "max_tokens", "echo", "logprobs", "best_of", "stop", "stream",
+_COMPLETION_FIELDS = {"prompt", "model", "max_tokens", "max_completion_tokens", "echo", "logprobs", "best_of", "stop", "stream",
                       *_SAMPLING_FIELDS}
 
 @dataclass
@@ -386,7 +394,7 @@ class ChatCompletionRequest:
 class CompletionRequest:
     prompt: str | list[int]
     model: str = ""
-    max_tokens: int = 16                 # the OpenAI default for this endpoint
+    max_tokens: int = 16                 # max_completion_tokens, else max_tokens; the OpenAI default 16
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False

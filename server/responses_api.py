@@ -15,8 +15,11 @@ or a list of items: messages (role user/system/developer/assistant, content a st
 `input_text`/`output_text` parts), `function_call` items (assistant tool calls; consecutive ones and
 the assistant message before them form one assistant turn) and `function_call_output` items (tool
 messages). Tools are the flat `{"type": "function", "name", "description", "parameters", "strict"}`.
-Output: one `message` item per run of text (`output_text` parts) and one `function_call` item per call;
-finish_reason "length" is `status: "incomplete"` with `incomplete_details.reason: "max_output_tokens"`.
+Output: one `message` item per run of text (`output_text` parts) and one `function_call` item per call,
+added when its name is complete, its arguments streamed as `response.function_call_arguments.delta`
+fragments as they are generated; finish_reason "length" is `status: "incomplete"` with
+`incomplete_details.reason: "max_output_tokens"`, and a call it cut off is a `function_call` item with
+`status: "incomplete"` whose arguments are the unfinished JSON streamed so far.
 
 Field policy (as server.protocol: a field that cannot be honoured is refused, never ignored):
 - Stateless: nothing is stored, so `previous_response_id`, `conversation`, `prompt` (a stored
@@ -48,7 +51,7 @@ from typing import Any, AsyncIterator
 from server.protocol import (_TOOL_NAME, MAX_JSON_DEPTH, APIError, ChatCompletionRequest, _bad, _opt,
                              _refuse_unknown, _sampling, _string_too_deep, error_body, parse_tool_choice,
                              parse_tools)
-from server.serving import Finish, Service
+from server.serving import Finish, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.responses")
 
@@ -340,6 +343,7 @@ class _ResponseBuilder:
         self.output: list[dict] = []
         self.sequence_number = 0
         self.message: dict | None = None   # the message item being streamed, if any
+        self.call: dict | None = None      # the function_call item being streamed, if any
         self.pending = ""                  # leading whitespace not yet worth a message item
 
     def event(self, type: str, **fields) -> dict:
@@ -402,20 +406,27 @@ class _ResponseBuilder:
                            content_index=0, part=_copy(part)),
                 self.event("response.output_item.done", output_index=index, item=_copy(message))]
 
-    def function_call(self, call: dict) -> list[dict]:
-        """A complete tool call (OpenAI chat shape) as a function_call item; whitespace before it is dropped."""
+    def function_call_start(self, start: ToolCallStart) -> list[dict]:
+        """A tool call whose name is complete opens a function_call item; whitespace before it is dropped."""
         events, self.pending = self.close_message(), ""
-        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
-        arguments, index = call["function"]["arguments"], len(self.output)
-        events.append(self.event("response.output_item.added", output_index=index, item=_copy(item)))
-        item.update(arguments=arguments, status="completed")
-        self.output.append(item)
-        return events + [
-            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments),
-            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                       name=item["name"], arguments=arguments),
-            self.event("response.output_item.done", output_index=index, item=_copy(item))]
+        self.call = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": start.id,
+                     "name": start.name, "arguments": "", "status": "in_progress"}
+        self.output.append(self.call)
+        return events + [self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                    item=_copy(self.call))]
+
+    def function_call_arguments(self, delta: ToolCallDelta) -> list[dict]:
+        self.call["arguments"] += delta.arguments
+        return [self.event("response.function_call_arguments.delta", item_id=self.call["id"],
+                           output_index=len(self.output) - 1, delta=delta.arguments)]
+
+    def function_call_end(self, end: ToolCallEnd) -> list[dict]:
+        """The open function_call item is done: "completed", or "incomplete" for a call cut off."""
+        item, index, self.call = self.call, len(self.output) - 1, None
+        item.update(arguments=end.call["function"]["arguments"], status="completed" if end.complete else "incomplete")
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=item["name"], arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def finished(self, finish: Finish) -> list[dict]:
         incomplete = finish.reason == "length"
@@ -441,10 +452,14 @@ async def _response_events(model: str, req: ResponsesRequest, events) -> AsyncIt
         async for item in events:
             if isinstance(item, str):
                 produced = builder.text(item)
-            elif isinstance(item, Finish):
+            elif isinstance(item, ToolCallStart):
+                produced = builder.function_call_start(item)
+            elif isinstance(item, ToolCallDelta):
+                produced = builder.function_call_arguments(item)
+            elif isinstance(item, ToolCallEnd):
+                produced = builder.function_call_end(item)
+            else:  # the Finish
                 produced = builder.finished(item)
-            else:
-                produced = builder.function_call(item)
             for event in produced:
                 yield event
     finally:

@@ -3,8 +3,9 @@
 Contract: `Service(engine, settings, drafter_note)` serves validated requests from `server.protocol`.
 `chat(req, receive)` / `complete(req, receive)` return a response dict, or an async iterator of SSE
 lines when `req.stream`; errors are `APIError`s. Either way the answer comes from the one generation
-path, `Service._generate`: a stream of events (content deltas, each tool call once complete, one
-`Finish` with finish_reason, the stop string that ended it, and usage) that a streaming response formats
+path, `Service._generate`: a stream of events (content deltas; each tool call as a start once its name
+is complete, its arguments' JSON fragments as they are generated, and an end; one `Finish` with
+finish_reason, the stop string that ended it, and usage) that a streaming response formats
 as chunks and a non-streaming one gathers whole. `chat_events(req, receive, endpoint)` hands out that
 event stream for another wire format (server.anthropic_api, the Messages API), and
 `count_chat_tokens(req)` the length of the prompt a chat request renders to. Every generation runs on
@@ -14,7 +15,12 @@ logging what it chose.
 
 Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
 when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,
-so it also serves models with neither). Generated text is parsed back into OpenAI `tool_calls`.
+so it also serves models with neither). Generated text is parsed back into OpenAI `tool_calls` as it is
+generated: a call starts (id, name) once its name is complete and its arguments follow as JSON fragments
+whose concatenation is the answer's `arguments`. A call cut off (max_tokens, or a body that breaks the
+syntax) stays a call in the stream and in the whole answer alike, its arguments the unfinished JSON
+converted so far (not valid JSON, so no client can mistake it for a finished call), with finish_reason
+"length" when max_tokens cut it.
 tool_choice: "none" renders no tools and parses no calls; "auto" renders them; "required" and a named
 function are enforced by a forced call prefix (built-in format) or only requested (chat template), as
 common.chat_format describes.
@@ -33,7 +39,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from common.progress import phase
-from common.chat_format import ChatFormat, ToolCallStreamParser
+from common.chat_format import ArgumentsDelta, CallEnded, CallStarted, ChatFormat, ToolCallStreamer
 from server.engine import GenerationParams
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
@@ -128,9 +134,36 @@ class Finish:
     stop_string: str | None = None  # the stop string (the format's end markers or the request's) that ended it
 
 
-# What a generation yields: a content delta (never empty), a tool call (OpenAI-shaped, id included) as
-# soon as it is complete, and one Finish last.
-Event = str | dict | Finish
+@dataclass
+class ToolCallStart:
+    """A tool call begins: its name is complete. `index` is its position among the answer's calls."""
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class ToolCallDelta:
+    """The next fragment of call `index`'s arguments (JSON text, never empty)."""
+    index: int
+    arguments: str
+
+
+@dataclass
+class ToolCallEnd:
+    """Call `index` is over. `call` is OpenAI-shaped (id, type, function name and arguments), its arguments
+    exactly the concatenation of its ToolCallDelta fragments. `complete` False: generation ended (or the
+    call's body broke the Gemma value syntax) before its object closed, so the arguments are an
+    unfinished JSON text; the answer still carries the call, as its stream announced it (see
+    common.chat_format.ToolCallStreamer)."""
+    index: int
+    call: dict
+    complete: bool
+
+
+# What a generation yields: content deltas (never empty); per tool call a ToolCallStart as soon as its
+# name is complete, ToolCallDelta fragments as its arguments are generated and a ToolCallEnd; one Finish last.
+Event = str | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
 
 
 class Service:
@@ -248,26 +281,25 @@ class Service:
         return chat_completion(rid, self.model_id, _assistant_message(content, calls), end.reason, end.usage)
 
     async def _chat_chunks(self, req: ChatCompletionRequest, rid: str, events) -> AsyncIterator[dict]:
-        """The role, one chunk per content delta, two per tool call (id and name, then the arguments),
-        the finish_reason, and with include_usage a last chunk with the usage only."""
+        """The role, one chunk per content delta, per tool call a start chunk (index, id, name, empty
+        arguments) then one chunk per arguments fragment as it is generated, the finish_reason, and with
+        include_usage a last chunk with the usage only."""
         created = int(time.time())
         chunk = lambda delta, finish=None: chat_chunk(rid, self.model_id, created, delta, finish, None,
                                                       req.include_usage)
         yield chunk({"role": "assistant", "content": ""})
-        index = 0
         async for event in events:
             if isinstance(event, str):
                 yield chunk({"content": event})
+            elif isinstance(event, ToolCallStart):
+                yield chunk({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                             "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, ToolCallDelta):
+                yield chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
             elif isinstance(event, Finish):
                 yield chunk({}, event.reason)
                 if req.include_usage:
                     yield chat_chunk(rid, self.model_id, created, None, None, event.usage, True)
-            else:
-                name, arguments = event["function"]["name"], event["function"]["arguments"]
-                yield chunk({"tool_calls": [{"index": index, "id": event["id"], "type": "function",
-                                             "function": {"name": name, "arguments": ""}}]})
-                yield chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
-                index += 1
 
     # ------------------------------------------------------------ text completions
 
@@ -305,18 +337,33 @@ class Service:
     async def _generate(self, endpoint: str, prep: _Prepared, receive,
                         capture: ChatCompletionRequest | None = None) -> AsyncIterator[Event]:
         """One generation through the scheduler as `Event`s, for both endpoints, streamed or not; its
-        metrics are recorded. When the model saw tools, their calls are parsed out of the text and a
-        finish_reason "stop" after a call is "tool_calls". With `capture`, the chat request and its
-        answer are appended to the trace log. `receive` (non-streaming only) watches for a disconnect."""
-        parser = ToolCallStreamParser(prep.forced) if prep.offered else None
+        metrics are recorded. When the model saw tools, their calls are parsed out of the text as they
+        are generated (common.chat_format.ToolCallStreamer) and a finish_reason "stop" after a call is
+        "tool_calls". With `capture`, the chat request and its answer (complete calls only) are appended to
+        the trace log. `receive` (non-streaming only) watches for a disconnect."""
+        parser = ToolCallStreamer(prep.forced) if prep.offered else None
         content, calls, finish, stats, ttft, t0 = [], [], None, None, None, time.perf_counter()
-        stop_string = None
+        stop_string, captured_calls, open_call_id = None, [], ""
 
-        def events(delta: str, completed: list[dict]) -> list[Event]:
-            new_calls = [_openai_call(call) for call in completed]
-            content.append(delta)
-            calls.extend(new_calls)
-            return ([delta] if delta else []) + new_calls
+        def events(parsed: list) -> list[Event]:
+            nonlocal open_call_id
+            out: list[Event] = []
+            for item in parsed:
+                if isinstance(item, str):
+                    content.append(item)
+                    out.append(item)
+                elif isinstance(item, CallStarted):
+                    open_call_id = new_call_id()
+                    out.append(ToolCallStart(len(calls), open_call_id, item.name))
+                elif isinstance(item, ArgumentsDelta):
+                    out.append(ToolCallDelta(len(calls), item.text))
+                elif isinstance(item, CallEnded):
+                    call = _openai_call(open_call_id, item.name, item.arguments)
+                    out.append(ToolCallEnd(len(calls), call, item.complete))
+                    calls.append(call)
+                    if item.complete:
+                        captured_calls.append(call)
+            return out
 
         job = self.scheduler.submit(lambda cancelled: self.engine.generate(prep.prompt_ids, prep.params, cancelled))
         watcher = asyncio.ensure_future(_watch_disconnect(receive, job)) if receive else None
@@ -328,7 +375,7 @@ class Service:
                 stats, finish = chunk.stats, chunk.finish_reason or finish
                 stop_string = chunk.stop_string or stop_string
                 if chunk.text:
-                    for event in events(*(parser.feed(chunk.text) if parser else (chunk.text, []))):
+                    for event in events(parser.feed(chunk.text) if parser else [chunk.text]):
                         yield event
             outcome = "ok" if finish is not None or not job.cancelled else "cancelled"
         except ValueError as e:  # the engine's refusal of a request (e.g. it does not fit the context)
@@ -344,10 +391,10 @@ class Service:
             self.metrics.record(endpoint, outcome, stats, time.perf_counter() - t0, ttft, queue_s)
         if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
             raise APIError(499, "the client disconnected", None, "client_disconnected")
-        for event in events(*parser.finish()) if parser else []:
+        for event in events(parser.finish()) if parser else []:
             yield event
         if capture is not None:
-            self._capture(capture, prep, _assistant_message("".join(content), calls))
+            self._capture(capture, prep, _assistant_message("".join(content), captured_calls))
         finish = finish or "stop"
         yield Finish("tool_calls" if calls and finish == "stop" else finish, _usage(prep, stats, queue_s or 0.0),
                      stop_string)
@@ -440,13 +487,12 @@ async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[dict], Finis
     """A non-streaming answer: the events of its generation gathered into (content, tool calls, Finish)."""
     gathered = [event async for event in events]
     content = "".join(event for event in gathered if isinstance(event, str))
-    return content, [event for event in gathered if isinstance(event, dict)], gathered[-1]
+    return content, [event.call for event in gathered if isinstance(event, ToolCallEnd)], gathered[-1]
 
 
-def _openai_call(call: dict) -> dict:
-    """A parsed call ({"name", "arguments"}) in the OpenAI shape, with a new id."""
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": call["name"], "arguments": call["arguments"]}}
+def _openai_call(call_id: str, name: str, arguments: str) -> dict:
+    """A parsed call in the OpenAI shape."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _assistant_message(content: str, tool_calls: list[dict]) -> dict:

@@ -36,6 +36,9 @@ class Settings:
     draft: bool = field(default=True, metadata={"help": "draft and verify (--no-draft: plain greedy decoding)"})
     api_key: str | None = field(default=None, metadata={
         "help": f"require `Authorization: Bearer KEY` on /v1/* (also from ${API_KEY_ENV})"})
+    cors_origins: str | None = field(default=None, metadata={
+        "help": "browser origins allowed to call the API (CORS): comma-separated, or * for any "
+                "(default: none, no CORS headers)"})
     trace_log: bool = field(default=True, metadata={
         "help": "append each completed chat request to the trace log (--no-trace-log: off)"})
     trace_dir: Path | None = field(default=None, metadata={
