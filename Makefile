@@ -15,16 +15,16 @@ venv: $(SPEEDUPS)
 $(STAMP): pyproject.toml constraints.txt setup.py
 	@echo "Installing Sailfish into .venv (once; about 2-3 min on a fresh machine; later runs skip this)"
 	@$(PHASE) "creating .venv" "seconds" -- python3 -m venv .venv
-	@$(PHASE) "upgrading pip" "seconds" -- $(PIP) install -q --upgrade pip
-	@$(PHASE) "installing torch 2.13 (CPU build)" "about 1 min" -- $(PIP) install -q torch==2.13.0
-	@$(PHASE) "installing Sailfish and its dependencies" "about 1 min" -- $(PIP) install -q -e '.[test]'
+	@$(PHASE) "upgrading pip" "seconds" -- $(PIP) install -qq --upgrade pip
+	@$(PHASE) "installing torch 2.13 (CPU build)" "about 1 min" -- $(PIP) install -qq torch==2.13.0
+	@$(PHASE) "installing Sailfish and its dependencies" "about 1 min" -- $(PIP) install -qq -e '.[test]'
 	@# bfcl-eval's declared dependencies pull torch/CUDA; its data (the starter corpus) needs none
-	@$(PHASE) "installing the BFCL v4 data" "seconds" -- $(PIP) install -q --no-deps bfcl-eval
+	@$(PHASE) "installing the BFCL v4 data" "seconds" -- $(PIP) install -qq --no-deps bfcl-eval
 	@touch $(STAMP)
 
 # The drafter's C kernels (ngram/_speedups.c) are built by the editable install; rebuilt when edited.
 $(SPEEDUPS): ngram/_speedups.c $(STAMP)
-	@$(PHASE) "building the drafter's C kernels" "seconds" -- $(PIP) install -q --no-deps -e .
+	@$(PHASE) "building the drafter's C kernels" "seconds" -- $(PIP) install -qq --no-deps -e .
 	@touch $(SPEEDUPS)
 
 test: $(SPEEDUPS)
@@ -53,8 +53,8 @@ clean:
 # The benchmark's peers build from source (llama.cpp takes a few minutes the first time).
 BENCH_STAMP := .venv/.bench-installed
 $(BENCH_STAMP): $(SPEEDUPS)
-	$(PIP) install -q arctic-inference==0.3.0 numpy matplotlib
-	$(PIP) install -q llama-cpp-python==0.3.36
+	$(PIP) install -qq arctic-inference==0.3.0 numpy matplotlib
+	$(PIP) install -qq llama-cpp-python==0.3.36
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

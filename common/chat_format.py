@@ -9,7 +9,9 @@ same as token ids; `parse_generated` / `ToolCallStreamParser` turn generated tex
 content plus OpenAI-shaped tool calls (`{"name", "arguments": JSON string}`), a call once it is whole;
 `ToolCallStreamer` does it as the text is generated (what the server streams): a call starts once its
 name is complete and its arguments follow as JSON fragments whose concatenation is the same
-`arguments` text.
+`arguments` text. `ThinkingStreamParser` (which `parse_generated` applies first, and the server runs
+before `ToolCallStreamer`, which then sees content segments only) separates the model's thinking from
+its content (see "Thinking" below).
 
 tool_choice "required" / {"name": NAME} is ENFORCED in the built-in format: the prompt ends with
 `forced_call(tool_choice)` (`<|tool_call>call:`, resp. `<|tool_call>call:NAME{`), and
@@ -36,7 +38,26 @@ Built-in Gemma 4 rendering rules (all of them live in this module; `_render` app
 - What the model generates for an assistant message is its content and calls plus the marker
   that ends generation there: `<|tool_response>` when tool results follow, else `<turn|>`.
   The prompt before a continuation ends right after `<tool_response|>`.
-- Thinking (`<|channel>thought...`) is not rendered: traces carry no target-model thoughts.
+- Thinking: see below. An assistant message's `reasoning_content` (or vLLM's `reasoning`) is rendered
+  as `<|channel>thought\n` + text + `\n<channel|>` at the start of its generated part, only when
+  the message has tool calls and comes after the last user message (a tool loop still in progress);
+  every other assistant message's reasoning is dropped. Content holding channel markup is stripped
+  of it as the template's `strip_thinking` macro does (each `<|channel>...<channel|>` removed, the
+  rest trimmed); content without it is rendered as it is. The generation prompt is not followed by
+  the template's empty `<|channel>thought\n<channel|>` (its "thinking off" switch): Sailfish's prompt
+  for the next turn stays `<|turn>model\n`, as before.
+
+Thinking (Gemma 4's thinking channel). The model writes `<|channel>thought\n` + thinking +
+`<channel|>` (its own tokens `<|channel>` and `<channel|>`, channel name `thought`), then its answer
+or calls. `ThinkingStreamParser` splits generated text into reasoning and content segments: the
+`thought\n` label and one newline right before `<channel|>` are markup (the template writes both), a
+thinking segment still open at the end is reasoning (never content), and partial markers are held
+back as `ToolCallStreamParser` holds back a partial call marker. A `<channel|>` without a preceding
+`<|channel>` is content. Sources: vLLM's `vllm/reasoning/gemma4_reasoning_parser.py` (start token
+`<|channel>`, end token `<channel|>`, the `thought\n` label stripped) and the Gemma 4 chat template
+vLLM ships as `examples/tool_chat_template_gemma4.jinja` (its reasoning gate `loop.index0 >
+ns_turn.last_user_idx and message.get('tool_calls')`, its `strip_thinking` macro; some later checkpoint
+templates gate differently, with a `preserve_thinking` option: not followed here).
 """
 from __future__ import annotations
 
@@ -51,6 +72,9 @@ TOOL_OPEN, TOOL_CLOSE = "<|tool>", "<tool|>"
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
 RESP_OPEN, RESP_CLOSE = "<|tool_response>", "<tool_response|>"
 QUOTE = '<|"|>'
+THINK_OPEN, THINK_CLOSE = "<|channel>", "<channel|>"
+THOUGHT_LABEL = "thought\n"  # the channel's name line, right after THINK_OPEN
+REASONING, CONTENT = "reasoning", "content"  # the kinds of ThinkingStreamParser's segments
 END_MARKERS = (TURN_CLOSE, RESP_OPEN, "<end_of_turn>", "<eos>")
 
 # ---------------------------------------------------------------- the value syntax
@@ -201,6 +225,7 @@ _CALL_HEAD = re.compile(r"call:([^{}<>\s]+)\{")
 class ParsedTurn:
     content: str
     tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments": JSON string}
+    reasoning: str = ""  # the thinking channel's text (ThinkingStreamParser), "" when the model did not think
 
 
 def _parse_call(body: str) -> dict | None:
@@ -223,11 +248,105 @@ def _strip_end_marker(text: str) -> str:
 
 
 def parse_generated(text: str) -> ParsedTurn:
-    """Generated model text -> content + tool calls. A truncated or garbled call stays content."""
+    """Generated model text -> content + tool calls + reasoning. A truncated or garbled call stays
+    content; thinking never does (ThinkingStreamParser)."""
+    thinking = ThinkingStreamParser()
+    segments = thinking.feed(_strip_end_marker(text)) + thinking.finish()
+    reasoning = "".join(part for kind, part in segments if kind == REASONING)
     parser = ToolCallStreamParser()
-    content, calls = parser.feed(_strip_end_marker(text))
+    content, calls = parser.feed("".join(part for kind, part in segments if kind == CONTENT))
     rest, more = parser.finish()
-    return ParsedTurn(content=content + rest, tool_calls=calls + more)
+    return ParsedTurn(content=content + rest, tool_calls=calls + more, reasoning=reasoning)
+
+
+class ThinkingStreamParser:
+    """Feed text deltas; get the (kind, text) segments they complete back, kind REASONING or CONTENT,
+    in order, none empty.
+
+    `<|channel>` opens a thinking segment and `<channel|>` closes it (the module docstring, "Thinking").
+    Text that could still become `<|channel>` is held back in content, and text that could still
+    become the closing markup (`\n<channel|>`) or the `thought\n` label in thinking, so no markup is
+    ever released. `finish()` flushes what is held: in content as content (an unfinished marker is
+    not markup), in thinking as reasoning (thinking cut off stays reasoning; a bare label fragment is
+    dropped). Then the parser is ready for a new text.
+    """
+
+    _CLOSES = ("\n" + THINK_CLOSE, THINK_CLOSE)  # the newline before the close marker is the template's
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._thinking = False       # inside <|channel>...<channel|>
+        self._label_pending = False  # right after <|channel>: the `thought\n` label may still come
+
+    def feed(self, delta: str) -> list[tuple[str, str]]:
+        self._buf += delta
+        segments: list[tuple[str, str]] = []
+        while True:
+            if not self._thinking:
+                start = self._buf.find(THINK_OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self._buf, THINK_OPEN)
+                    _add_segment(segments, CONTENT, self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return segments
+                _add_segment(segments, CONTENT, self._buf[:start])
+                self._buf = self._buf[start + len(THINK_OPEN):]
+                self._thinking = self._label_pending = True
+                continue
+            if self._label_pending:
+                if self._buf.startswith(THOUGHT_LABEL):
+                    self._buf = self._buf[len(THOUGHT_LABEL):]
+                elif THOUGHT_LABEL.startswith(self._buf):  # too short to tell yet
+                    return segments
+                self._label_pending = False
+            end = self._buf.find(THINK_CLOSE)
+            if end < 0:
+                keep = max(_partial_suffix(self._buf, close) for close in self._CLOSES)
+                _add_segment(segments, REASONING, self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                return segments
+            thought = self._buf[:end]
+            _add_segment(segments, REASONING, thought[:-1] if thought.endswith("\n") else thought)
+            self._buf = self._buf[end + len(THINK_CLOSE):]
+            self._thinking = False
+
+    def finish(self) -> list[tuple[str, str]]:
+        rest, kind = self._buf, REASONING if self._thinking else CONTENT
+        if self._thinking and self._label_pending and THOUGHT_LABEL.startswith(rest):
+            rest = ""  # only (part of) the label came: markup, not thought
+        self._buf, self._thinking, self._label_pending = "", False, False
+        segments: list[tuple[str, str]] = []
+        _add_segment(segments, kind, rest)
+        return segments
+
+
+def _add_segment(segments: list[tuple[str, str]], kind: str, text: str) -> None:
+    """Append (kind, text), merged into the last segment when it is of the same kind; "" is skipped."""
+    if not text:
+        return
+    if segments and segments[-1][0] == kind:
+        segments[-1] = (kind, segments[-1][1] + text)
+    else:
+        segments.append((kind, text))
+
+
+def strip_thinking(content: str) -> str:
+    """Assistant content without channel markup, as the Gemma 4 template's `strip_thinking` macro
+    renders it: of each part before a `<channel|>`, what precedes its `<|channel>`; the result trimmed.
+    Content without markup is returned unchanged (the built-in format never trimmed it)."""
+    if THINK_OPEN not in content and THINK_CLOSE not in content:
+        return content
+    parts = content.split(THINK_CLOSE)
+    return "".join(part.split(THINK_OPEN)[0] for part in parts).strip()
+
+
+def _thinking_text(message: dict, after_last_user: bool) -> str:
+    """The thinking channel an assistant message renders: its reasoning, only in a tool loop still in
+    progress (tool calls, after the last user message), as the Gemma 4 template gates it; else ""."""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if not reasoning or not after_last_user or not message.get("tool_calls"):
+        return ""
+    return f"{THINK_OPEN}{THOUGHT_LABEL}{reasoning}\n{THINK_CLOSE}"
 
 
 class ToolCallStreamParser:
@@ -677,10 +796,11 @@ def _render(bos: str, messages: list[dict], tools: list[dict]) -> tuple[str, lis
         emit(f"{TURN_OPEN}system\n" + "\n\n".join(systems)
              + "".join(_declaration(t) for t in tools) + f"{TURN_CLOSE}\n")
     names: dict[str, str] = {}
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     in_model = False  # a model turn is open
     prev = None  # role of the previous rendered message
     pending: int | None = None  # start offset of the assistant message awaiting its end marker
-    for m in messages:
+    for index, m in enumerate(messages):
         role = m["role"]
         if role == "system":
             continue
@@ -707,7 +827,7 @@ def _render(bos: str, messages: list[dict], tools: list[dict]) -> tuple[str, lis
                     emit(f"{TURN_OPEN}model\n")
                     in_model = True
                 pending = pos
-                emit(m.get("content") or "")
+                emit(_thinking_text(m, index > last_user) + strip_thinking(m.get("content") or ""))
                 for call in m.get("tool_calls") or []:
                     names[call.get("id", "")] = call["function"]["name"]
                     emit(_call_text(call))

@@ -5,8 +5,8 @@ Contract: `routes(service, read_json)` gives POST /v1/messages and POST /v1/mess
 A request is translated by `parse_request` into the `server.protocol.ChatCompletionRequest` the OpenAI
 route builds, and served by the same generation path (`Service.chat_events`); nothing here generates.
 The answer comes back in Anthropic's shapes: a `message` object, or with `stream: true` the SSE
-sequence `message_start`, per block `content_block_start` / `content_block_delta` (`text_delta`,
-`input_json_delta`) / `content_block_stop`, `message_delta` (stop_reason, stop_sequence, usage),
+sequence `message_start`, per block `content_block_start` / `content_block_delta` (`thinking_delta`,
+`text_delta`, `input_json_delta`) / `content_block_stop`, `message_delta` (stop_reason, stop_sequence, usage),
 `message_stop`. A whole answer is the fold of that same event sequence, so streamed and whole
 answers cannot differ. Every error on these routes is `{"type": "error", "error": {"type", "message"}}`
 (`error_body`) with its status; once a stream has begun, an error is its last event (`event: error`).
@@ -18,9 +18,11 @@ Translation, field by field:
   role are one turn, as in Anthropic's API. Content is a string or blocks: `text`; `tool_use`
   (assistant: an OpenAI tool call whose arguments are the JSON of `input`); `tool_result` (user:
   a tool message; content a string or text blocks; `is_error: true` renders the result as
-  `{"error": TEXT}`, so the model sees that the call failed); `thinking` / `redacted_thinking` in an
-  assistant turn are dropped (Sailfish renders no thinking; Anthropic drops earlier turns' thinking
-  too). `image`, `document` and every other block type get a 400. Several text blocks of one turn
+  `{"error": TEXT}`, so the model sees that the call failed); `thinking` blocks of an assistant turn
+  become its `reasoning_content` (joined with a blank line), which the chat format renders back only
+  in a tool loop still in progress and drops for earlier turns, as Gemma 4's template does (and as
+  Anthropic drops earlier turns' thinking); `redacted_thinking` (opaque data) is dropped. `image`,
+  `document` and every other block type get a 400. Several text blocks of one turn
   are joined with a blank line. A final assistant message (prefill) gets a 400: Sailfish cannot
   continue a partial answer.
 - `system`: a string or text blocks. A block starting `x-anthropic-billing-header:` is Claude Code's
@@ -36,9 +38,11 @@ Translation, field by field:
 - `max_tokens` is required (count_tokens excepted) and at least 1; `stop_sequences`, `temperature`,
   `top_p`, `top_k` and `stream` mean what they mean on the OpenAI route, checked by the same
   server.protocol readers (its sampling ranges; a field left out takes the model's defaults).
-- `thinking`: {"type": "disabled"} and {"type": "adaptive"} (the model decides whether to think, and
-  this one never does) are accepted; {"type": "enabled"} (a thinking budget) and every other type get
-  a 400, since Sailfish's Gemma format renders no thinking (in Claude Code: MAX_THINKING_TOKENS=0).
+- `thinking`: {"type": "disabled"} and {"type": "adaptive"} (the model decides whether to think) are
+  accepted; {"type": "enabled"} (a thinking budget) and every other type get a 400, since a budget
+  cannot be enforced and the prompt has no switch that turns thinking on (in Claude Code:
+  MAX_THINKING_TOKENS=0). Whatever the model does think (Gemma 4's thinking channel) is answered as
+  `thinking` blocks (`signature` ""), before the text and tool_use blocks it precedes.
 - Accepted and without effect: `metadata`; `cache_control` (top level and on any block or tool:
   Sailfish's prefix cache is automatic); `service_tier` (there is one tier); `output_config.effort`
   (a hint; `output_config.format` gets a 400); `context_management` whose edits all clear thinking
@@ -66,7 +70,7 @@ from starlette.routing import Route
 
 from server.protocol import (APIError, ChatCompletionRequest, _bad, _max_tokens, _opt, _sampling, parse_messages,
                              parse_tool_choice, parse_tools)
-from server.serving import Finish, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
+from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.anthropic")
 MESSAGES_PATH = "/v1/messages"
@@ -159,7 +163,7 @@ def _check_thinking(thinking: Any) -> None:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind in ("disabled", "adaptive"):
         return
-    raise _bad(f"thinking: type {kind!r} is not supported: Sailfish's Gemma format renders no thinking. Send "
+    raise _bad(f"thinking: type {kind!r} is not supported: Sailfish cannot enforce a thinking budget. Send "
                "{\"type\": \"disabled\"} or {\"type\": \"adaptive\"} (in Claude Code: MAX_THINKING_TOKENS=0)",
                "thinking", "unsupported_value")
 
@@ -260,20 +264,26 @@ def _user_turn(blocks: list[dict], where: str) -> list[dict]:
 
 
 def _assistant_turn(blocks: list[dict], where: str) -> list[dict]:
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for block in blocks:
         if block["type"] == "text":
             texts.append(block["text"])
+        elif block["type"] == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise _bad(f"{where}: a thinking block needs a string 'thinking'", where, "invalid_type")
+            thoughts.append(block["thinking"])
         elif block["type"] == "tool_use":
             arguments = json.dumps(block["input"], ensure_ascii=False)
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": arguments}})
         elif block["type"] == "tool_result":
             raise _bad(f"{where}: tool_result blocks belong to user messages", where, "invalid_value")
-        # thinking and redacted_thinking: dropped (see the module docstring)
+        # redacted_thinking: dropped (see the module docstring)
     message: dict = {"role": "assistant", "content": _BLOCK_JOINER.join(texts)}
     if calls:
         message["tool_calls"] = calls
+    if any(thoughts):
+        message["reasoning_content"] = _BLOCK_JOINER.join(thought for thought in thoughts if thought)
     return [message]
 
 
@@ -391,18 +401,32 @@ def _stop(finish: Finish, stop_sequences: tuple[str, ...]) -> dict:
 
 async def message_events(message_id: str, model: str, prompt_tokens: int, events: AsyncIterator,
                          stop_sequences: tuple[str, ...]) -> AsyncIterator[StreamEvent]:
-    """A generation's events (server.serving.Event) as Anthropic's stream events. Consecutive text
-    deltas form one text block; each tool call is one tool_use block, opened when its name is complete,
-    one input_json_delta per arguments fragment, closed at its end. Text that is only whitespace
-    is held back and dropped when a tool call or the end follows it."""
+    """A generation's events (server.serving.Event) as Anthropic's stream events. Consecutive reasoning
+    deltas form one thinking block (signature ""), consecutive text deltas one text block; each tool
+    call is one tool_use block, opened when its name is complete, one input_json_delta per arguments
+    fragment, closed at its end (server.serving never puts reasoning inside a call). Text that is only
+    whitespace is held back and dropped when thinking, a tool call or the end follows it."""
     yield "message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
                   "cache_creation_input_tokens": 0}}}
-    index, text_open, held = 0, False, ""
+    index, text_open, thinking_open, held = 0, False, False, ""
     try:
         async for event in events:
+            if isinstance(event, Reasoning):
+                if text_open:
+                    yield _block_stop(index)
+                    index, text_open = index + 1, False
+                held = ""
+                if not thinking_open:
+                    yield _block_start(index, {"type": "thinking", "thinking": "", "signature": ""})
+                    thinking_open = True
+                yield _block_delta(index, {"type": "thinking_delta", "thinking": event.text})
+                continue
+            if thinking_open:  # text, a tool call or the end: the thinking block is complete
+                yield _block_stop(index)
+                index, thinking_open = index + 1, False
             if isinstance(event, str):
                 if text_open:
                     yield _block_delta(index, {"type": "text_delta", "text": event})
@@ -459,6 +483,8 @@ async def whole_message(stream: AsyncIterator[StreamEvent]) -> dict:
             delta, index = data["delta"], data["index"]
             if delta["type"] == "text_delta":
                 message["content"][index]["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                message["content"][index]["thinking"] += delta["thinking"]
             else:
                 partial_json[index] = partial_json.get(index, "") + delta["partial_json"]
         elif kind == "content_block_stop" and message["content"][data["index"]]["type"] == "tool_use":

@@ -235,7 +235,8 @@ def _string_too_deep(text: str) -> bool:
 
 
 def parse_messages(raw: Any) -> list[dict]:
-    """Validated, normalized messages: role (developer -> system), content text, tool fields."""
+    """Validated, normalized messages: role (developer -> system), content text, tool fields, and an
+    assistant message's `reasoning_content` (or `reasoning`) as `reasoning_content`."""
     if raw is None:
         raise APIError(400, "Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
     if not isinstance(raw, list):
@@ -258,6 +259,11 @@ def parse_messages(raw: Any) -> list[dict]:
                 raise _bad(f"{where}.tool_calls must be an array", f"{where}.tool_calls", "invalid_type")
             if calls:
                 msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
+            reasoning = m.get("reasoning_content") or m.get("reasoning")  # vLLM accepts either name
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise _bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content", "invalid_type")
+            if reasoning:  # rendered back as the chat format decides (common.chat_format, "Thinking")
+                msg["reasoning_content"] = reasoning
         elif role == "tool":
             if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
                 raise APIError(400, f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id",

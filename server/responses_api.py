@@ -15,11 +15,16 @@ or a list of items: messages (role user/system/developer/assistant, content a st
 `input_text`/`output_text` parts), `function_call` items (assistant tool calls; consecutive ones and
 the assistant message before them form one assistant turn) and `function_call_output` items (tool
 messages). Tools are the flat `{"type": "function", "name", "description", "parameters", "strict"}`.
-Output: one `message` item per run of text (`output_text` parts) and one `function_call` item per call,
-added when its name is complete, its arguments streamed as `response.function_call_arguments.delta`
-fragments as they are generated; finish_reason "length" is `status: "incomplete"` with
-`incomplete_details.reason: "max_output_tokens"`, and a call it cut off is a `function_call` item with
-`status: "incomplete"` whose arguments are the unfinished JSON streamed so far.
+Output: one `reasoning` item per run of the model's thinking (Gemma 4's thinking channel; `summary: []`,
+one `reasoning_text` content part, streamed as `response.reasoning_text.delta`), one `message` item per
+run of text (`output_text` parts) and one `function_call` item per call, added when its name is
+complete, its arguments streamed as `response.function_call_arguments.delta` fragments as they are
+generated; finish_reason "length" is `status: "incomplete"` with `incomplete_details.reason:
+"max_output_tokens"`, and a call it cut off is a `function_call` item with `status: "incomplete"` whose
+arguments are the unfinished JSON streamed so far. A `reasoning` input item with `reasoning_text`
+content (what Sailfish answers) becomes the `reasoning_content` of the assistant turn that follows it,
+rendered back as the chat format decides (only in a tool loop still in progress); one without content
+(another server's encrypted or summary-only item) is refused.
 
 Field policy (as server.protocol: a field that cannot be honoured is refused, never ignored):
 - Stateless: nothing is stored, so `previous_response_id`, `conversation`, `prompt` (a stored
@@ -30,10 +35,11 @@ Field policy (as server.protocol: a field that cannot be honoured is refused, ne
   `text.format` other than text, `text.verbosity`, `truncation: "auto"` (a prompt past the context is a
   400, which is "disabled"), `include: ["message.output_text.logprobs"]`, `max_tool_calls`,
   `context_management`, `prompt_cache_retention`/`prompt_cache_options`, non-function tools, input
-  items other than the three above, and non-text content parts.
+  items other than the three above (and reasoning), and non-text content parts.
 - Accepted with no effect: `user`, `safety_identifier`, `prompt_cache_key` (the prefix cache needs no
   key), `metadata` (echoed), `service_tier`, `stream_options`, and the `include` values that ask for
-  parts of items Sailfish never produces (reasoning, search, computer, code interpreter, images).
+  parts of items Sailfish never produces (encrypted reasoning, search, computer, code interpreter,
+  images).
 - `strict` on a function tool is accepted and echoed, as chat completions accept it: generated
   arguments are parsed, not schema-constrained.
 - `temperature` / `top_p` are range-checked as on chat (server.protocol._sampling); the Response
@@ -51,7 +57,7 @@ from typing import Any, AsyncIterator
 from server.protocol import (_TOOL_NAME, MAX_JSON_DEPTH, APIError, ChatCompletionRequest, _bad, _opt,
                              _refuse_unknown, _sampling, _string_too_deep, error_body, parse_tool_choice,
                              parse_tools)
-from server.serving import Finish, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
+from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.responses")
 
@@ -164,11 +170,15 @@ def parse_input(raw: Any, instructions: str | None) -> list[dict]:
     if not raw:
         raise _bad("'input' must contain at least one item", "input", "empty_array")
     call_names: dict[str, str] = {}
+    reasoning: list[str] = []  # reasoning items awaiting the assistant turn they precede
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise _bad(f"{where} must be an object", where, "invalid_type")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
+            continue
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":
@@ -181,9 +191,34 @@ def parse_input(raw: Any, instructions: str | None) -> list[dict]:
             raise _bad(f"{where}: item references need stored items; Sailfish is stateless: send the item itself",
                        f"{where}.type", "unsupported_value")
         else:
-            raise _bad(f"{where}: input items of type {kind!r} are not supported (message, function_call "
-                       "and function_call_output only)", f"{where}.type", "unsupported_value")
+            raise _bad(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
+                       "function_call_output and reasoning only)", f"{where}.type", "unsupported_value")
+        if messages[-1]["role"] == "assistant" and reasoning:
+            earlier = messages[-1].get("reasoning_content")
+            messages[-1]["reasoning_content"] = "\n\n".join(t for t in [earlier, *reasoning] if t)
+            reasoning = []
+        elif messages[-1]["role"] != "assistant":
+            reasoning = []  # thinking with no assistant turn after it renders nowhere
     return messages
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """The text of a reasoning item's `reasoning_text` parts; an item without them is refused (it is
+    not one Sailfish answered: its thinking is encrypted or summarized, which cannot be rendered)."""
+    _refuse_extra_keys(item, {"type", "summary", "content"}, where)
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise _bad(f"{where}: reasoning items need their reasoning_text content (Sailfish renders its own "
+                   "model's thinking back; encrypted or summary-only reasoning cannot be)", f"{where}.type",
+                   "unsupported_value")
+    texts = []
+    for k, part in enumerate(content):
+        at = f"{where}.content[{k}]"
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise _bad(f"{at} must be {{\"type\": \"reasoning_text\", \"text\": ...}}", at, "invalid_type")
+        _refuse_extra_keys(part, {"type", "text"}, at)
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _refuse_extra_keys(obj: dict, allowed: set[str], where: str) -> None:
@@ -344,6 +379,7 @@ class _ResponseBuilder:
         self.sequence_number = 0
         self.message: dict | None = None   # the message item being streamed, if any
         self.call: dict | None = None      # the function_call item being streamed, if any
+        self.reasoning_item: dict | None = None  # the reasoning item being streamed, if any
         self.pending = ""                  # leading whitespace not yet worth a message item
 
     def event(self, type: str, **fields) -> dict:
@@ -366,14 +402,45 @@ class _ResponseBuilder:
         return [self.event("response.created", response=self.response("in_progress")),
                 self.event("response.in_progress", response=self.response("in_progress"))]
 
+    def reasoning(self, delta: str) -> list[dict]:
+        """A delta of the model's thinking: into the open reasoning item, else a new one (closing an
+        open message item; whitespace held before it is dropped)."""
+        events = []
+        if self.reasoning_item is None:
+            events, self.pending = self.close_message(), ""
+            self.reasoning_item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                                   "content": [], "status": "in_progress"}
+            self.output.append(self.reasoning_item)
+            index, part = len(self.output) - 1, {"type": "reasoning_text", "text": ""}
+            events += [self.event("response.output_item.added", output_index=index, item=_copy(self.reasoning_item)),
+                       self.event("response.content_part.added", item_id=self.reasoning_item["id"],
+                                  output_index=index, content_index=0, part=_copy(part))]
+            self.reasoning_item["content"].append(part)
+        self.reasoning_item["content"][0]["text"] += delta
+        return events + [self.event("response.reasoning_text.delta", item_id=self.reasoning_item["id"],
+                                    output_index=len(self.output) - 1, content_index=0, delta=delta)]
+
+    def close_reasoning(self, status: str = "completed") -> list[dict]:
+        item, index = self.reasoning_item, len(self.output) - 1
+        if item is None:
+            return []
+        self.reasoning_item, part = None, item["content"][0]
+        item["status"] = status
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                           content_index=0, text=part["text"]),
+                self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                           content_index=0, part=_copy(part)),
+                self.event("response.output_item.done", output_index=index, item=_copy(item))]
+
     def text(self, delta: str) -> list[dict]:
-        """A text delta; a message item opens at its first text that is not whitespace only."""
+        """A text delta; a message item opens at its first text that is not whitespace only (closing
+        an open reasoning item)."""
         if self.message is None:
             self.pending += delta
             if not self.pending.strip():
                 return []
             delta, self.pending = self.pending, ""
-            events = self._open_message()
+            events = self.close_reasoning() + self._open_message()
         else:
             events = []
         return events + [self._append(delta)]
@@ -408,7 +475,7 @@ class _ResponseBuilder:
 
     def function_call_start(self, start: ToolCallStart) -> list[dict]:
         """A tool call whose name is complete opens a function_call item; whitespace before it is dropped."""
-        events, self.pending = self.close_message(), ""
+        events, self.pending = self.close_reasoning() + self.close_message(), ""
         self.call = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": start.id,
                      "name": start.name, "arguments": "", "status": "in_progress"}
         self.output.append(self.call)
@@ -430,7 +497,7 @@ class _ResponseBuilder:
 
     def finished(self, finish: Finish) -> list[dict]:
         incomplete = finish.reason == "length"
-        events = []
+        events = self.close_reasoning("incomplete" if incomplete else "completed")
         if not self.output:  # an answer with no text still has a message item
             events += self._open_message()
             if self.pending:
@@ -452,6 +519,8 @@ async def _response_events(model: str, req: ResponsesRequest, events) -> AsyncIt
         async for item in events:
             if isinstance(item, str):
                 produced = builder.text(item)
+            elif isinstance(item, Reasoning):
+                produced = builder.reasoning(item.text)
             elif isinstance(item, ToolCallStart):
                 produced = builder.function_call_start(item)
             elif isinstance(item, ToolCallDelta):
@@ -468,7 +537,8 @@ async def _response_events(model: str, req: ResponsesRequest, events) -> AsyncIt
 
 def responses_usage(chat_usage: dict) -> dict:
     """Chat usage in the Responses shape; Sailfish's own figures stay under `sailfish`. A local server
-    charges no cache writes (cache_write_tokens 0) and the model reports no reasoning tokens."""
+    charges no cache writes (cache_write_tokens 0), and thinking is not counted apart (reasoning_tokens 0:
+    its tokens are in output_tokens)."""
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},

@@ -3,9 +3,10 @@
 Contract: `Service(engine, settings, drafter_note)` serves validated requests from `server.protocol`.
 `chat(req, receive)` / `complete(req, receive)` return a response dict, or an async iterator of SSE
 lines when `req.stream`; errors are `APIError`s. Either way the answer comes from the one generation
-path, `Service._generate`: a stream of events (content deltas; each tool call as a start once its name
-is complete, its arguments' JSON fragments as they are generated, and an end; one `Finish` with
-finish_reason, the stop string that ended it, and usage) that a streaming response formats
+path, `Service._generate`: a stream of events (content deltas; `Reasoning` deltas of the model's
+thinking; each tool call as a start once its name is complete, its arguments' JSON fragments as they
+are generated, and an end; one `Finish` with finish_reason, the stop string that ended it, and usage)
+that a streaming response formats
 as chunks and a non-streaming one gathers whole. `chat_events(req, receive, endpoint)` hands out that
 event stream for another wire format (server.anthropic_api, the Messages API), and
 `count_chat_tokens(req)` the length of the prompt a chat request renders to. Every generation runs on
@@ -15,12 +16,14 @@ logging what it chose.
 
 Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
 when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,
-so it also serves models with neither). Generated text is parsed back into OpenAI `tool_calls` as it is
-generated: a call starts (id, name) once its name is complete and its arguments follow as JSON fragments
-whose concatenation is the answer's `arguments`. A call cut off (max_tokens, or a body that breaks the
-syntax) stays a call in the stream and in the whole answer alike, its arguments the unfinished JSON
-converted so far (not valid JSON, so no client can mistake it for a finished call), with finish_reason
-"length" when max_tokens cut it.
+so it also serves models with neither). Gemma 4's thinking channel is split off the generated text
+first, into `reasoning_content` (vLLM's field: `message.reasoning_content`, omitted when the model did
+not think; streamed as `delta.reasoning_content`), never into `content`. The rest is parsed back into
+OpenAI `tool_calls` as it is generated: a call starts (id, name) once its name is complete and its
+arguments follow as JSON fragments whose concatenation is the answer's `arguments`. A call cut off
+(max_tokens, or a body that breaks the syntax) stays a call in the stream and in the whole answer
+alike, its arguments the unfinished JSON converted so far (not valid JSON, so no client can mistake it
+for a finished call), with finish_reason "length" when max_tokens cut it.
 tool_choice: "none" renders no tools and parses no calls; "auto" renders them; "required" and a named
 function are enforced by a forced call prefix (built-in format) or only requested (chat template), as
 common.chat_format describes.
@@ -39,7 +42,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from common.progress import phase
-from common.chat_format import ArgumentsDelta, CallEnded, CallStarted, ChatFormat, ToolCallStreamer
+from common.chat_format import (CONTENT, REASONING, ArgumentsDelta, CallEnded, CallStarted, ChatFormat,
+                                ThinkingStreamParser, ToolCallStreamer)
 from server.engine import GenerationParams
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
@@ -125,6 +129,7 @@ class _Prepared:
     params: GenerationParams
     offered: list[dict] = field(default_factory=list)  # tools the model saw; their calls are parsed back
     forced: str = ""  # the start of a tool call that ends the prompt (ChatFormat.forced_call)
+    separate_reasoning: bool = False  # chat: the thinking channel becomes Reasoning events, not content
 
 
 @dataclass
@@ -132,6 +137,11 @@ class Finish:
     reason: str  # the OpenAI finish_reason
     usage: dict
     stop_string: str | None = None  # the stop string (the format's end markers or the request's) that ended it
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str  # a delta of the model's thinking (common.chat_format.ThinkingStreamParser), never empty
 
 
 @dataclass
@@ -161,9 +171,10 @@ class ToolCallEnd:
     complete: bool
 
 
-# What a generation yields: content deltas (never empty); per tool call a ToolCallStart as soon as its
-# name is complete, ToolCallDelta fragments as its arguments are generated and a ToolCallEnd; one Finish last.
-Event = str | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
+# What a generation yields: content deltas (never empty); Reasoning deltas (chat only, never empty); per
+# tool call a ToolCallStart as soon as its name is complete, ToolCallDelta fragments as its arguments are
+# generated and a ToolCallEnd; one Finish last.
+Event = str | Reasoning | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
 
 
 class Service:
@@ -220,7 +231,7 @@ class Service:
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
                                   sampling=req.sampling, constraint=constraint)
-        return _Prepared(prompt_ids, params, offered, fmt.forced_call(tool_choice))
+        return _Prepared(prompt_ids, params, offered, fmt.forced_call(tool_choice), separate_reasoning=True)
 
     def _constraint(self, req: ChatCompletionRequest, offered: list[dict]):
         """The grammar the reply must follow (server.grammar), or None: a JSON response_format, or a
@@ -277,13 +288,14 @@ class Service:
         rid = new_id("chatcmpl")
         if req.stream:
             return self._sse(rid, self._chat_chunks(req, rid, events))
-        content, calls, end = await _collect(events)
-        return chat_completion(rid, self.model_id, _assistant_message(content, calls), end.reason, end.usage)
+        content, calls, end, reasoning = await _collect(events)
+        return chat_completion(rid, self.model_id, _assistant_message(content, calls, reasoning), end.reason,
+                               end.usage)
 
     async def _chat_chunks(self, req: ChatCompletionRequest, rid: str, events) -> AsyncIterator[dict]:
-        """The role, one chunk per content delta, per tool call a start chunk (index, id, name, empty
-        arguments) then one chunk per arguments fragment as it is generated, the finish_reason, and with
-        include_usage a last chunk with the usage only."""
+        """The role, one chunk per content delta and per reasoning delta (`reasoning_content`), per tool
+        call a start chunk (index, id, name, empty arguments) then one chunk per arguments fragment as it
+        is generated, the finish_reason, and with include_usage a last chunk with the usage only."""
         created = int(time.time())
         chunk = lambda delta, finish=None: chat_chunk(rid, self.model_id, created, delta, finish, None,
                                                       req.include_usage)
@@ -291,6 +303,8 @@ class Service:
         async for event in events:
             if isinstance(event, str):
                 yield chunk({"content": event})
+            elif isinstance(event, Reasoning):
+                yield chunk({"reasoning_content": event.text})
             elif isinstance(event, ToolCallStart):
                 yield chunk({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                                              "function": {"name": event.name, "arguments": ""}}]})
@@ -319,7 +333,7 @@ class Service:
         events = self._generate("completions", _Prepared(prompt_ids, params), None if req.stream else receive)
         if req.stream:
             return self._sse(rid, self._completion_chunks(req, rid, created, events))
-        text, _, end = await _collect(events)
+        text, _, end, _ = await _collect(events)
         return completion(rid, self.model_id, created, text, end.reason, end.usage)
 
     async def _completion_chunks(self, req: CompletionRequest, rid: str, created: int, events) -> AsyncIterator[dict]:
@@ -337,23 +351,27 @@ class Service:
     async def _generate(self, endpoint: str, prep: _Prepared, receive,
                         capture: ChatCompletionRequest | None = None) -> AsyncIterator[Event]:
         """One generation through the scheduler as `Event`s, for both endpoints, streamed or not; its
-        metrics are recorded. When the model saw tools, their calls are parsed out of the text as they
-        are generated (common.chat_format.ToolCallStreamer) and a finish_reason "stop" after a call is
-        "tool_calls". With `capture`, the chat request and its answer (complete calls only) are appended to
-        the trace log. `receive` (non-streaming only) watches for a disconnect."""
+        metrics are recorded. With `prep.separate_reasoning` the thinking channel is split off first, as
+        Reasoning events (the tool-call parser sees content only). When the model saw tools, their calls
+        are parsed out of the content as they are generated (common.chat_format.ToolCallStreamer) and a
+        finish_reason "stop" after a call is "tool_calls". With `capture`, the chat request and its answer
+        (content and complete calls only) are appended to the trace log. `receive` (non-streaming only)
+        watches for a disconnect."""
         parser = ToolCallStreamer(prep.forced) if prep.offered else None
+        thinking = ThinkingStreamParser() if prep.separate_reasoning else None
         content, calls, finish, stats, ttft, t0 = [], [], None, None, None, time.perf_counter()
         stop_string, captured_calls, open_call_id = None, [], ""
+        in_call, held_reasoning = False, []  # thinking generated inside a call waits for the call's end
 
         def events(parsed: list) -> list[Event]:
-            nonlocal open_call_id
+            nonlocal open_call_id, in_call
             out: list[Event] = []
             for item in parsed:
                 if isinstance(item, str):
                     content.append(item)
                     out.append(item)
                 elif isinstance(item, CallStarted):
-                    open_call_id = new_call_id()
+                    open_call_id, in_call = new_call_id(), True
                     out.append(ToolCallStart(len(calls), open_call_id, item.name))
                 elif isinstance(item, ArgumentsDelta):
                     out.append(ToolCallDelta(len(calls), item.text))
@@ -363,6 +381,24 @@ class Service:
                     calls.append(call)
                     if item.complete:
                         captured_calls.append(call)
+                    in_call = False
+                    out += [Reasoning(text) for text in held_reasoning]
+                    held_reasoning.clear()
+            return out
+
+        def routed(segments: list[tuple[str, str]]) -> list[Event]:
+            """Thinking segments as Reasoning events, content segments through the tool-call parser. Thinking
+            inside a call's body (the model's markup, split off before the call parser sees it) follows the
+            call's ToolCallEnd, so no event interrupts a call."""
+            out: list[Event] = []
+            for kind, text in segments:
+                if kind == REASONING:
+                    if in_call:
+                        held_reasoning.append(text)
+                    else:
+                        out.append(Reasoning(text))
+                else:
+                    out += events(parser.feed(text) if parser else [text])
             return out
 
         job = self.scheduler.submit(lambda cancelled: self.engine.generate(prep.prompt_ids, prep.params, cancelled))
@@ -375,7 +411,7 @@ class Service:
                 stats, finish = chunk.stats, chunk.finish_reason or finish
                 stop_string = chunk.stop_string or stop_string
                 if chunk.text:
-                    for event in events(parser.feed(chunk.text) if parser else [chunk.text]):
+                    for event in routed(thinking.feed(chunk.text) if thinking else [(CONTENT, chunk.text)]):
                         yield event
             outcome = "ok" if finish is not None or not job.cancelled else "cancelled"
         except ValueError as e:  # the engine's refusal of a request (e.g. it does not fit the context)
@@ -391,6 +427,8 @@ class Service:
             self.metrics.record(endpoint, outcome, stats, time.perf_counter() - t0, ttft, queue_s)
         if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
             raise APIError(499, "the client disconnected", None, "client_disconnected")
+        for event in routed(thinking.finish()) if thinking else []:
+            yield event
         for event in events(parser.finish()) if parser else []:
             yield event
         if capture is not None:
@@ -483,11 +521,14 @@ async def _watch_disconnect(receive, job) -> None:
         return
 
 
-async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[dict], Finish]:
-    """A non-streaming answer: the events of its generation gathered into (content, tool calls, Finish)."""
+async def _collect(events: AsyncIterator[Event]) -> tuple[str, list[dict], Finish, str]:
+    """A non-streaming answer: the events of its generation gathered into (content, tool calls, Finish,
+    reasoning)."""
     gathered = [event async for event in events]
     content = "".join(event for event in gathered if isinstance(event, str))
-    return content, [event.call for event in gathered if isinstance(event, ToolCallEnd)], gathered[-1]
+    reasoning = "".join(event.text for event in gathered if isinstance(event, Reasoning))
+    calls = [event.call for event in gathered if isinstance(event, ToolCallEnd)]
+    return content, calls, gathered[-1], reasoning
 
 
 def _openai_call(call_id: str, name: str, arguments: str) -> dict:
@@ -495,10 +536,13 @@ def _openai_call(call_id: str, name: str, arguments: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _assistant_message(content: str, tool_calls: list[dict]) -> dict:
+def _assistant_message(content: str, tool_calls: list[dict], reasoning: str = "") -> dict:
+    """The chat message of an answer; `reasoning_content` only when the model thought."""
     message: dict[str, Any] = {"role": "assistant",
                                "content": content if (content.strip() or not tool_calls) else None,
                                "refusal": None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message

@@ -36,8 +36,19 @@ EXPECTED_ARGUMENTS = parse_generated(LONG_ANSWER).tool_calls[0]["arguments"]
 WRITE = [{"role": "user", "content": "please write the file"}]
 
 
+THOUGHT = "The user wants a file.\nI will call write_file."
+THINKING_ANSWERS = {  # thinking, then the streamed call; or thinking the model wrote inside the call's body
+    "before": f"<|channel>thought\n{THOUGHT}\n<channel|>" + LONG_ANSWER,
+    "inside": LONG_ANSWER.replace(",count:42", f"<|channel>thought\n{THOUGHT}\n<channel|>,count:42"),
+}
+
+
 def script(prompt: str) -> str:
-    if "write the file" in prompt.rsplit("<|turn>user\n", 1)[-1]:
+    last_user = prompt.rsplit("<|turn>user\n", 1)[-1]
+    for where, answer in THINKING_ANSWERS.items():
+        if f"think {where}" in last_user:
+            return answer + "<|tool_response>"
+    if "write the file" in last_user:
         return LONG_ANSWER + "<|tool_response>"
     return default_script(prompt)
 
@@ -249,6 +260,52 @@ def test_responses_arguments_stream_in_fragments(client, max_output_tokens):
     else:
         assert EXPECTED_ARGUMENTS.startswith(call.arguments) and '"options": {' in call.arguments
         assert call.status == "incomplete" and whole.status == "incomplete"
+
+
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_thinking_then_a_streamed_call_on_chat_and_anthropic(client, claude, where):
+    """Thinking is split off first (reasoning_content / a thinking block, never content or arguments);
+    the content then streams its call in fragments that join to the whole answer's arguments. Thinking
+    written inside a call's body comes after the call, so nothing interrupts the call's fragments."""
+    messages = [{"role": "user", "content": f"think {where}, then write the file"}]
+    assert parse_generated(THINKING_ANSWERS[where]).reasoning == THOUGHT
+    whole = client.chat.completions.create(model="m", messages=messages, tools=[WRITE_TOOL]).choices[0]
+    assert whole.message.model_extra["reasoning_content"] == THOUGHT
+    assert whole.message.content == "I will write it. " and whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    assert call.function.arguments == EXPECTED_ARGUMENTS
+    chunks = [c.choices[0] for c in client.chat.completions.create(model="m", messages=messages, tools=[WRITE_TOOL],
+                                                                   stream=True) if c.choices]
+    kinds = [("reasoning" if (c.delta.model_extra or {}).get("reasoning_content") else
+              "content" if c.delta.content else "call" if c.delta.tool_calls else None) for c in chunks]
+    assert "".join((c.delta.model_extra or {}).get("reasoning_content") or "" for c in chunks) == THOUGHT
+    assert "".join(c.delta.content or "" for c in chunks) == "I will write it. "
+    start, *fragments = [d for c in chunks for d in c.delta.tool_calls or []]
+    assert start.function.name == "write_file" and start.id.startswith("call_")
+    assert len(fragments) > 10 and "".join(d.function.arguments for d in fragments) == call.function.arguments
+    calls = [i for i, kind in enumerate(kinds) if kind == "call"]
+    assert calls == list(range(calls[0], calls[-1] + 1))  # the call's chunks are contiguous
+    reasoning = [i for i, kind in enumerate(kinds) if kind == "reasoning"]
+    assert (reasoning[-1] < kinds.index("content")) if where == "before" else (reasoning[0] > calls[-1])
+    assert chunks[-1].finish_reason == "tool_calls"
+
+    tool = {"name": "write_file", "input_schema": WRITE_TOOL["function"]["parameters"]}
+    req = dict(model="m", max_tokens=400, messages=messages, tools=[tool])
+    events = list(claude.messages.create(**req, stream=True))
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+               and e.delta.type == "input_json_delta"]
+    assert len(partial) > 10 and "".join(partial) == EXPECTED_ARGUMENTS
+    message = claude.messages.create(**req)
+    with claude.messages.stream(**req) as stream:
+        streamed = stream.get_final_message()
+    want = ["thinking", "text", "tool_use"] if where == "before" else ["text", "tool_use", "thinking"]
+    assert [b.type for b in message.content] == [b.type for b in streamed.content] == want
+    (thinking,) = [b for b in message.content if b.type == "thinking"]
+    (tool_use,) = [b for b in message.content if b.type == "tool_use"]
+    assert thinking.thinking == THOUGHT and tool_use.input == json.loads(EXPECTED_ARGUMENTS)
+    assert message.stop_reason == streamed.stop_reason == "tool_use"
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [b.model_dump(exclude={"id"})
+                                                                          for b in message.content]
 
 
 # ---------------------------------------------------------------- CORS, max tokens, /v1/models
