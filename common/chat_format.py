@@ -846,9 +846,10 @@ def _generation_prompt(messages: list[dict]) -> str:
 
 
 class ChatFormat:
-    def __init__(self, bos: str = "<bos>", tokenizer: Any = None):
+    def __init__(self, bos: str = "<bos>", tokenizer: Any = None, template_writes_gemma_calls: bool = False):
         self.bos = bos
         self._template_tok = tokenizer  # set only when rendering through the tokenizer's template
+        self._template_writes_gemma_calls = template_writes_gemma_calls
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> "ChatFormat":
@@ -857,12 +858,19 @@ class ChatFormat:
             template = " ".join(str(v) for v in template.values())
         bos = getattr(tokenizer, "bos_token", None) or ""
         if isinstance(template, str) and "tools" in template:
-            return cls(bos=bos, tokenizer=tokenizer)
+            return cls(bos=bos, tokenizer=tokenizer, template_writes_gemma_calls=CALL_OPEN in template)
         return cls(bos=bos)
 
     @property
     def uses_template(self) -> bool:
         return self._template_tok is not None
+
+    @property
+    def writes_gemma_calls(self) -> bool:
+        """Whether the model's calls are in the Gemma 4 call syntax (`<|tool_call>call:NAME{...}`): always
+        with the built-in format, and with a chat template that renders calls that way (Gemma 4's own), so
+        a grammar can enforce them (server.grammar's tool-call grammar)."""
+        return not self.uses_template or self._template_writes_gemma_calls
 
     def _apply_template(self, messages: list[dict], tools: list[dict], gen: bool) -> str:
         return self._template_tok.apply_chat_template(

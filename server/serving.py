@@ -235,12 +235,13 @@ class Service:
 
     def _constraint(self, req: ChatCompletionRequest, offered: list[dict]):
         """The grammar the reply must follow (server.grammar), or None: a JSON response_format, or a
-        required / named tool call in the Gemma 4 call syntax. Under a chat template a tool call is
-        requested by the template's instruction only, since its call syntax is the template's own;
+        required / named tool call in the Gemma 4 call syntax (the built-in format, or a chat template that
+        writes it, as Gemma 4's does). Under another chat template a tool call is requested by the
+        template's instruction only, since its call syntax is the template's own;
         with a tokenizer llguidance cannot read, a call is enforced by its forced first tokens only
         (ChatFormat.forced_call) and a JSON format is refused."""
         enforced_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        if req.response_format is None and not (enforced_call and not self.chat_format.uses_template):
+        if req.response_format is None and not (enforced_call and self.chat_format.writes_gemma_calls):
             return None
         compiler = self._grammar_compiler()
         if compiler is None:

@@ -110,3 +110,34 @@ def test_unenforceable_formats_get_a_400(servers):
         drafted.chat.completions.create(model="m", messages=hi, max_tokens=8, tools=TOOLS, tool_choice="required",
                                         response_format={"type": "json_object"})
     assert drafted.chat.completions.create(model="m", messages=hi, max_tokens=4).choices[0].message is not None
+
+
+GEMMA4_STYLE_TEMPLATE = (  # a chat template that renders tools and writes calls in Gemma 4's syntax
+    "{{ bos_token }}{% if tools %}<|turn>system\n{% for t in tools %}declaration:{{ t.function.name }}\n"
+    "{% endfor %}Call a tool as <|tool_call>call:NAME{...}<tool_call|><turn|>\n{% endif %}"
+    "{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def test_a_required_call_is_enforced_under_a_chat_template_that_writes_gemma_calls():
+    import copy
+    import dataclasses
+
+    from common.chat_format import ChatFormat
+    from server.model_loading import load_target
+
+    target = load_target(None)
+    tokenizer = copy.deepcopy(target.tokenizer)
+    tokenizer.chat_template = GEMMA4_STYLE_TEMPLATE
+    assert ChatFormat.for_tokenizer(tokenizer).uses_template and ChatFormat.for_tokenizer(tokenizer).writes_gemma_calls
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = GEMMA4_STYLE_TEMPLATE.replace("<|tool_call>call:NAME{...}<tool_call|>", "JSON")
+    assert not ChatFormat.for_tokenizer(other).writes_gemma_calls  # its calls cannot be enforced by the grammar
+    templated = dataclasses.replace(target, tokenizer=tokenizer)
+    service = Service(Engine(templated, None, EngineConfig(adaptive=False)), Settings(trace_log=False))
+    with ServerThread(create_app(service)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        for ask in ASKS[:5]:
+            r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], tools=TOOLS,
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=64)
+            assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
