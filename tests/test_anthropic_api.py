@@ -16,7 +16,7 @@ from bench.live_server import ServerThread
 from server.app import create_app
 from server.serving import Service
 from server.settings import Settings
-from tests.test_server_protocol import ScriptedEngine, _serve
+from tests.test_server_protocol import ScriptedEngine, _serve, serving
 
 WEATHER_TOOL = {"name": "get_weather", "description": "Current weather in a city",
                 "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -28,10 +28,7 @@ HELLO = "Hello there! How can I help you today?"
 
 @pytest.fixture(scope="module")
 def server():
-    engine = ScriptedEngine()
-    service, thread = _serve(engine)
-    with thread as url:
-        yield engine, service, url
+    yield from serving(ScriptedEngine())
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from common.chat_format import (CONTENT, REASONING, ChatFormat, ThinkingStreamParser, parse_generated,
                                 strip_thinking)
-from tests.test_server_protocol import PARIS_CALL, WEATHER_TOOL, ScriptedEngine, _serve, default_script
+from tests.test_server_protocol import PARIS_CALL, WEATHER_TOOL, ScriptedEngine, default_script, serving
 
 THOUGHT = "The user asks for a number.\nForty-two fits."
 ANSWER = "The answer is 42."
@@ -131,10 +131,7 @@ def test_content_with_channel_markup_is_stripped_as_the_template_does():
 
 @pytest.fixture(scope="module")
 def server():
-    engine = ScriptedEngine(thinking_script)
-    service, thread = _serve(engine)
-    with thread as url:
-        yield engine, service, url
+    yield from serving(ScriptedEngine(thinking_script))
 
 
 @pytest.fixture(scope="module")

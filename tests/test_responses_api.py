@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server_protocol import ScriptedEngine, _serve, default_script
+from tests.test_server_protocol import ScriptedEngine, _serve, default_script, serving
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -41,10 +41,7 @@ def responses_script(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = ScriptedEngine(script=responses_script)
-    service, thread = _serve(engine)
-    with thread as url:
-        yield engine, service, url
+    yield from serving(ScriptedEngine(script=responses_script))
 
 
 @pytest.fixture(scope="module")

@@ -121,12 +121,16 @@ def _serve(engine, **settings):
     return service, ServerThread(create_app(service))
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = ScriptedEngine()
-    service, thread = _serve(engine)
+def serving(engine, **settings):
+    """(engine, service, base url) while a real server serves `engine` (for module fixtures)."""
+    service, thread = _serve(engine, **settings)
     with thread as url:
         yield engine, service, url
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serving(ScriptedEngine())
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from common.chat_format import (ArgumentsDelta, CallEnded, CallStarted, ToolCallStreamer, format_value,
                                 parse_generated)
 from server.anthropic_api import partial_json_object
-from tests.test_server_protocol import ScriptedEngine, _serve, default_script
+from tests.test_server_protocol import ScriptedEngine, _serve, default_script, serving
 
 WRITE_TOOL = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
     "path": {"type": "string"}, "content": {"type": "string"}, "options": {"type": "object"}}}}}
@@ -55,10 +55,7 @@ def script(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = ScriptedEngine(script)
-    service, thread = _serve(engine)
-    with thread as url:
-        yield engine, service, url
+    yield from serving(ScriptedEngine(script))
 
 
 @pytest.fixture(scope="module")
