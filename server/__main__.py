@@ -18,9 +18,9 @@ def _stop(*_) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the server; Ctrl-C or SIGTERM at any point (loading included) stops it quietly with status 0.
-    (uvicorn shuts down gracefully, then re-raises the signal it caught: `_stop` turns that into
-    KeyboardInterrupt, which ends here, instead of a traceback or a death by signal.)"""
+    """Run the server; Ctrl-C or SIGTERM at any point (loading included) stops it quietly with status 0:
+    while loading, `_stop` turns the signal into KeyboardInterrupt, which ends here; while serving,
+    uvicorn shuts down gracefully (see `_serve`)."""
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
@@ -64,6 +64,10 @@ def _serve(argv: list[str] | None) -> int:
     log.info("index reload: SIGHUP, POST /admin/reload-index%s",
              f", or automatically within {settings.watch_index:g} s of a rebuild" if settings.watch_index > 0 else "")
     log.info("serving %s on http://%s:%d/v1", engine.model_id, settings.host, settings.port)
+    # While it serves, uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown) and re-raises the
+    # signal to the handler it found once done: a quiet one here, so that stopping is not a traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(create_app(service), host=settings.host, port=settings.port,
                 log_level=settings.log_level if settings.log_level != "info" else "warning")
     log.info("stopped")
