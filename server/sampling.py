@@ -68,13 +68,11 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def keyed_uniform(key: int, token_ids: np.ndarray) -> np.ndarray:
-    """u in (0, 1) per id, a pure function of (key, id): splitmix64 over the ids."""
-    z = token_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+def position_uniform(seed: int, position: int) -> float:
+    """u in (0, 1), a pure function of (seed, output position): splitmix64's finalizer, applied twice,
+    over a key mixed from both (53 random bits)."""
+    z = _mix64(_mix64((seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK))
+    return ((z >> 11) + 0.5) * (1.0 / (1 << 53))
 
 
 class Sampler:
@@ -101,9 +99,7 @@ class Sampler:
         if p.greedy:
             return int(scores.argmax())
         ids, vals = self._candidates(scores)
-        u = float(keyed_uniform(_mix64((self.seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK),
-                                np.zeros(1, dtype=np.int64))[0])
-        return int(ids[_inverse_cdf(np.exp(vals - vals.max()), u)])
+        return int(ids[_inverse_cdf(np.exp(vals - vals.max()), position_uniform(self.seed, position))])
 
     def _penalize(self, scores: np.ndarray, pending) -> np.ndarray:
         p = self.params

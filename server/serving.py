@@ -107,9 +107,6 @@ def load_engine(settings: Settings):
         log.info("verify cost curve (forward time for n new tokens / 1 token; engine ready in %.1f s): %s",
                  time.perf_counter() - t0, curve)
     log.info("context limit %d tokens", engine.max_context)
-    defaults = sampling_defaults(engine.model.generation_config) if settings.generation_defaults else {}
-    log.info("sampling defaults: %s%s; sampled requests are drafted too (same seed, same tokens)",
-             describe_defaults(defaults), "" if settings.generation_defaults else " (--no-generation-defaults)")
     return engine, note
 
 
@@ -188,6 +185,9 @@ class Service:
         model = getattr(engine, "model", None)
         self.sampling_defaults = (sampling_defaults(getattr(model, "generation_config", None))
                                   if settings.generation_defaults else {})
+        log.info("sampling defaults: %s%s; sampled requests are drafted too (same seed, same tokens)",
+                 describe_defaults(self.sampling_defaults),
+                 "" if settings.generation_defaults else " (--no-generation-defaults)")
         self.stop_token_ids = frozenset(self.chat_format.stop_token_ids(engine.tokenizer))
         self.scheduler = Scheduler()
         self.metrics = Metrics()
