@@ -421,16 +421,8 @@ class _ResponseBuilder:
                                     output_index=len(self.output) - 1, content_index=0, delta=delta)]
 
     def close_reasoning(self, status: str = "completed") -> list[dict]:
-        item, index = self.reasoning_item, len(self.output) - 1
-        if item is None:
-            return []
-        self.reasoning_item, part = None, item["content"][0]
-        item["status"] = status
-        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                           content_index=0, text=part["text"]),
-                self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                           content_index=0, part=_copy(part)),
-                self.event("response.output_item.done", output_index=index, item=_copy(item))]
+        item, self.reasoning_item = self.reasoning_item, None
+        return self._close_text_item(item, status, "response.reasoning_text.done") if item is not None else []
 
     def text(self, delta: str) -> list[dict]:
         """A text delta; a message item opens at its first text that is not whitespace only (closing
@@ -462,16 +454,19 @@ class _ResponseBuilder:
         return events
 
     def close_message(self, status: str = "completed") -> list[dict]:
-        message, index = self.message, len(self.output) - 1
-        if message is None:
-            return []
-        self.message, part = None, message["content"][0]
-        message["status"] = status
-        return [self.event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
-                           text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=message["id"], output_index=index,
+        message, self.message = self.message, None
+        return self._close_text_item(message, status, "response.output_text.done", logprobs=[]) \
+            if message is not None else []
+
+    def _close_text_item(self, item: dict, status: str, done_event: str, **done_fields) -> list[dict]:
+        """The done events of the last output item (a message or reasoning item with one text part)."""
+        index, part = len(self.output) - 1, item["content"][0]
+        item["status"] = status
+        return [self.event(done_event, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                           **done_fields),
+                self.event("response.content_part.done", item_id=item["id"], output_index=index,
                            content_index=0, part=_copy(part)),
-                self.event("response.output_item.done", output_index=index, item=_copy(message))]
+                self.event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def function_call_start(self, start: ToolCallStart) -> list[dict]:
         """A tool call whose name is complete opens a function_call item; whitespace before it is dropped."""
