@@ -102,28 +102,24 @@ def _first_value(options: Any) -> tuple[bool, Any]:
 def _resolve(value: Any) -> Any:
     """Nested ground-truth objects map each key to possible values too."""
     if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
-        out = {}
-        for k, opts in value.items():
-            present, v = _first_value(opts)
-            if present:
-                out[k] = v
-        return out
+        return _present_values(value)
     if isinstance(value, list):
         return [_resolve(v) for v in value]
     return value
 
 
+def _present_values(options_by_key: dict) -> dict:
+    """Each key's first possible value, for the keys that have one."""
+    out = {}
+    for key, options in options_by_key.items():
+        present, v = _first_value(options)
+        if present:
+            out[key] = v
+    return out
+
+
 def ground_truth_calls(ground_truth: list[dict]) -> list[tuple[str, dict]]:
-    calls = []
-    for entry in ground_truth:
-        for name, args in entry.items():
-            kwargs = {}
-            for arg, options in args.items():
-                present, v = _first_value(options)
-                if present:
-                    kwargs[arg] = v
-            calls.append((name, kwargs))
-    return calls
+    return [(name, _present_values(args)) for entry in ground_truth for name, args in entry.items()]
 
 
 def parse_call_string(text: str, param_order: dict[str, list[str]]) -> tuple[str, dict]:

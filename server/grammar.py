@@ -21,7 +21,7 @@ compile (an HTTP 400):
     # with a chat template whose model writes JSON calls, e.g. between <tool_call>\\n and \\n</tool_call>:
     constraint = compiler.tool_call_json(tools, named=None, parallel=True,
                                          open_marker="<tool_call>\\n", close_marker="\\n</tool_call>")
-    # any other grammar: compiler.lark(text), compiler.regex(pattern)
+    # any other grammar: compiler.lark(text)
     params = GenerationParams(max_tokens=..., constraint=constraint, stop_token_ids=..., ...)
 
 A `Constraint` is immutable and reusable (cache it per schema if you like); the engine calls
@@ -108,9 +108,6 @@ class GrammarCompiler:
 
     def lark(self, grammar: str) -> "Constraint":
         return Constraint(self, llguidance.LLMatcher.grammar_from_lark(grammar), "lark")
-
-    def regex(self, pattern: str) -> "Constraint":
-        return Constraint(self, llguidance.LLMatcher.grammar_from_regex(pattern), "regex")
 
     def tool_call(self, tools: list[dict], named: str | None = None, parallel: bool = True) -> "Constraint":
         """Calls in the built-in Gemma 4 format (server.tool_grammars.tool_call_grammar): one or

@@ -210,16 +210,21 @@ def _tool_call(call: Any, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
         raise _bad(f"{where}: a tool call needs function.name (letters, digits, _ . : -)", where, "invalid_type")
-    arguments = fn.get("arguments")
-    if arguments is None:
-        arguments = "{}"
-    if not isinstance(arguments, str):
-        raise _bad(f"{where}: function.arguments must be a JSON string", where, "invalid_type")
-    if _string_too_deep(arguments):
-        raise _bad(f"{where}: function.arguments is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)",
-                   where, "too_deep")
+    arguments = json_arguments(fn.get("arguments"), f"{where}: function.arguments", where)
     return {"id": str(call.get("id") or f"call_{uuid.uuid4().hex[:24]}"), "type": "function",
             "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def json_arguments(arguments: Any, what: str, param: str) -> str:
+    """A tool call's arguments: a JSON string ("{}" when absent) nested at most MAX_JSON_DEPTH deep;
+    `what` names them in the 400's message, `param` is its param."""
+    if arguments is None:
+        return "{}"
+    if not isinstance(arguments, str):
+        raise _bad(f"{what} must be a JSON string", param, "invalid_type")
+    if _string_too_deep(arguments):
+        raise _bad(f"{what} is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", param, "too_deep")
+    return arguments
 
 
 def _string_too_deep(text: str) -> bool:

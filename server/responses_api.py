@@ -54,9 +54,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from server.protocol import (_TOOL_NAME, MAX_JSON_DEPTH, APIError, ChatCompletionRequest, _bad, _opt,
-                             _refuse_unknown, _sampling, _string_too_deep, error_body, parse_tool_choice,
-                             parse_tools)
+from server.protocol import (_TOOL_NAME, APIError, ChatCompletionRequest, _bad, _opt, _refuse_unknown, _sampling,
+                             error_body, json_arguments, parse_tool_choice, parse_tools)
 from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.responses")
@@ -260,18 +259,12 @@ def _text(content: Any, where: str, key: str) -> str:
 def _function_call(item: dict, where: str) -> dict:
     """A function_call item as an OpenAI chat tool call whose id is the item's call_id."""
     _refuse_extra_keys(item, {"type", "call_id", "name", "arguments"}, where)
-    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
-    if arguments is None:
-        arguments = "{}"
+    call_id, name = item.get("call_id"), item.get("name")
     if not isinstance(call_id, str) or not call_id:
         raise APIError(400, f"{where}: a function_call needs 'call_id'", f"{where}.call_id", "missing_required_parameter")
     if not isinstance(name, str) or not _TOOL_NAME.match(name):
         raise _bad(f"{where}.name must be 1-128 letters, digits, _ . : or -", f"{where}.name")
-    if not isinstance(arguments, str):
-        raise _bad(f"{where}.arguments must be a JSON string", f"{where}.arguments", "invalid_type")
-    if _string_too_deep(arguments):
-        raise _bad(f"{where}.arguments is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)",
-                   f"{where}.arguments", "too_deep")
+    arguments = json_arguments(item.get("arguments"), f"{where}.arguments", f"{where}.arguments")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -26,7 +26,6 @@ class TraceLog:
         self._lock = threading.Lock()
         self._path: Path | None = None
         self._seq = 0
-        self.written = 0
         self.failed = 0
 
     @property
@@ -43,7 +42,6 @@ class TraceLog:
                     os.write(fd, line)
                 finally:
                     os.close(fd)
-            self.written += 1
             return True
         except Exception as e:  # capture is best effort
             self.failed += 1
