@@ -59,6 +59,7 @@ Translation, field by field:
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -556,24 +557,9 @@ async def _sse(stream: AsyncIterator[StreamEvent], service: Service) -> AsyncIte
 
 # ---------------------------------------------------------------- the routes
 
-def _guarded(handler: Callable[[Request], Awaitable[Response]], service: Service):
-    """Answer APIError and any unexpected exception in Anthropic's error shape (the latter logged and
-    counted, with a generic message)."""
-    async def route(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except APIError as e:
-            return error_response(e.status, e.message)
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.url.path)
-            service.metrics.internal_error()
-            return error_response(500, "internal server error (details are in the server log)")
-    return route
-
-
-def routes(service: Service, read_json: Callable[[Request], Awaitable[Any]]) -> list[Route]:
+def routes(service: Service, read_json: Callable[[Request], Awaitable[Any]], guarded: Callable) -> list[Route]:
     """POST /v1/messages and /v1/messages/count_tokens; `read_json` reads a request's body (app.py's
-    size-limited reader)."""
+    size-limited reader), `guarded` answers a handler's errors (app.py's), here in Anthropic's shape."""
     async def messages(request: Request) -> Response:
         req = parse_request(await read_json(request), service.sampling_defaults)
         prep, events = service.chat_events(req, request.receive, endpoint="messages")
@@ -586,5 +572,6 @@ def routes(service: Service, read_json: Callable[[Request], Awaitable[Any]]) -> 
         req = parse_request(await read_json(request), service.sampling_defaults, require_max_tokens=False)
         return JSONResponse({"input_tokens": service.count_chat_tokens(req)})
 
-    return [Route(MESSAGES_PATH, _guarded(messages, service), methods=["POST"]),
-            Route(MESSAGES_PATH + "/count_tokens", _guarded(count_tokens, service), methods=["POST"])]
+    guard = functools.partial(guarded, answer=lambda e: error_response(e.status, e.message), logger=log)
+    return [Route(MESSAGES_PATH, guard(messages), methods=["POST"]),
+            Route(MESSAGES_PATH + "/count_tokens", guard(count_tokens), methods=["POST"])]

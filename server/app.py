@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 
@@ -68,21 +69,26 @@ def _respond(result) -> Response:
     return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
-def _guarded(handler, metrics=None):
-    """Answer APIError and any unexpected exception in the error shape. Handled here rather than by
-    Starlette's server-error middleware, which re-raises and makes uvicorn drop the connection. An
-    unexpected exception is logged with its traceback and counted (`sailfish_internal_errors_total`)."""
+def _openai_error(error: APIError) -> Response:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _guarded(handler, metrics, answer=_openai_error, logger=log):
+    """Answer APIError and any unexpected exception in the error shape `answer` gives an APIError
+    (OpenAI's; server.anthropic_api passes Anthropic's). Handled here rather than by Starlette's
+    server-error middleware, which re-raises and makes uvicorn drop the connection. An unexpected
+    exception is logged to `logger` with its traceback, counted (`sailfish_internal_errors_total`)
+    and answered with a generic 500."""
     async def route(request: Request) -> Response:
         try:
             return await handler(request)
         except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return answer(e)
         except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.url.path)
-            if metrics is not None:
-                metrics.internal_error()
-            return _error(500, "internal server error (details are in the server log)", "server_error",
-                          code="internal_error")
+            logger.exception("unhandled error on %s %s", request.method, request.url.path)
+            metrics.internal_error()
+            return answer(APIError(500, "internal server error (details are in the server log)",
+                                   code="internal_error", type="server_error"))
     return route
 
 
@@ -140,7 +146,7 @@ def create_app(service: Service) -> Starlette:
         Route("/health", guard(health), methods=["GET"]),
         Route("/metrics", guard(metrics), methods=["GET"]),
         Route("/admin/reload-index", guard(reload_index), methods=["POST"]),
-        *anthropic_api.routes(service, _json_body),
+        *anthropic_api.routes(service, _json_body, functools.partial(_guarded, metrics=service.metrics)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
