@@ -3,12 +3,14 @@ Not Sailfish's drafter (that is ngram/), so kept beside the replay command that 
 
 SuffixDecoding (the `arctic-inference` package, imported only when used).
 
-Contract: `SuffixDecodingDrafter(turns, max_draft)` seeds SuffixDecodingCache's global tree with the
+Contract: `SuffixDecodingDrafter(turns, max_draft, max_spec_factor=1.0, use_tree_spec=False)` seeds SuffixDecodingCache's global tree with the
 same token turns a Sailfish index holds (each as a finished request), so both drafters start from the
 same knowledge. `session()` starts a request (the previous one is stopped, which adds its response to
 the global tree, as vLLM does); `propose(context, n)` first adds the tokens committed since the last
 call, then speculates from the last <= 64 tokens. Per arctic-inference's notes, `max_spec_tokens` is
-always passed.
+always passed. `max_spec_factor` lets a draft run up to that many times the matched length (its best
+setting is 4, not the default 1); with `use_tree_spec` a draft is a token tree (Draft.parents) of at
+most max_draft tokens, verified as vLLM's suffix decoding does: the longest root path that matches.
 """
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ PATTERN_TOKENS = 64
 
 
 class SuffixDecodingDrafter:
-    def __init__(self, turns, max_draft: int = 8, min_token_prob: float = 0.1):
+    def __init__(self, turns, max_draft: int = 8, min_token_prob: float = 0.1, max_spec_factor: float = 1.0,
+                 use_tree_spec: bool = False):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.cache = SuffixDecodingCache(max_tree_depth=64)
         self.max_draft = max_draft
         self.min_token_prob = min_token_prob
+        self.max_spec_factor, self.use_tree_spec = max_spec_factor, use_tree_spec
         self._ids = itertools.count()
         self._active = None
         for turn in turns:
@@ -61,13 +65,15 @@ class _SuffixSession:
         n = min(max_tokens, self.drafter.max_draft)
         if n <= 0:
             return EMPTY_DRAFT
-        draft = cache.speculate(self.rid, ctx[-PATTERN_TOKENS:], max_spec_tokens=n,
-                                min_token_prob=self.drafter.min_token_prob)
+        d = self.drafter
+        draft = cache.speculate(self.rid, ctx[-PATTERN_TOKENS:], max_spec_tokens=n, min_token_prob=d.min_token_prob,
+                                max_spec_factor=d.max_spec_factor, use_tree_spec=d.use_tree_spec)
         tokens = np.asarray(draft.token_ids[:n], dtype=np.int32)
         if not len(tokens):
             return EMPTY_DRAFT
         probs = np.asarray(draft.probs[: len(tokens)], dtype=np.float32)
-        return Draft(tokens, probs, "suffix", int(draft.match_len))
+        parents = list(draft.parents[:n]) if d.use_tree_spec else None
+        return Draft(tokens, probs, "suffix", int(draft.match_len), parents)
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass

@@ -5,7 +5,9 @@ is what a session proposes: `tokens` are the proposed next token ids (a sequence
 empty: the n-gram drafter returns a list, other drafters may return an int array); `confidence[i]` is
 the drafter's estimate (0..1) that tokens[:i+1] all match the target; `source` names where the draft
 came from ("index", "context", "overlay", "suffix", ... or "none"); `match_length` is the number of
-context tokens the drafter matched before proposing.
+context tokens the drafter matched before proposing. A token tree (several continuations verified in
+one forward) sets `parents`: parents[i] is the index of token i's parent in `tokens`, -1 for a child
+of the pending token, and parents come before their children; a chain has parents None.
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ class Draft:
     """A plain slotted class, not a dataclass or arrays: the drafter builds one per step, and on a
     slow CPU a frozen dataclass plus two numpy arrays cost more than the rest of a cheap proposal."""
 
-    __slots__ = ("tokens", "confidence", "source", "match_length")
+    __slots__ = ("tokens", "confidence", "source", "match_length", "parents")
 
-    def __init__(self, tokens, confidence, source: str = "none", match_length: int = 0):
+    def __init__(self, tokens, confidence, source: str = "none", match_length: int = 0, parents=None):
         self.tokens, self.confidence, self.source, self.match_length = tokens, confidence, source, match_length
+        self.parents = parents
 
     def __len__(self) -> int:
         return len(self.tokens)

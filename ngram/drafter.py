@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ngram.codec import decode, encode
+from ngram.context_index import ContextIndexCache
 from ngram.draft import EMPTY_DRAFT, Draft
 from ngram.index_file import NgramIndex
 from ngram.lookup import IndexLookup
@@ -51,7 +52,7 @@ class DrafterConfig:
     max_match: int = field(default=16, metadata={"help": 'longest suffix considered (index keys bound it too)'})
     confidence_cutoff: float = field(default=0.3, metadata={"help": 'stop where the cumulative confidence would fall below this'})
     scan_limit: int = field(default=16, metadata={"help": 'index keys examined per continuation (the heaviest first)'})
-    context_window: int = field(default=4096, metadata={"help": 'how far back (tokens) the live-context lookup searches'})
+    context_window: int = field(default=262_144, metadata={"help": 'how far back (tokens) the live-context lookup searches'})
     context_occurrences: int = field(default=8, metadata={"help": 'most recent context occurrences that vote'})
     overlay_tokens: int = field(default=262_144, metadata={"help": 'online overlay of served completions (0: off)'})
     use_index: bool = field(default=True, metadata={"help": 'propose from the n-gram index (--no-use-index: context and overlay only)'})
@@ -76,6 +77,8 @@ class NgramDrafter:
                                    cutoff=self.config.confidence_cutoff, longest=max_match)
                        if index is not None else None)
         self.overlay = Overlay(self.config.overlay_tokens) if self.config.overlay_tokens > 0 else None
+        # finished sessions' context position indexes, for the next turn of their conversations
+        self.context_indexes = ContextIndexCache()
 
     def session(self) -> "DraftSession":
         return DraftSession(self)
@@ -111,7 +114,7 @@ class DraftSession:
         if cfg.use_index and drafter.index is not None:
             sources.append(IndexSource(drafter.lookup, drafter.max_index_match, cfg))
         if cfg.use_context:
-            sources.append(ContextSource(cfg))
+            sources.append(ContextSource(cfg, drafter.context_indexes))
         if drafter.overlay is not None:
             sources.append(OverlaySource(drafter.overlay, cfg))
         self._sources = sources
@@ -150,6 +153,8 @@ class DraftSession:
         them so that a completion's start can be matched too, join the drafter's online overlay."""
         if context_ids is not None and len(context_ids) and self._prompt_end >= 0:
             self._sync(context_ids)
+        for source in self._sources:
+            source.finish(self._text)
         overlay = self.drafter.overlay
         if overlay is not None and 0 <= self._prompt_end < len(self._text):
             overlay.add(self._text[max(0, self._prompt_end - OVERLAY_ANCHOR_TOKENS) :])

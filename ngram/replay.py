@@ -10,7 +10,7 @@ is kept as that command's name and hands over to it):
 
 Each assistant turn is replayed as if the target had produced exactly its tokens, under greedy
 verification: per step the drafter proposes up to K tokens (never past the turn's end), the longest
-prefix that matches the target's tokens is accepted, and the target adds one token of its own (the
+prefix that matches the target's tokens is accepted (of a token tree: the longest root path), and the target adds one token of its own (the
 first mismatch, or the next token). A step with no draft is a plain decoding step. After each turn the drafter learns it (its online
 overlay, as in the server), so turns are replayed in trace order.
   tau              = target tokens / verify steps (every target forward counts as a step)
@@ -71,9 +71,13 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
         t0 = time.perf_counter()
         draft = session.propose(full[: n_ctx + pos], min(max_draft, remaining))
         stats.latencies_us.append((time.perf_counter() - t0) * 1e6)
-        proposed = np.asarray(draft.tokens[:remaining], dtype=np.int64)
-        agree = proposed == target[pos : pos + proposed.shape[0]]
-        accepted = int(proposed.shape[0] if agree.all() else np.argmin(agree))
+        if draft.parents is not None:  # a tree: the longest root path that the target follows
+            proposed = np.asarray(draft.tokens, dtype=np.int64)
+            accepted = tree_accepted(proposed.tolist(), list(draft.parents), target[pos:].tolist())
+        else:
+            proposed = np.asarray(draft.tokens[:remaining], dtype=np.int64)
+            agree = proposed == target[pos : pos + proposed.shape[0]]
+            accepted = int(proposed.shape[0] if agree.all() else np.argmin(agree))
         session.feedback(int(proposed.shape[0]), accepted)
         stats.drafted += int(proposed.shape[0])
         stats.accepted += accepted
@@ -83,6 +87,18 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
     session.finish(full)  # the completed turn feeds the drafter's online overlay
     stats.turns += 1
     stats.target_tokens += n
+
+
+def tree_accepted(tokens: list[int], parents: list[int], target: list[int]) -> int:
+    """How many target tokens a token tree (ngram.draft's layout) accepts: the length of its longest
+    path from the root whose tokens are target's first ones."""
+    node, accepted = -1, 0
+    while accepted < len(target):
+        child = next((i for i, p in enumerate(parents) if p == node and tokens[i] == target[accepted]), -1)
+        if child < 0:
+            break
+        node, accepted = child, accepted + 1
+    return accepted
 
 
 def replay(drafter, turns: Iterable[tuple[np.ndarray, np.ndarray]], max_draft: int) -> ReplayStats:

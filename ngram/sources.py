@@ -16,12 +16,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ngram.context_index import ContextIndex, ContextIndexCache
 from ngram.lookup import IndexLookup
-from ngram.match import context_match, context_rows, follow_rows, longest_index_match, walk
-from ngram.overlay import Overlay
+from ngram.match import context_match, context_rows, follow_rows, longest_index_match, overlay_rows, walk
+from ngram.overlay import SEPARATOR, Overlay
 
 # How far past a match a context or overlay row reaches: later steps can follow it without a search.
 ROW_TOKENS = 32
+# Longer contexts are searched through their position index (ngram.context_index), not scanned.
+EXACT_SEARCH_TOKENS = 8192
+INDEX_CANDIDATES = 32  # most recent occurrences of the key extended into a match
 
 
 class Source(Protocol):
@@ -36,6 +40,7 @@ class Source(Protocol):
     def draft(self, text: str, k: int, max_tokens: int) -> tuple[str, list]: ...
     def reset(self) -> None: ...  # a new context: forget the state
     def shift(self, dropped: int) -> None: ...  # the text lost its first `dropped` tokens
+    def finish(self, text: str) -> None: ...  # the request is over; `text` is its final context
 
 
 class Followed:
@@ -94,6 +99,9 @@ class _RowSource:
     def shift(self, dropped: int) -> None:
         self.state.shift(dropped)
 
+    def finish(self, text: str) -> None:
+        pass
+
 
 class IndexSource(_RowSource):
     """The index trie: a fresh match is the longest one (match.longest_index_match, the bound probed
@@ -136,30 +144,67 @@ class IndexSource(_RowSource):
 
 
 class ContextSource(_RowSource):
-    """The request's own context: a fresh match is a search (match.context_match) over its last
-    `context_window` tokens, bounded by the last search's match plus the tokens seen since."""
+    """The request's own context, searched over its last `context_window` tokens. Up to
+    EXACT_SEARCH_TOKENS of them a fresh match is an exact search (match.context_match), bounded by
+    the last search's match plus the tokens seen since. Past that, the search goes through the
+    text's position index (ngram.context_index, taken from the drafter's cache of finished sessions
+    so that a conversation's next turn indexes only its new tokens): the longest extension among the
+    most recent occurrences of the longest key that occurs (match.overlay_rows), which costs the
+    same at 100k tokens as at 4k. That search is not exact, so its bound is max_match."""
 
     name = "context"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, indexes: ContextIndexCache | None = None) -> None:
         super().__init__(cfg)
         self.window, self.occurrences = cfg.context_window, cfg.context_occurrences
         self.searched = (0, 0)  # (last search's match, tokens seen then); cutting the text back keeps it
+        self.indexes = indexes if indexes is not None else ContextIndexCache(size=0)
+        self.index: ContextIndex | None = None  # over the session's text, taken at the first indexed search
 
     def reset(self) -> None:
         super().reset()
         self.searched = (0, 0)
+        self.index = None  # a new text: the next indexed search takes one that fits it
+
+    def shift(self, dropped: int) -> None:
+        super().shift(dropped)
+        self.index = None
+
+    def finish(self, text: str) -> None:
+        if self.index is not None:
+            self.index.extend(text)
+            self.indexes.put(self.index, text)
+            self.index = None
 
     def _fresh_bound(self, text_len: int, seen: int) -> int:
+        if min(text_len, self.window) > EXACT_SEARCH_TOKENS:
+            return self.max_match
         last_k, seen_then = self.searched
         return min(self.max_match, max(last_k, self.min_match - 1) + seen - seen_then)
 
     def _fresh(self, text: str, seen: int) -> tuple[int, list]:
         start = max(0, len(text) - self.window)
+        if len(text) - start > EXACT_SEARCH_TOKENS:
+            return self._indexed(text, start)
         k, starts = context_match(text, self.min_match, self.max_match, self.occurrences, start,
                                   self._fresh_bound(len(text), seen))
         self.searched = (k, seen)
         return k, (context_rows(text, starts, k, ROW_TOKENS) if k else [])
+
+    def _indexed(self, text: str, start: int) -> tuple[int, list]:
+        if self.index is None:
+            self.index = self.indexes.take(text)
+        self.index.extend(text)
+        offsets, key_tokens = self.index.candidates(text, INDEX_CANDIDATES)
+        if start:  # past the window: search only text[start:], as a session holding just that would
+            view = text[start:]
+            offsets = [o - start for o in offsets if o - start >= key_tokens]
+        else:
+            view = text
+        if not offsets:
+            return 0, []
+        return overlay_rows(view, offsets, text[-self.max_match - 1 :], key_tokens, self.min_match, self.max_match,
+                            self.occurrences, INDEX_CANDIDATES, ROW_TOKENS, SEPARATOR)
 
 
 class OverlaySource(_RowSource):

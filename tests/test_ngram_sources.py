@@ -61,6 +61,9 @@ class _Checked:
     def shift(self, dropped):
         self.inner.shift(dropped)
 
+    def finish(self, text):
+        self.inner.finish(text)
+
 
 @pytest.mark.parametrize("window", [4096, 24])  # 24: the text is cut back (shift) again and again
 def test_every_source_honours_its_bound(tmp_path, window):

@@ -65,3 +65,15 @@ def test_replay_cli_prints_json_last_and_beats_baseline_on_repetitive_turns(tmp_
         assert key in result and key in result["baseline"]
     assert result["target_tokens"] == 3 * 22
     assert result["tau"] > 2 * result["baseline"]["tau"]
+
+
+def test_a_tree_accepts_its_longest_matching_root_path():
+    from ngram.replay import tree_accepted
+
+    # root -> 5 -> 6 -> 7 and root -> 5 -> 8, root -> 9: parents before children
+    tokens, parents = [5, 9, 6, 8, 7], [-1, -1, 0, 0, 2]
+    assert tree_accepted(tokens, parents, [5, 6, 7, 1]) == 3
+    assert tree_accepted(tokens, parents, [5, 8, 7]) == 2
+    assert tree_accepted(tokens, parents, [9, 9]) == 1
+    assert tree_accepted(tokens, parents, [4]) == 0
+    assert tree_accepted(tokens, parents, [5, 6]) == 2  # the turn ends inside the tree

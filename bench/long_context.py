@@ -1,0 +1,195 @@
+"""Long agent conversations through the drafters, offline: tau and propose latency by context length.
+
+    python -m bench.long_context [--chains 3] [--max-context 131072] [--max-draft 16] [--quick]
+                                 [--out bench/results/long_context.md]
+
+The conversations (real recorded ones, never generated text): the held-out BFCL v4 multi-turn
+conversations (the default index never saw them) and the Claude Code sample transcripts, CHAINED
+into `--chains` long agent conversations: each conversation's turns are replayed with every earlier
+conversation of its chain (rendered and tokenized whole, the way the server renders them) in front
+of them, as an agent that works through task after task in one context, until the context reaches
+`--max-context` tokens. Conversations are dealt round-robin to the chains, so every chain mixes
+tool sets. What this measures is what an agent's context does to a drafter: it grows past 100k
+tokens, it repeats tool declarations, calls and results, and only its tail is new.
+
+Contenders, replayed on the same turns with the same tokens per verify (`--max-draft`), each drafter
+learning its own served turns as it goes (ngram.replay's rule):
+- `sailfish`: the default drafter (index, whole-context search, online overlay);
+- `sailfish, window 4096`: the same with the live-context search cut to the last 4,096 tokens (the
+  default before whole-context search);
+- `prompt lookup`: transformers' prompt lookup on the request's own context;
+- `suffix f1 path`, `suffix f4 path`, `suffix f1 tree`, `suffix f4 tree`: SuffixDecoding
+  (arctic-inference) seeded with the same index turns, at `max_spec_factor` 1 and 4, tree
+  speculation off and on (a tree verify accepts its longest matching root path).
+Tau = target tokens / verify steps (a tree's verify is one step). Latency = wall time of each
+propose call, the first call of a turn (which encodes and indexes the new prompt) included, by the
+context length at the call.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.results import write_results
+
+BUCKETS = [(0, 8192), (8192, 32768), (32768, 65536), (65536, 1 << 30)]
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    return f"{lo // 1024}k-{hi // 1024}k" if hi < 1 << 30 else f">= {lo // 1024}k"
+
+
+def chained_turns(chains: int, max_context: int, notes: list[str]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """`chains` lists of (context, target) id arrays, in replay order (see the module docstring)."""
+    from bench.sessions import BFCL_MULTI_TURN, DEFAULT_CLAUDE_SAMPLES, load_conversations
+    from common.chat_format import ChatFormat
+    from common.tokenizer import conversation_turns, load_tokenizer
+
+    tok = load_tokenizer(None)
+    fmt = ChatFormat.for_tokenizer(tok)
+    convs = load_conversations(DEFAULT_CLAUDE_SAMPLES, list(BFCL_MULTI_TURN), notes)
+    out: list[list] = [[] for _ in range(chains)]
+    history: list[list[int]] = [[] for _ in range(chains)]
+    for i, conv in enumerate(convs):
+        c = i % chains
+        if len(history[c]) >= max_context:
+            continue
+        turns = conversation_turns(fmt, tok, conv.messages, conv.tools)
+        for ctx, target in turns:
+            if target and len(history[c]) + len(ctx) < max_context:
+                out[c].append((np.asarray(history[c] + ctx, dtype=np.int64), np.asarray(target, dtype=np.int64)))
+        if turns:
+            last_ctx, last_target = turns[-1]
+            history[c] = history[c] + last_ctx + last_target
+    return out
+
+
+def contenders(index, max_draft: int, quick: bool) -> dict:
+    """name -> a function making a fresh drafter (each chain starts from the index alone)."""
+    from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
+
+    out = {
+        "sailfish": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft)),
+        "sailfish, window 4096": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft, context_window=4096)),
+        "prompt lookup": lambda: PromptLookupDrafter(max_draft=max_draft),
+    }
+    try:
+        from index.peers import SuffixDecodingDrafter
+        import arctic_inference  # noqa: F401  (the peer's package: `make bench` installs it)
+    except ImportError:
+        return out
+    seed = list(index.turns()) if index is not None else []
+    for factor in (1.0, 4.0):
+        for tree in (False, True):
+            if quick and factor == 1.0 and tree:
+                continue
+            out[f"suffix f{factor:g} {'tree' if tree else 'path'}"] = (
+                lambda f=factor, t=tree: SuffixDecodingDrafter(seed, max_draft, max_spec_factor=f, use_tree_spec=t))
+    return out
+
+
+def replay_chains(make_drafter, chains, max_draft: int) -> dict:
+    from ngram.replay import ReplayStats, replay_turn
+
+    total = ReplayStats()
+    per_bucket = {b: ReplayStats() for b in BUCKETS}
+    t0 = time.perf_counter()
+    for chain in chains:
+        drafter = make_drafter()
+        for ctx, target in chain:
+            b = next(b for b in BUCKETS if b[0] <= len(ctx) < b[1])
+            stats = ReplayStats()
+            replay_turn(drafter, ctx, target, max_draft, stats)
+            for s in (total, per_bucket[b]):
+                s.turns += stats.turns
+                s.target_tokens += stats.target_tokens
+                s.verify_steps += stats.verify_steps
+                s.drafted += stats.drafted
+                s.accepted += stats.accepted
+                s.latencies_us += stats.latencies_us
+    return {"all": total.as_dict(), "seconds": time.perf_counter() - t0,
+            "buckets": {bucket_name(*b): s.as_dict() for b, s in per_bucket.items() if s.turns}}
+
+
+def markdown(r: dict) -> str:
+    names = list(r["contenders"])
+    lines = [f"# Drafters on long agent conversations\n",
+             f"{r['when']}, {r['machine']}. Command: `{r['command']}`.\n",
+             f"{r['chains']} chained conversations, {r['turns']} turns, {r['target_tokens']:,} target tokens, "
+             f"contexts up to {r['longest_context']:,} tokens; at most {r['max_draft']} tokens per verify. "
+             f"Index: {r['index']}.\n", *[f"- {n}" for n in r["notes"]], "",
+             "| contender | tau | acceptance | propose p50 (us) | propose p99 (us) |", "|---|---|---|---|---|"]
+    for n in names:
+        a = r["contenders"][n]["all"]
+        lines.append(f"| {n} | {a['tau']:.2f} | {a['acceptance_rate']:.2f} | {a['draft_us_p50']:.1f} | {a['draft_us_p99']:.1f} |")
+    best_peer = max((n for n in names if n.startswith("suffix")), key=lambda n: r["contenders"][n]["all"]["tau"], default=None)
+    if best_peer:
+        ratio = r["contenders"]["sailfish"]["all"]["tau"] / r["contenders"][best_peer]["all"]["tau"]
+        lines += ["", f"Sailfish tau / the best SuffixDecoding configuration ({best_peer}): {ratio:.2f}x"]
+    buckets = list(r["contenders"]["sailfish"]["buckets"])
+    lines += ["", "By context length at the turn (tau; propose p50 / p99 us):", "",
+              "| contender | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for n in names:
+        cells = []
+        for b in buckets:
+            s = r["contenders"][n]["buckets"].get(b)
+            cells.append(f"{s['tau']:.2f}; {s['draft_us_p50']:.0f} / {s['draft_us_p99']:.0f}" if s else "-")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.long_context", description=__doc__.split("\n")[0])
+    p.add_argument("--chains", type=int, default=3)
+    p.add_argument("--max-context", type=int, default=131_072)
+    p.add_argument("--max-draft", type=int, default=16)
+    p.add_argument("--index", type=Path, help="index directory (default: the default index)")
+    p.add_argument("--quick", action="store_true", help="one chain to 32k tokens, fewer peers")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args(argv)
+    from common.paths import default_index_dir
+    from ngram.index_file import IndexLoadError, load_index
+
+    if args.quick:
+        args.chains, args.max_context = 1, 32_768
+    index_dir = args.index or default_index_dir() / "current"
+    try:
+        index = load_index(index_dir)
+    except IndexLoadError as e:
+        print(f"error: {e} (build one with `python -m index build`)", file=sys.stderr)
+        return 2
+    notes: list[str] = []
+    chains = chained_turns(args.chains, args.max_context, notes)
+    turns = [t for c in chains for t in c]
+    if not turns:
+        print("error: no conversations to replay (is bfcl-eval installed?)", file=sys.stderr)
+        return 2
+    results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+               "command": "python -m bench.long_context" + (" --quick" if args.quick else ""),
+               "chains": len(chains), "turns": len(turns), "max_draft": args.max_draft,
+               "target_tokens": int(sum(len(t) for _, t in turns)),
+               "longest_context": int(max(len(c) for c, _ in turns)),
+               "index": "the default index" if args.index is None else str(args.index), "notes": notes,
+               "contenders": {}}
+    for name, make in contenders(index, args.max_draft, args.quick).items():
+        r = replay_chains(make, chains, args.max_draft)
+        results["contenders"][name] = r
+        a = r["all"]
+        print(f"  {name:<24} tau {a['tau']:.3f}  acceptance {a['acceptance_rate']:.3f}  "
+              f"p50 {a['draft_us_p50']:.1f} us  p99 {a['draft_us_p99']:.1f} us  ({r['seconds']:.0f} s)", file=sys.stderr)
+    md = markdown(results)
+    write_results(args.out, "long_context" + ("-quick" if args.quick else ""), results, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
