@@ -9,7 +9,8 @@ into `--chains` long agent conversations: each conversation's turns are replayed
 conversation of its chain (rendered and tokenized whole, the way the server renders them) in front
 of them, as an agent that works through task after task in one context, until the context reaches
 `--max-context` tokens. Conversations are dealt round-robin to the chains, so every chain mixes
-tool sets. What this measures is what an agent's context does to a drafter: it grows past 100k
+tool sets; BFCL's four multi-turn categories ask the same numbered questions, so only one variant
+of each question is used. What this measures is what an agent's context does to a drafter: it grows past 100k
 tokens, it repeats tool declarations, calls and results, and only its tail is new.
 
 Contenders, replayed on the same turns with the same tokens per verify (`--max-draft`), each drafter
@@ -47,13 +48,15 @@ def bucket_name(lo: int, hi: int) -> str:
 
 def chained_turns(chains: int, max_context: int, notes: list[str]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """`chains` lists of (context, target) id arrays, in replay order (see the module docstring)."""
-    from bench.sessions import BFCL_MULTI_TURN, DEFAULT_CLAUDE_SAMPLES, load_conversations
+    from bench.sessions import BFCL_MULTI_TURN, DEFAULT_CLAUDE_SAMPLES, load_conversations, variant_key
     from common.chat_format import ChatFormat
     from common.tokenizer import conversation_turns, load_tokenizer
 
     tok = load_tokenizer(None)
     fmt = ChatFormat.for_tokenizer(tok)
     convs = load_conversations(DEFAULT_CLAUDE_SAMPLES, list(BFCL_MULTI_TURN), notes)
+    seen: set[str] = set()  # BFCL's four multi-turn categories repeat each question: one variant each
+    convs = [c for c in convs if not (variant_key(c.id) in seen or seen.add(variant_key(c.id)))]
     out: list[list] = [[] for _ in range(chains)]
     history: list[list[int]] = [[] for _ in range(chains)]
     for i, conv in enumerate(convs):

@@ -17,6 +17,15 @@ from ngram.index_file import IndexLoadError, load_index
 from ngram.replay import replay
 
 
+# SuffixDecoding's settings by peer name: the default (factor 1, paths) and its best ones
+SUFFIX_PEERS = {
+    "suffix": {},
+    "suffix-f4": {"max_spec_factor": 4.0},
+    "suffix-tree": {"use_tree_spec": True},
+    "suffix-f4-tree": {"max_spec_factor": 4.0, "use_tree_spec": True},
+}
+
+
 def load_turns(args) -> list[tuple[np.ndarray, np.ndarray]]:
     """(context, target) id arrays from a dump, the BFCL holdout, or trace files."""
     if args.from_dump:
@@ -60,9 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     add_flags(p.add_argument_group("drafting knobs (ngram.drafter.DrafterConfig)"), DrafterConfig, "drafter",
               aliases={"confidence_cutoff": ["--cutoff"], "use_context": ["--context"]})
     p.add_argument("--max-conversations", type=int, default=0)
-    p.add_argument("--peers", nargs="*", default=[], choices=["suffix"],
+    p.add_argument("--peers", nargs="*", default=[], choices=list(SUFFIX_PEERS),
                    help="also replay these peer drafters, seeded with the same index turns (suffix: "
-                        "SuffixDecoding from arctic-inference)")
+                        "SuffixDecoding from arctic-inference at max_spec_factor 1, paths; suffix-f4: "
+                        "factor 4; suffix-tree / suffix-f4-tree: tree speculation, factor 1 / 4)")
     p.add_argument("--dump", type=Path, help="write the replayed turns as JSONL")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
     return p
@@ -90,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ours = replay(NgramDrafter(index, config), turns, k).as_dict()
     base = replay(PromptLookupDrafter(max_draft=k), turns, k).as_dict()
     result = {**ours, "max_draft": k, "index": str(args.index) if args.index else None, "baseline": base}
-    if "suffix" in args.peers:
+    if args.peers:
         from index.peers import SuffixDecodingDrafter
 
         seed_turns = list(index.turns()) if index is not None else []
-        result["peers"] = {"suffix": replay(SuffixDecodingDrafter(seed_turns, k), turns, k).as_dict()}
+        result["peers"] = {name: replay(SuffixDecodingDrafter(seed_turns, k, **SUFFIX_PEERS[name]), turns, k).as_dict()
+                           for name in args.peers}
     print(
         f"turns {ours['turns']}  target tokens {ours['target_tokens']}\n"
         f"  sailfish       tau {ours['tau']:.3f}  acceptance {ours['acceptance_rate']:.3f}  "
