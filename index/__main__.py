@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             BuildParams(key_tokens=args.key_tokens, anchor_tokens=args.anchor_tokens),
             incremental=not args.full, progress=not args.quiet,
         )
-    except NoUsableTurns as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
+    except (NoUsableTurns, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(summary.text())

@@ -36,15 +36,11 @@ typedef struct {
 
 /* Borrow a (str, int) row; 0 on success, -1 with an exception set. */
 static int read_row(PyObject *item, Row *row) {
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
         PyErr_SetString(PyExc_TypeError, "rows must be (str, int) tuples");
         return -1;
     }
     PyObject *text = PyTuple_GET_ITEM(item, 0);
-    if (!PyUnicode_Check(text)) {
-        PyErr_SetString(PyExc_TypeError, "rows must be (str, int) tuples");
-        return -1;
-    }
     row->text = text;
     row->kind = PyUnicode_KIND(text);
     row->data = PyUnicode_DATA(text);
@@ -56,53 +52,72 @@ static int read_row(PyObject *item, Row *row) {
 
 #define CH(r, i) PyUnicode_READ((r)->kind, (r)->data, (i))
 
+/* ValueError unless depth >= 0 (walk's and follow_rows' depth); 1 if it was raised, else 0. */
+static int negative_depth(Py_ssize_t depth) {
+    if (depth >= 0) return 0;
+    PyErr_SetString(PyExc_ValueError, "depth must be >= 0");
+    return 1;
+}
+
+/* PyMem_Malloc for count items of size bytes (room for one when count <= 0); NULL with MemoryError set. */
+static void *alloc_items(Py_ssize_t count, size_t size) {
+    void *p = PyMem_Malloc(size * (count > 0 ? count : 1));
+    if (!p) PyErr_NoMemory();
+    return p;
+}
+
+/* Append item, a new reference (NULL: making it failed), to list and release it; 0, or -1 with an exception set. */
+static int append_new(PyObject *list, PyObject *item) {
+    if (!item) return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+/* Append the row (text[a:b], weight) to rows; 0 on success, -1 with an exception set. */
+static int append_row(PyObject *rows, PyObject *text, Py_ssize_t a, Py_ssize_t b, long long weight) {
+    return append_new(rows, Py_BuildValue("(NL)", PyUnicode_Substring(text, a, b), weight));
+}
+
+/* (0, []): context_match's and overlay_rows' answer when nothing matches. */
+static PyObject *no_match(void) { return Py_BuildValue("(n[])", (Py_ssize_t)0); }
+
 /* walk(rows, depth, max_tokens, cutoff) -> (drafted text, cumulative confidences) */
 static PyObject *walk(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"rows", "depth", "max_tokens", "cutoff", NULL};
     PyObject *rows_arg;
     Py_ssize_t depth, max_tokens;
     double cutoff;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onnd", kwlist, &rows_arg, &depth, &max_tokens, &cutoff))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onnd", kwlist, &rows_arg, &depth, &max_tokens, &cutoff) ||
+        negative_depth(depth))
         return NULL;
-    if (depth < 0) {
-        PyErr_SetString(PyExc_ValueError, "depth must be >= 0");
-        return NULL;
-    }
     PyObject *rows_obj = PySequence_Fast(rows_arg, "rows must be a sequence of (str, int) tuples");
     if (!rows_obj) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(rows_obj);
     Py_ssize_t stop = depth + (max_tokens > 0 ? max_tokens : 0);
-    Row *rows = PyMem_Malloc(sizeof(Row) * (n ? n : 1));
-    Py_UCS4 *out = PyMem_Malloc(sizeof(Py_UCS4) * (stop > depth ? stop - depth : 1));
-    double *confs = PyMem_Malloc(sizeof(double) * (stop > depth ? stop - depth : 1));
+    Row *rows = alloc_items(n, sizeof(Row));
+    Py_UCS4 *out = alloc_items(stop - depth, sizeof(Py_UCS4));
+    double *confs = alloc_items(stop - depth, sizeof(double));
     PyObject *result = NULL;
-    if (!rows || !out || !confs) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (!rows || !out || !confs) goto done;
     for (Py_ssize_t i = 0; i < n; i++)
         if (read_row(PySequence_Fast_GET_ITEM(rows_obj, i), &rows[i]) < 0) goto done;
     Py_ssize_t n_out = 0;
     double conf = 1.0;
     while (n > 0 && depth < stop) {
-        Row *first = &rows[0];
-        if (n == 1) {  /* one row left: it is the draft, at no cost in confidence */
-            for (Py_ssize_t i = depth; i < first->len && i < stop; i++) {
-                out[n_out] = CH(first, i);
-                confs[n_out++] = conf;
-            }
-            break;
-        }
-        Row *last = &rows[n - 1];
+        /* Draft what every row agrees on (rows are sorted: what the first and last agree on), at no
+           cost in confidence; one row left agrees with itself up to its end, and is the draft. */
+        Row *first = &rows[0], *last = &rows[n - 1];
         Py_ssize_t end = first->len < last->len ? first->len : last->len;
         if (stop < end) end = stop;
         Py_ssize_t same = depth;
         while (same < end && CH(first, same) == CH(last, same)) same++;
-        if (same > depth) {  /* every row agrees here */
-            for (Py_ssize_t i = depth; i < same; i++) {
-                out[n_out] = CH(first, i);
-                confs[n_out++] = conf;
-            }
+        for (Py_ssize_t i = depth; i < same; i++) {
+            out[n_out] = CH(first, i);
+            confs[n_out++] = conf;
+        }
+        if (n == 1) break;
+        if (same > depth) {
             depth = same;
             if (depth >= stop) break;
             Py_ssize_t kept = 0;
@@ -171,12 +186,9 @@ static PyObject *follow_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"rows", "depth", "appended", NULL};
     PyObject *rows_obj, *appended;
     Py_ssize_t depth;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!nU", kwlist, &PyList_Type, &rows_obj, &depth, &appended))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!nU", kwlist, &PyList_Type, &rows_obj, &depth, &appended) ||
+        negative_depth(depth))
         return NULL;
-    if (depth < 0) {
-        PyErr_SetString(PyExc_ValueError, "depth must be >= 0");
-        return NULL;
-    }
     Py_ssize_t n = PyList_GET_SIZE(rows_obj), m = PyUnicode_GET_LENGTH(appended);
     int akind = PyUnicode_KIND(appended);
     const void *adata = PyUnicode_DATA(appended);
@@ -223,11 +235,11 @@ static PyObject *context_match(PyObject *self, PyObject *args, PyObject *kwargs)
         if (h < hi) hi = h;
     }
     Py_ssize_t lo = min_len;
-    if (hi < lo) return Py_BuildValue("(n[])", (Py_ssize_t)0);
+    if (hi < lo) return no_match();
     /* str.rfind(sub, start, end) with a negative or short window finds nothing; mirror its clamping */
     Py_ssize_t found = rfind_suffix(text, n, lo, start, n - 1);
     if (found == -2) return NULL;
-    if (found < 0) return Py_BuildValue("(n[])", (Py_ssize_t)0);
+    if (found < 0) return no_match();
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi + 1) / 2;
         Py_ssize_t at = rfind_suffix(text, n, mid, start, n - 1);
@@ -243,27 +255,16 @@ static PyObject *context_match(PyObject *self, PyObject *args, PyObject *kwargs)
     PyObject *starts = PyList_New(0);
     if (!pattern || !starts) goto fail;
     Py_ssize_t end = found + lo - 1;
-    PyObject *s = PyLong_FromSsize_t(found + lo);
-    if (!s || PyList_Append(starts, s) < 0) {
-        Py_XDECREF(s);
-        goto fail;
-    }
-    Py_DECREF(s);
+    if (append_new(starts, PyLong_FromSsize_t(found + lo)) < 0) goto fail;
     while (PyList_GET_SIZE(starts) < max_occ) {
         Py_ssize_t at = PyUnicode_Find(text, pattern, start, end, -1);
         if (at == -2) goto fail;
         if (at < 0) break;
-        s = PyLong_FromSsize_t(at + lo);
-        if (!s || PyList_Append(starts, s) < 0) {
-            Py_XDECREF(s);
-            goto fail;
-        }
-        Py_DECREF(s);
+        if (append_new(starts, PyLong_FromSsize_t(at + lo)) < 0) goto fail;
         end = at + lo - 1;
     }
     Py_DECREF(pattern);
-    PyObject *result = Py_BuildValue("(nN)", lo, starts);
-    return result;
+    return Py_BuildValue("(nN)", lo, starts);
 fail:
     Py_XDECREF(pattern);
     Py_XDECREF(starts);
@@ -290,12 +291,7 @@ static PyObject *context_rows(PyObject *self, PyObject *args, PyObject *kwargs) 
         if (a < 0) a = a + len < 0 ? 0 : a + len;
         if (b > len) b = len;
         if (b - a <= k) continue;
-        PyObject *row = Py_BuildValue("(NL)", PyUnicode_Substring(text, a, b), scale + n - i);
-        if (!row || PyList_Append(rows, row) < 0) {
-            Py_XDECREF(row);
-            goto fail;
-        }
-        Py_DECREF(row);
+        if (append_row(rows, text, a, b, scale + n - i) < 0) goto fail;
     }
     if (PyList_Sort(rows) < 0) goto fail;
     return rows;
@@ -326,16 +322,14 @@ static PyObject *overlay_rows(PyObject *self, PyObject *args, PyObject *kwargs) 
     Py_ssize_t first = candidates > 0 ? (n_off > candidates ? n_off - candidates : 0) : n_off;
     /* offsets[first:] reversed: most recent first; keep (k, off) pairs */
     Py_ssize_t n_found = n_off - first;
-    Py_ssize_t *ks = PyMem_Malloc(sizeof(Py_ssize_t) * (n_found ? n_found : 1) * 2);
-    if (!ks) return PyErr_NoMemory();
-    Py_ssize_t *offs = ks + (n_found ? n_found : 1);
+    Py_ssize_t *ks = alloc_items(2 * n_found, sizeof(Py_ssize_t));
+    if (!ks) return NULL;
+    Py_ssize_t *offs = ks + n_found;
     Py_ssize_t best = 0;
+    PyObject *rows = NULL, *result = NULL;
     for (Py_ssize_t j = 0; j < n_found; j++) {
         Py_ssize_t off = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, n_off - 1 - j));
-        if (off == -1 && PyErr_Occurred()) {
-            PyMem_Free(ks);
-            return NULL;
-        }
+        if (off == -1 && PyErr_Occurred()) goto done;
         Py_ssize_t k = key_tokens, limit = max_match;
         if (off < limit) limit = off;
         if (llen < limit) limit = llen;
@@ -345,9 +339,8 @@ static PyObject *overlay_rows(PyObject *self, PyObject *args, PyObject *kwargs) 
         offs[j] = off;
         if (j == 0 || k > best) best = k;
     }
-    PyObject *rows = NULL, *result = NULL;
     if (n_found == 0 || best < min_match) {
-        result = Py_BuildValue("(n[])", (Py_ssize_t)0);
+        result = no_match();
         goto done;
     }
     Py_ssize_t n_hits = 0;
@@ -368,25 +361,25 @@ static PyObject *overlay_rows(PyObject *self, PyObject *args, PyObject *kwargs) 
                 end = c;
                 break;
             }
-        if (end - a > best) {
-            PyObject *row = Py_BuildValue("(NL)", PyUnicode_Substring(text, a, end), (long long)(1000 + n_hits - i));
-            if (!row || PyList_Append(rows, row) < 0) {
-                Py_XDECREF(row);
-                goto done;
-            }
-            Py_DECREF(row);
-        }
+        if (end - a > best && append_row(rows, text, a, end, (long long)(1000 + n_hits - i)) < 0)
+            goto done;
         i++;
     }
     if (PyList_Sort(rows) < 0) goto done;
-    if (PyList_GET_SIZE(rows) == 0)
-        result = Py_BuildValue("(n[])", (Py_ssize_t)0);
-    else
-        result = Py_BuildValue("(nO)", best, rows);
+    result = PyList_GET_SIZE(rows) ? Py_BuildValue("(nO)", best, rows) : no_match();
 done:
     Py_XDECREF(rows);
     PyMem_Free(ks);
     return result;
+}
+
+/* The code point of token id `id` (ngram.codec); 0, never a token's, with ValueError set when id is out of range. */
+static Py_UCS4 code_point(long long id) {
+    if (id < 0 || id > MAX_TOKEN_ID) {
+        PyErr_Format(PyExc_ValueError, "token id out of range 0..%d", MAX_TOKEN_ID);
+        return 0;
+    }
+    return (Py_UCS4)(id >= SHIFT_FROM ? id + SURROGATE_SPAN + 1 : id + 1);
 }
 
 /* encode_ints(list of ints) -> key string, one code point per token (ngram.codec) */
@@ -395,20 +388,14 @@ static PyObject *encode_ints(PyObject *self, PyObject *ids) {
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_UCS4 *buf = PyMem_Malloc(sizeof(Py_UCS4) * (n ? n : 1));
+    Py_UCS4 *buf = alloc_items(n, sizeof(Py_UCS4));
     PyObject *result = NULL;
-    if (!buf) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (!buf) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         long long id = PyLong_AsLongLong(items[i]);
         if (id == -1 && PyErr_Occurred()) goto done;
-        if (id < 0 || id > MAX_TOKEN_ID) {
-            PyErr_Format(PyExc_ValueError, "token id out of range 0..%d", MAX_TOKEN_ID);
-            goto done;
-        }
-        buf[i] = (Py_UCS4)(id >= SHIFT_FROM ? id + SURROGATE_SPAN + 1 : id + 1);
+        buf[i] = code_point(id);
+        if (!buf[i]) goto done;
     }
     result = PyUnicode_FromKindAndData(PyUnicode_4BYTE_KIND, buf, n);
 done:
@@ -423,6 +410,7 @@ static PyObject *encode_buffer(PyObject *self, PyObject *obj) {
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return NULL;
     PyObject *result = NULL;
+    Py_UCS4 *buf = NULL;
     const char *fmt = view.format ? view.format : "B";
     if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
     char code = fmt[0];
@@ -435,11 +423,8 @@ static PyObject *encode_buffer(PyObject *self, PyObject *obj) {
         PyErr_SetString(PyExc_TypeError, "encode_buffer expects a 1-d buffer of integers");
         goto done;
     }
-    Py_UCS4 *buf = PyMem_Malloc(sizeof(Py_UCS4) * (n ? n : 1));
-    if (!buf) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    buf = alloc_items(n, sizeof(Py_UCS4));
+    if (!buf) goto done;
     const char *p = view.buf;
     for (Py_ssize_t i = 0; i < n; i++, p += step) {
         long long id;
@@ -452,16 +437,12 @@ static PyObject *encode_buffer(PyObject *self, PyObject *obj) {
                 id = (!is_signed && u > (uint64_t)MAX_TOKEN_ID) ? -1 : (long long)u;
             }
         }
-        if (id < 0 || id > MAX_TOKEN_ID) {
-            PyErr_Format(PyExc_ValueError, "token id out of range 0..%d", MAX_TOKEN_ID);
-            PyMem_Free(buf);
-            goto done;
-        }
-        buf[i] = (Py_UCS4)(id >= SHIFT_FROM ? id + SURROGATE_SPAN + 1 : id + 1);
+        buf[i] = code_point(id);
+        if (!buf[i]) goto done;
     }
     result = PyUnicode_FromKindAndData(PyUnicode_4BYTE_KIND, buf, n);
-    PyMem_Free(buf);
 done:
+    PyMem_Free(buf);
     PyBuffer_Release(&view);
     return result;
 }

@@ -415,11 +415,12 @@ async def message_events(message_id: str, model: str, prompt_tokens: int, events
     index, text_open, thinking_open, held = 0, False, False, ""
     try:
         async for event in events:
-            if isinstance(event, Reasoning):
+            if isinstance(event, (Reasoning, ToolCallStart)):  # ends the text block (never open with thinking)
                 if text_open:
                     yield _block_stop(index)
                     index, text_open = index + 1, False
                 held = ""
+            if isinstance(event, Reasoning):
                 if not thinking_open:
                     yield _block_start(index, {"type": "thinking", "thinking": "", "signature": ""})
                     thinking_open = True
@@ -444,10 +445,6 @@ async def message_events(message_id: str, model: str, prompt_tokens: int, events
                                         "usage": _usage(event.usage)}
                 yield "message_stop", {"type": "message_stop"}
             elif isinstance(event, ToolCallStart):
-                if text_open:
-                    yield _block_stop(index)
-                    index, text_open = index + 1, False
-                held = ""
                 yield _block_start(index, {"type": "tool_use", "id": _tool_use_id(event.id),
                                            "name": event.name, "input": {}})
             elif isinstance(event, ToolCallDelta):
