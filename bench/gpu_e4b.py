@@ -140,7 +140,13 @@ class OracleDrafter:
         toks = np.asarray(self.reference[start:start + max_tokens], dtype=np.int32)
         return Draft(toks, np.ones(len(toks), dtype=np.float32), "oracle", 32)
 
+    def prepare(self, context_ids):
+        pass
+
     def feedback(self, drafted, accepted):
+        pass
+
+    def finish(self, context_ids=None):
         pass
 
 

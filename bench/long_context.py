@@ -23,8 +23,8 @@ learning its own served turns as it goes (ngram.replay's rule):
   (arctic-inference) seeded with the same index turns, at `max_spec_factor` 1 and 4, tree
   speculation off and on (a tree verify accepts its longest matching root path).
 Tau = target tokens / verify steps (a tree's verify is one step). Latency = wall time of each
-propose call, the first call of a turn (which encodes and indexes the new prompt) included, by the
-context length at the call.
+propose call, by the context length at the call; `prepare` = each turn's session.prepare(prompt)
+(encoding the prompt and indexing its new tokens, which the server does before the prefill).
 """
 from __future__ import annotations
 
@@ -116,6 +116,7 @@ def replay_chains(make_drafter, chains, max_draft: int) -> dict:
                 s.drafted += stats.drafted
                 s.accepted += stats.accepted
                 s.latencies_us += stats.latencies_us
+                s.prepare_us += stats.prepare_us
     return {"all": total.as_dict(), "seconds": time.perf_counter() - t0,
             "buckets": {bucket_name(*b): s.as_dict() for b, s in per_bucket.items() if s.turns}}
 
@@ -127,10 +128,12 @@ def markdown(r: dict) -> str:
              f"{r['chains']} chained conversations, {r['turns']} turns, {r['target_tokens']:,} target tokens, "
              f"contexts up to {r['longest_context']:,} tokens; at most {r['max_draft']} tokens per verify. "
              f"Index: {r['index']}.\n", *[f"- {n}" for n in r["notes"]], "",
-             "| contender | tau | acceptance | propose p50 (us) | propose p99 (us) |", "|---|---|---|---|---|"]
+             "| contender | tau | acceptance | propose p50 (us) | propose p99 (us) | prepare p50 / p99 (us, per turn) |",
+             "|---|---|---|---|---|---|"]
     for n in names:
         a = r["contenders"][n]["all"]
-        lines.append(f"| {n} | {a['tau']:.2f} | {a['acceptance_rate']:.2f} | {a['draft_us_p50']:.1f} | {a['draft_us_p99']:.1f} |")
+        lines.append(f"| {n} | {a['tau']:.2f} | {a['acceptance_rate']:.2f} | {a['draft_us_p50']:.1f} | "
+                     f"{a['draft_us_p99']:.1f} | {a['prepare_us_p50']:.0f} / {a['prepare_us_p99']:.0f} |")
     best_peer = max((n for n in names if n.startswith("suffix")), key=lambda n: r["contenders"][n]["all"]["tau"], default=None)
     if best_peer:
         ratio = r["contenders"]["sailfish"]["all"]["tau"] / r["contenders"][best_peer]["all"]["tau"]

@@ -75,6 +75,9 @@ class _SuffixSession:
         parents = list(draft.parents[:n]) if d.use_tree_spec else None
         return Draft(tokens, probs, "suffix", int(draft.match_len), parents)
 
+    def prepare(self, context_ids) -> None:
+        pass  # the request starts at the first propose (start_request takes the whole context)
+
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
 

@@ -21,10 +21,11 @@ text[i-L:i]; up to 3 tokens packed exactly into an int64, longer keys a 64-bit p
 rare collisions `candidates` filters by comparing the text; either rolls from the previous offset's
 key in O(1)) live in a dict for the most recent offsets and in sorted numpy runs (by key, then
 offset, so equal keys list their offsets in text order) for the rest. A decode step's few tokens go
-to the dict; a new turn's prompt, or a full dict, becomes a new run, and a run merges into the one
-before it once it holds 1/RUN_RATIO of it (log-structured: run sizes fall geometrically, so there are
-few runs and a merge with the largest, O(n), is rare). A lookup is a dict probe and two binary
-searches per run, newest first, until enough occurrences are found.
+to the dict; a new turn's prompt, or a full dict, becomes a new run. Runs merge when the request is
+over (ContextIndexCache.put, off the propose path), or at once past MAX_RUNS: a run merges into the
+one before it once it holds 1/RUN_RATIO of it (log-structured: run sizes fall at least fourfold from
+one run to the next, so there are O(log n) runs, and a merge with the largest, O(n), is rare). A lookup is a dict probe and one binary search per
+run, newest first, until enough occurrences are found.
 """
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ import numpy as np
 
 KEY_LENGTHS = (12, 3, 2)     # longest first; the shortest bounds the shortest match found
 MERGE_TOKENS = 4096          # offsets kept in the dict before they become a sorted run
-RUN_RATIO = 8                # a run merges into the one before it once it holds 1/8 of it
+RUN_RATIO = 4                # a run merges into the one before it once it holds a quarter of it
+MAX_RUNS = 12                # more runs than this merge at once; otherwise between requests
 _PACK_BITS = 21              # code points are < 2**21: up to 3 of them pack into an int64 exactly
 _HASH_MUL = 0x100000001B3    # FNV-1a's 64-bit prime, as a polynomial base
 _MASK = (1 << 64) - 1
+_INT64_MAX = (1 << 63) - 1
 
 
 def _code_points(text: str) -> np.ndarray:
@@ -110,7 +113,7 @@ class _KeyTable:
                 self.recent_start = lo
             at, key = self.last
             for i in range(lo, n):
-                key = self._roll(key, text[i - 1 - length], text[i - 1]) if at == i - 1 else _key(text[:i], length) & _MASK
+                key = self._roll(key, text[i - 1 - length], text[i - 1]) if at == i - 1 else _key(text[i - length : i], length) & _MASK
                 at = i
                 signed = key - (1 << 64) if key >> 63 else key
                 recent.setdefault(signed, []).append(i)
@@ -127,11 +130,16 @@ class _KeyTable:
         self._push_run(keys, offsets)
 
     def _push_run(self, keys: np.ndarray, offsets: np.ndarray) -> None:
-        """Offsets above every one indexed become the newest run; then runs merge while the newest
-        holds at least 1/RUN_RATIO of the one before it."""
+        """Offsets above every one indexed become the newest run. Runs merge only past MAX_RUNS (a
+        request's steps stay cheap); `compact` merges them between requests."""
         order = np.argsort(keys, kind="stable")  # offsets ascend: equal keys stay in text order
+        self.runs.append((keys[order], offsets[order]))
+        if len(self.runs) > MAX_RUNS:
+            self.compact()
+
+    def compact(self) -> None:
+        """Merge runs while the newest holds at least 1/RUN_RATIO of the one before it."""
         runs = self.runs
-        runs.append((keys[order], offsets[order]))
         while len(runs) > 1 and RUN_RATIO * len(runs[-1][0]) >= len(runs[-2][0]):
             (old_keys, old_offsets), (new_keys, new_offsets) = runs[-2], runs.pop()
             at = np.searchsorted(old_keys, new_keys, side="right")  # after equal older keys: text order kept
@@ -161,9 +169,11 @@ class _KeyTable:
         for keys, offsets in reversed(self.runs):  # newest first: stop once `count` are found
             if len(found) >= count:
                 break
-            hi = int(np.searchsorted(keys, key, side="right"))
-            if hi and keys[hi - 1] == key:
-                lo = int(np.searchsorted(keys, key, side="left"))
+            # integer keys: key's range is [first >= key, first >= key + 1), in one call
+            lo, hi = keys.searchsorted(np.array([key, key + 1]) if key < _INT64_MAX else np.array([key, key]))
+            if key == _INT64_MAX:
+                hi = len(keys)
+            if hi > lo:
                 found = offsets[max(lo, hi - (count - len(found))) : hi].tolist() + found
         return found[-count:]
 
@@ -220,6 +230,8 @@ class ContextIndexCache:
     def put(self, index: ContextIndex, text: str) -> None:
         if self.size <= 0 or index.length != len(text):
             return
+        for table in index.tables:
+            table.compact()
         with self._lock:
             self._entries.append((index, text))
             del self._entries[: -self.size]

@@ -15,12 +15,15 @@ from typing import Protocol
 
 
 class DrafterSession(Protocol):
-    """One request: `propose` a Draft of at most max_tokens tokens after the context (prompt + tokens
-    committed so far); `feedback` how many of its tokens were verified and accepted; `finish` once
-    when the request is over (`context_ids`: its final prompt + completion). Every session has all
-    three: the n-gram drafter's finish adds the completion to its online overlay, drafters with
-    nothing to learn from it (prompt lookup, the peers) make it a no-op."""
+    """One request: `prepare` once with the prompt, before its prefill (work that depends only on
+    the prompt, done while the target reads it); `propose` a Draft of at most max_tokens tokens
+    after the context (prompt + tokens committed so far); `feedback` how many of its tokens were
+    verified and accepted; `finish` once when the request is over (`context_ids`: its final prompt
+    + completion). Every session has all four: the n-gram drafter's prepare indexes the prompt and
+    its finish adds the completion to its online overlay; drafters with nothing to do there (prompt
+    lookup, the peers) make them no-ops."""
 
+    def prepare(self, context_ids) -> None: ...
     def propose(self, context_ids, max_tokens: int) -> "Draft": ...
     def feedback(self, drafted: int, accepted: int) -> None: ...
     def finish(self, context_ids=None) -> None: ...

@@ -4,6 +4,7 @@ Contract (the session is an ngram.draft.DrafterSession):
     drafter = NgramDrafter(index_or_None, DrafterConfig(...))
     session = drafter.session()                         # one per request
     draft = session.propose(context_ids, max_tokens)    # context = prompt + tokens committed so far
+    session.prepare(prompt_ids)                         # before the prefill (indexes a long prompt)
     session.feedback(drafted=len(draft), accepted=n)    # after verification
     session.finish(final_context_ids)                   # the completion joins the online overlay
 `propose` never returns more than `max_tokens` tokens, and returns an empty Draft (source "none")
@@ -147,6 +148,14 @@ class DraftSession:
             return EMPTY_DRAFT
         return Draft(decode(drafted), confs, source, match_length)
 
+    def prepare(self, context_ids) -> None:
+        """Encode the prompt and let each source index it (a long context's position index takes
+        the previous turn's and adds the new tokens), so the first propose does not."""
+        if len(context_ids):
+            self._sync(context_ids)
+            for source in self._sources:
+                source.prepare(self._text)
+
     def finish(self, context_ids=None) -> None:
         """The request is complete (`context_ids`: its final prompt + completion, when the last
         tokens were never proposed from): the generated tokens, with a few prompt tokens before
@@ -221,6 +230,9 @@ class PromptLookupDrafter:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
+
+    def prepare(self, context_ids) -> None:
+        pass  # stateless: nothing to prepare
 
     def finish(self, context_ids=None) -> None:
         pass  # stateless: nothing to learn from a finished request

@@ -15,7 +15,9 @@ first mismatch, or the next token). A step with no draft is a plain decoding ste
 overlay, as in the server), so turns are replayed in trace order.
   tau              = target tokens / verify steps (every target forward counts as a step)
   acceptance_rate  = accepted drafted tokens / drafted tokens
-  draft_us_p50/p99 = wall time of each propose() call, prompt encoding of the first call included
+  draft_us_p50/p99 = wall time of each propose() call
+  prepare_us_p50/p99 = wall time of each turn's session.prepare(prompt) (encoding and indexing the
+                   prompt, which the server does before the prefill), per turn
 The same figures are computed under `baseline` for transformers' prompt lookup (the request's own
 context only, same K), so every run compares the two. With --json the last line printed is one JSON
 object. `--dump FILE` writes every replayed turn as JSONL {"context": [ids], "target": [ids]}.
@@ -43,6 +45,7 @@ class ReplayStats:
     drafted: int = 0
     accepted: int = 0
     latencies_us: list = field(default_factory=list)
+    prepare_us: list = field(default_factory=list)  # per turn: session.prepare(prompt)
     draft_lengths: list = field(default_factory=list)  # tokens verified per step (0: plain step)
 
     def as_dict(self) -> dict:
@@ -57,6 +60,8 @@ class ReplayStats:
             "turns": self.turns,
             "draft_us_p50": float(np.percentile(lat, 50)),
             "draft_us_p99": float(np.percentile(lat, 99)),
+            "prepare_us_p50": float(np.percentile(self.prepare_us or [0.0], 50)),
+            "prepare_us_p99": float(np.percentile(self.prepare_us or [0.0], 99)),
         }
 
 
@@ -65,6 +70,9 @@ def replay_turn(drafter, context: np.ndarray, target: np.ndarray, max_draft: int
     full = np.concatenate([context, target]).astype(np.int64)
     n_ctx, n = context.shape[0], target.shape[0]
     session = drafter.session()
+    t0 = time.perf_counter()
+    session.prepare(context)
+    stats.prepare_us.append((time.perf_counter() - t0) * 1e6)
     pos = 0
     while pos < n:
         remaining = n - pos

@@ -40,6 +40,7 @@ class Source(Protocol):
     def draft(self, text: str, k: int, max_tokens: int) -> tuple[str, list]: ...
     def reset(self) -> None: ...  # a new context: forget the state
     def shift(self, dropped: int) -> None: ...  # the text lost its first `dropped` tokens
+    def prepare(self, text: str) -> None: ...  # a new prompt (the session's text), before the first search
     def finish(self, text: str) -> None: ...  # the request is over; `text` is its final context
 
 
@@ -98,6 +99,9 @@ class _RowSource:
 
     def shift(self, dropped: int) -> None:
         self.state.shift(dropped)
+
+    def prepare(self, text: str) -> None:
+        pass
 
     def finish(self, text: str) -> None:
         pass
@@ -170,7 +174,17 @@ class ContextSource(_RowSource):
         super().shift(dropped)
         self.index = None
 
+    def prepare(self, text: str) -> None:
+        if min(len(text), self.window) > EXACT_SEARCH_TOKENS:
+            if self.index is None:
+                self.index = self.indexes.take(text)
+            self.index.extend(text)
+
     def finish(self, text: str) -> None:
+        """Hand the text's index to the next turn. A session that never searched it takes one now,
+        so that the next turn's first search indexes only its new tokens, not the whole context."""
+        if self.index is None and min(len(text), self.window) > EXACT_SEARCH_TOKENS and self.indexes.size:
+            self.index = self.indexes.take(text)
         if self.index is not None:
             self.index.extend(text)
             self.indexes.put(self.index, text)

@@ -309,6 +309,8 @@ class Engine:
         try:
             with torch.no_grad():
                 t0 = time.perf_counter()
+                if session is not None:
+                    session.prepare(prompt_ids)
                 pre = backend.start(prompt_ids, reuse=params.prefix_cache)
                 stats.cached_tokens = pre.reused
                 new = [_choose(sampler, grammar, pre.logits, 0)]

@@ -35,6 +35,9 @@ class _Session:
         assert 0 <= accepted <= drafted
         self.fed.append((drafted, accepted))
 
+    def prepare(self, context_ids) -> None:
+        pass
+
     def finish(self, context_ids=None) -> None:
         pass
 

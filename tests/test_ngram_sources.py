@@ -61,6 +61,9 @@ class _Checked:
     def shift(self, dropped):
         self.inner.shift(dropped)
 
+    def prepare(self, text):
+        self.inner.prepare(text)
+
     def finish(self, text):
         self.inner.finish(text)
 

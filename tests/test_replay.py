@@ -28,6 +28,9 @@ class ScriptedDrafter:
     def feedback(self, drafted, accepted):
         self.feedback_log.append((drafted, accepted))
 
+    def prepare(self, context_ids):
+        pass
+
     def finish(self, context_ids=None):
         pass
 

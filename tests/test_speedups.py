@@ -175,6 +175,7 @@ class Recording:  # records every draft the real drafter proposes during the rep
                 d = inner.propose(ctx, k)
                 out.append([list(map(int, d.tokens)), [float(c) for c in d.confidence], d.source, d.match_length])
                 return d
+            def prepare(self, *a): inner.prepare(*a)
             def feedback(self, *a): inner.feedback(*a)
             def finish(self, *a): inner.finish(*a)
         return S()
