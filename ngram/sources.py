@@ -164,11 +164,20 @@ class ContextSource(_RowSource):
         self.searched = (0, 0)  # (last search's match, tokens seen then); cutting the text back keeps it
         self.indexes = indexes if indexes is not None else ContextIndexCache(size=0)
         self.index: ContextIndex | None = None  # over the session's text, taken at the first indexed search
+        self.cut_at_end = False  # a row of the last fresh search ran into the end of the text
 
     def reset(self) -> None:
         super().reset()
         self.searched = (0, 0)
         self.index = None  # a new text: the next indexed search takes one that fits it
+        self.cut_at_end = False
+
+    def search(self, text: str, seen: int) -> int:
+        # A row that ran into the end of the text when it was found stops short of what a search
+        # now would return (the text has grown past it): search again instead of following it.
+        if self.cut_at_end and self.state.rows and len(text) > self.state.text_at:
+            self.state.rows = []
+        return super().search(text, seen)
 
     def shift(self, dropped: int) -> None:
         super().shift(dropped)
@@ -199,11 +208,14 @@ class ContextSource(_RowSource):
     def _fresh(self, text: str, seen: int) -> tuple[int, list]:
         start = max(0, len(text) - self.window)
         if len(text) - start > EXACT_SEARCH_TOKENS:
-            return self._indexed(text, start)
-        k, starts = context_match(text, self.min_match, self.max_match, self.occurrences, start,
-                                  self._fresh_bound(len(text), seen))
-        self.searched = (k, seen)
-        return k, (context_rows(text, starts, k, ROW_TOKENS) if k else [])
+            k, rows = self._indexed(text, start)
+        else:
+            k, starts = context_match(text, self.min_match, self.max_match, self.occurrences, start,
+                                      self._fresh_bound(len(text), seen))
+            self.searched = (k, seen)
+            rows = context_rows(text, starts, k, ROW_TOKENS) if k else []
+        self.cut_at_end = any(len(row) < k + ROW_TOKENS for row, _ in rows)
+        return k, rows
 
     def _indexed(self, text: str, start: int) -> tuple[int, list]:
         if self.index is None:
