@@ -243,9 +243,22 @@ class Engine:
             why_not = f"eager path: {reason}" if reason is not None else None
         if why_not is None:
             return self._build_fast_path()
-        self.notes.append(why_not)
         budget = self._prefix_budget(device)
+        if device.type == "cpu" and self.config.cpu_int8:
+            return self._build_cpu_int8(budget)
+        self.notes.append(why_not)
         backend = EagerBackend(self.model, budget, max_context=self.max_context, max_step=self.config.max_draft + 1)
+        self.notes.append(_prefix_note(budget))
+        return backend
+
+    def _build_cpu_int8(self, budget: int) -> Backend:
+        from server import cpu_kernels
+        from server.cpu_backend import CpuBackend
+        from server.cpu_model import CpuGemma3
+
+        backend = CpuBackend(CpuGemma3.from_hf(self.model), self.max_context, budget, max_step=self.config.max_draft + 1)
+        self.notes.append(f"CPU int8 path: {backend.model.nbytes() / 2**20:.0f} MiB of int8 weights, "
+                          + ("C kernels" if cpu_kernels.AVAILABLE else "numpy kernels (the C extension is not built)"))
         self.notes.append(_prefix_note(budget))
         return backend
 

@@ -1,0 +1,120 @@
+"""The CPU int8 backend: server/backend.py's `Backend` over server/cpu_model.py's CpuGemma3.
+
+Contract: `CpuBackend(cpu_model, max_context, prefix_budget_bytes, max_step)`. The live sequence's
+keys and values sit in a KVCache that grows by doubling (a step writes positions in place; rolling
+back only moves `position`, the rows past it are overwritten by the next step). Prefill runs in
+chunks of `prefill_chunk` tokens. Every forward is batch-invariant (see cpu_model), so a verify
+step's logits equal the one-token steps', and drafted output equals plain output bit for bit.
+
+Prefix reuse, as the eager backend does it: finished sequences are kept in a PrefixStore under
+`prefix_budget_bytes` (0: off). A new prompt reuses the kept sequence with the longest common prefix,
+up to all but its last token; when it leaves that sequence inside its generated reply or past it (an
+agent's next turn), the kept cache is taken over with no copy; otherwise the shared prefix is copied.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from server.backend import Prefill
+from server.cpu_model import CpuGemma3, KVCache
+from server.prefix_store import KeptSequence, PrefixStore
+
+_FIRST_CAPACITY = 1024
+
+
+class CpuBackend:
+    def __init__(self, model: CpuGemma3, max_context: int, prefix_budget_bytes: int = 0, max_step: int = 17,
+                 prefill_chunk: int = 256):
+        self.model = model
+        self.max_context = int(max_context)
+        self.max_step = max_step
+        self.prefill_chunk = prefill_chunk
+        self.store = PrefixStore(prefix_budget_bytes) if prefix_budget_bytes > 0 else None
+        self.cache: KVCache | None = None
+        self.position = 0
+        self._keep = False
+
+    def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) > self.max_context:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_context}")
+        self.discard()
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        cache, reused = None, 0
+        if reuse and self.store is not None:
+            entry, shared = self.store.best(prompt)
+            reused = min(shared, len(prompt) - 1)
+            if entry is not None and reused > 0:
+                if reused >= len(entry.tokens) - entry.generated:
+                    self.store.pop(entry)  # its continuation past `reused` is dead: take it over
+                    cache = entry.kv
+                else:
+                    self.store.touch(entry)
+                    cache = self._copy_prefix(entry.kv, reused)
+            else:
+                reused = 0
+            self.store.record(reused, len(prompt) - reused)
+        self.cache = cache if cache is not None else self.model.new_cache(_FIRST_CAPACITY)
+        self.position, self._keep = reused, reuse
+        logits = None
+        for begin in range(reused, len(prompt_ids), self.prefill_chunk):
+            logits = self.step(prompt_ids[begin:begin + self.prefill_chunk])
+        return Prefill(logits[-1], reused)
+
+    def step(self, ids: list[int]) -> torch.Tensor:
+        n = len(ids)
+        self._reserve(self.position + n)
+        logits = self.model.forward(ids, self.position, self.cache)
+        self.position += n
+        return torch.from_numpy(logits)
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.position:
+            raise ValueError(f"cannot roll back {n} of {self.position} positions")
+        self.position -= n
+
+    def finish(self, tokens: np.ndarray, generated: int) -> None:
+        cache, keep, length = self.cache, self._keep, self.position
+        self.cache, self.position = None, 0
+        if cache is None or not keep or self.store is None:
+            return
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) != length:
+            raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {length}")
+        self.store.put(KeptSequence(tokens.copy(), cache, _bytes(cache), generated))
+
+    def discard(self) -> None:
+        self.cache, self.position = None, 0
+
+    def prefix_summary(self) -> dict | None:
+        return None if self.store is None else self.store.summary()
+
+    def _reserve(self, length: int) -> None:
+        """Grow the live cache (doubling) to hold `length` positions."""
+        if length > self.max_context + self.max_step:
+            raise ValueError(f"{length} positions exceed the context of {self.max_context}")
+        cache = self.cache
+        if length <= cache.max_len:
+            return
+        capacity = cache.max_len
+        while capacity < length:
+            capacity *= 2
+        grown = self.model.new_cache(capacity)
+        grown.k[:, : self.position] = cache.k[:, : self.position]
+        grown.v[:, : self.position] = cache.v[:, : self.position]
+        self.cache = grown
+
+    def _copy_prefix(self, cache: KVCache, length: int) -> KVCache:
+        capacity = _FIRST_CAPACITY
+        while capacity < length + 1:
+            capacity *= 2
+        out = self.model.new_cache(capacity)
+        out.k[:, :length] = cache.k[:, :length]
+        out.v[:, :length] = cache.v[:, :length]
+        return out
+
+
+def _bytes(cache: KVCache) -> int:
+    return cache.k.nbytes + cache.v.nbytes

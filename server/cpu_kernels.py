@@ -1,0 +1,81 @@
+"""The CPU path's kernels: `linear(x, lin)` (x float32 [M, K] times an Int8Linear's W^T, activations
+quantized per row and 32-value block to int8) and `attention(q, k_cache, v_cache, positions, window,
+scale)`, each row on its own.
+
+Contract: both return float32 arrays; row i of a result depends only on row i of the inputs (and the
+cache), never on M or on the thread count: the C kernels (server/_cpu_kernels.c) split work by
+output column and keep each row's arithmetic one fixed sequence. Without the C extension (a machine
+that could not build it) the numpy twins below compute the same definitions, row-independently,
+much slower; `AVAILABLE` says which is in use.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    from server import _cpu_kernels as _C
+except ImportError:  # not built here: the numpy twins
+    _C = None
+if os.environ.get("SAILFISH_PURE_PYTHON"):
+    _C = None
+
+AVAILABLE = _C is not None
+
+
+def set_threads(n: int) -> None:
+    if _C is not None:
+        _C.set_threads(int(n))
+
+
+def linear(x: np.ndarray, lin) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if _C is None:
+        return _linear_numpy(x, lin.codes, lin.scales)
+    xq, xs = _C.quantize_rows(x)
+    out = np.empty((x.shape[0], lin.codes.shape[0]), dtype=np.float32)
+    _C.matmul_q8(xq, xs, lin.codes, lin.scales, out)
+    return out
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray,
+              window: int, scale: float) -> np.ndarray:
+    out = np.empty_like(q)
+    if _C is None:
+        return _attention_numpy(q, k_cache, v_cache, positions, window, scale, out)
+    _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale), out)
+    return out
+
+
+def quantize_rows_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0's rule per row and 32-value block: scale max|x| / 127, codes round-half-even(x / scale)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    scale = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.rint(blocks / safe[:, :, None]), -127, 127).astype(np.int8)
+    return codes.reshape(m, k), scale
+
+
+def _linear_numpy(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    xq, xs = quantize_rows_numpy(x)
+    m, k = xq.shape
+    nb = k // 32
+    out = np.empty((m, codes.shape[0]), dtype=np.float32)
+    w = codes.reshape(codes.shape[0], nb, 32).astype(np.int32)
+    for i in range(m):  # a row at a time: nothing depends on M
+        dots = np.einsum("bk,nbk->nb", xq[i].reshape(nb, 32).astype(np.int32), w)  # exact int32 per block
+        out[i] = ((xs[i][None, :] * scales) * dots.astype(np.float32)).sum(axis=1, dtype=np.float32)
+    return out
+
+
+def _attention_numpy(q, k_cache, v_cache, positions, window, scale, out):
+    for i, pos in enumerate(positions.tolist()):
+        lo = max(0, pos - window + 1) if window > 0 else 0
+        keys, values = k_cache[lo : pos + 1], v_cache[lo : pos + 1]
+        for h in range(q.shape[1]):
+            s = (keys @ q[i, h]) * np.float32(scale)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ values
+    return out

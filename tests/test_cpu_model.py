@@ -1,0 +1,118 @@
+"""The CPU int8 path (server/cpu_model.py, cpu_backend.py): close to transformers' math, batch-invariant
+bit for bit, and lossless through the engine (drafted equals plain, prefix cache on and off), on a
+tiny random Gemma 3 (sliding window 8, so prompts cross it) and, marked slow, on the bundled model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from server import cpu_kernels
+from server.cpu_backend import CpuBackend
+from server.cpu_model import CpuGemma3, quantize_weight
+from tests.test_engine_lossless import drafters, engine_for, first_divergence, prompts_for, run
+
+
+def tiny_gemma3(seed: int = 0):
+    from transformers import Gemma3ForCausalLM
+    from transformers.models.gemma3.configuration_gemma3 import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                           max_position_embeddings=4096, query_pre_attn_scalar=32,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # random norms, so that (1 + w) is exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_gemma3()
+    return model, CpuGemma3.from_hf(model)
+
+
+def test_weights_quantize_like_q8_0():
+    w = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
+    codes, scales = quantize_weight(w)
+    assert codes.dtype == np.int8 and scales.shape == (4, 2)
+    assert np.abs(codes).max() == 127
+    assert np.abs(codes.reshape(4, 2, 32) * scales[:, :, None] - w.reshape(4, 2, 32)).max() <= scales.max() / 2 + 1e-7
+    again, again_scales = quantize_weight((codes.reshape(4, 2, 32) * scales[:, :, None]).reshape(4, 64))
+    assert np.array_equal(again, codes) and np.array_equal(again_scales, scales)  # a Q8_0 tensor comes back exactly
+
+
+def test_logits_close_to_transformers(tiny):
+    model, cpu = tiny
+    ids = prompts_for(512, [30], seed=1)[0]  # past the window of 8
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    out = cpu.forward(ids, 0, cpu.new_cache(64))
+    assert np.abs(out - ref).max() < 0.05 * np.abs(ref).max()
+    assert (out.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
+def test_a_verify_equals_one_token_steps_bit_for_bit(tiny):
+    _, cpu = tiny
+    ids = prompts_for(512, [40], seed=2)[0]
+    batched = cpu.forward(ids, 0, cpu.new_cache(64))
+    cache = cpu.new_cache(64)
+    cpu.forward(ids[:20], 0, cache)
+    rows = [cpu.forward(ids[j:j + 1], j, cache)[0] for j in range(20, 40)]
+    assert np.array_equal(np.stack(rows), batched[20:])
+
+
+def test_threads_do_not_change_a_bit(tiny):
+    if not cpu_kernels.AVAILABLE:
+        pytest.skip("the C kernels are not built")
+    _, cpu = tiny
+    ids = prompts_for(512, [24], seed=3)[0]
+    cpu_kernels.set_threads(1)
+    one = cpu.forward(ids, 0, cpu.new_cache(64))
+    cpu_kernels.set_threads(2)
+    assert np.array_equal(cpu.forward(ids, 0, cpu.new_cache(64)), one)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_drafted_equals_plain_through_the_engine(tiny, prefix_cache):
+    model, cpu = tiny
+    budget = 64 * 2**20 if prefix_cache else 0
+    engine = engine_for(model, backend=CpuBackend(cpu, 4096, budget, max_step=17), prefix_cache=prefix_cache)
+    for prompt in prompts_for(512, (3, 9, 17, 40), seed=4):
+        plain, *_ = run(engine, prompt, max_tokens=24, draft=False)
+        for name, drafter in drafters(len(prompt), plain, 512, seed=5).items():
+            engine.set_drafter(drafter)
+            got, *_ = run(engine, prompt, max_tokens=24)
+            assert got == plain, (name, first_divergence(got, plain))
+        # the next turn of the conversation reuses this one's cache: same output as computed afresh
+        turn = prompt + plain + prompt[:5]
+        again, _, _, stats = run(engine, turn, max_tokens=12, draft=False)
+        fresh, *_ = run(engine, turn, max_tokens=12, draft=False, prefix_cache=False)
+        assert again == fresh
+        if prefix_cache:
+            assert stats.cached_tokens > 0
+
+
+@pytest.mark.slow
+def test_bundled_model_drafted_equals_plain():
+    from server.model_loading import load_target
+    from server.engine import Engine, EngineConfig
+    from tests.test_engine_lossless import OracleWithErrors
+
+    target = load_target(None)
+    engine = Engine(target, None, EngineConfig(cpu_int8=True, adaptive=False, cost_cache=None))
+    assert isinstance(engine.backend, CpuBackend)
+    tok = target.tokenizer
+    for text in ["def fibonacci(n):\n    if n < 2:", '{"name": "get_weather", "arguments": {"city": "',
+                 "The quick brown fox " * 40]:  # the last one crosses the 512-token window
+        prompt = tok(text)["input_ids"]
+        plain, *_ = run(engine, prompt, max_tokens=40, draft=False)
+        for err in (0.0, 0.3):
+            engine.set_drafter(OracleWithErrors(len(prompt), plain, 262144, err, seed=7))
+            got, *_ = run(engine, prompt, max_tokens=40)
+            assert got == plain, (text[:20], err, first_divergence(got, plain))
