@@ -19,15 +19,17 @@ class Run:
     tokens: list[int]
     decode_s: float
     stats: dict = field(default_factory=dict)
+    first_token_s: float = 0.0  # from the call to the first token (prefill), where measured
 
     @property
     def decode_tok_s(self) -> float:
         return max(len(self.tokens) - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def run_engine(engine: Engine, prompt: list[int], max_tokens: int, draft: bool, sampling=None) -> Run:
+def run_engine(engine: Engine, prompt: list[int], max_tokens: int, draft: bool, sampling=None,
+               prefix_cache: bool = True) -> Run:
     tokens, stats = [], None
-    params = GenerationParams(max_tokens=max_tokens, draft=draft)
+    params = GenerationParams(max_tokens=max_tokens, draft=draft, prefix_cache=prefix_cache)
     if sampling is not None:
         params.sampling = sampling
     for chunk in engine.generate(prompt, params):
@@ -89,9 +91,11 @@ class LlamaCpp:
         llm = self.lookup if lookup else self.plain
         llm.reset()
         tokens, times = [], []
+        t0 = time.perf_counter()
         for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             times.append(time.perf_counter())
             if token in stop_ids or len(tokens) >= max_tokens:
                 break
             tokens.append(int(token))
-        return Run(tokens, (times[len(tokens) - 1] - times[0]) if len(tokens) > 1 else 0.0)
+        return Run(tokens, (times[len(tokens) - 1] - times[0]) if len(tokens) > 1 else 0.0,
+                   first_token_s=times[0] - t0 if times else 0.0)

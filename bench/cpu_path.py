@@ -1,0 +1,132 @@
+"""The CPU int8 path against llama.cpp on the bundled GGUF, side by side, one run.
+
+    python -m bench.cpu_path [--requests 6] [--max-tokens 64] [--threads 2] [--quick]
+
+Same prompts (bench.workloads' tool-call and agentic requests, the bench index built as `make bench`
+builds it), same thread count, greedy, one process; contenders run request by request in turn, so
+machine noise spreads over all of them:
+- `eager plain`: Sailfish on transformers' fp32 forward (the default CPU backend);
+- `int8 plain` / `int8 drafted`: Sailfish's CPU int8 path (`--cpu-int8`, server/cpu_model.py), plain
+  and with the n-gram drafter;
+- `llama.cpp plain` / `llama.cpp prompt lookup`: llama-cpp-python on the same GGUF, plain and with its
+  prompt-lookup draft model (LlamaPromptLookupDecoding, 10 tokens; llama-server's other n-gram modes
+  are not in llama-cpp-python).
+Decode tokens/s = (tokens - 1) / (time of the last token - time of the first); prefill tokens/s =
+prompt tokens / time to the first token, on the same prompts. `identical` compares each engine's
+drafted output with its own plain output. Output: bench/results/cpu_path.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.results import write_results
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.cpu_path", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="2 requests per workload, 32 tokens")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_tokens = 2, 32
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from bench.__main__ import build_bench_index, prompt_ids
+    from bench.contenders import LlamaCpp, run_engine
+    from bench.workloads import WORKLOADS
+    from common.bundled_model import bundled_gguf_path
+    from common.chat_format import ChatFormat
+    from ngram.drafter import NgramDrafter
+    from server import cpu_kernels
+    from server.engine import Engine, EngineConfig
+    from server.model_loading import load_target
+
+    cpu_kernels.set_threads(args.threads)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        index, _ = build_bench_index(Path(tmp))
+        target = load_target(None)
+        tok = target.tokenizer
+        fmt = ChatFormat.for_tokenizer(tok)
+        stop_ids = frozenset(fmt.stop_token_ids(tok))
+        drafter = NgramDrafter(index)
+        eager = Engine(target, None, EngineConfig(cost_cache=None))
+        int8 = Engine(target, None, EngineConfig(cpu_int8=True, cost_cache=None))
+        llama = LlamaCpp(str(bundled_gguf_path()), threads=args.threads)
+        results = {"threads": args.threads, "requests": args.requests, "max_tokens": args.max_tokens,
+                   "kernels": "C" if cpu_kernels.AVAILABLE else "numpy", "int8_notes": int8.notes,
+                   "int8_cost_curve": [float(c) for c in int8.policy.cost[1:]], "workloads": {}}
+        for name in ("tool_calls", "agentic"):
+            rows = []
+            for req in WORKLOADS[name](args.requests):
+                prompt = prompt_ids(fmt, tok, req, args.max_prompt)
+                row = {}
+                for label, engine, draft in (("eager plain", eager, False), ("int8 plain", int8, False),
+                                             ("int8 drafted", int8, True)):
+                    engine.set_drafter(drafter if draft else None)
+                    run = run_engine(engine, prompt, args.max_tokens, draft=draft, prefix_cache=False)  # fresh prefills
+                    row[label] = {"tok_s": run.decode_tok_s, "tokens": run.tokens,
+                                  "prefill_tok_s": len(prompt) / run.stats["prefill_s"]}
+                for label, lookup in (("llama.cpp plain", False), ("llama.cpp prompt lookup", True)):
+                    run = llama.run(prompt, args.max_tokens, lookup, stop_ids)
+                    row[label] = {"tok_s": run.decode_tok_s, "tokens": run.tokens}
+                    if not lookup:
+                        row[label]["prefill_tok_s"] = len(prompt) / max(run.first_token_s, 1e-9)
+                row["identical"] = {"int8": row["int8 drafted"]["tokens"] == row["int8 plain"]["tokens"],
+                                    "llama.cpp": row["llama.cpp prompt lookup"]["tokens"] == row["llama.cpp plain"]["tokens"]}
+                rows.append(row)
+                print(f"  {name} " + "  ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items() if k != "identical")
+                      + f"  identical {row['identical']}", file=sys.stderr, flush=True)
+            contenders = [k for k in rows[0] if k != "identical"]
+            results["workloads"][name] = {
+                "decode_tok_s": {k: _spread([r[k]["tok_s"] for r in rows]) for k in contenders},
+                "prefill_tok_s": {k: _spread([r[k]["prefill_tok_s"] for r in rows]) for k in contenders
+                                  if "prefill_tok_s" in rows[0][k]},
+                "identical": {e: sum(r["identical"][e] for r in rows) for e in ("int8", "llama.cpp")},
+                "requests": len(rows)}
+    results["seconds"] = time.perf_counter() - started
+    md = markdown(results)
+    write_results(args.out, "cpu_path" + ("-quick" if args.quick else ""), results, md)
+    print(md)
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lines = [f"{r['requests']} requests per workload, {r['max_tokens']} new tokens, greedy, {r['threads']} threads, "
+             f"bundled Gemma 3 270M; the int8 path on its {r['kernels']} kernels. Run took {r['seconds'] / 60:.1f} min.", "",
+             "| workload | contender | decode tok/s (median, min..max) | prefill tok/s | drafted = own plain |",
+             "|---|---|---|---|---|"]
+    for name, w in r["workloads"].items():
+        for k, s in w["decode_tok_s"].items():
+            pre = w["prefill_tok_s"].get(k)
+            same = ""
+            if k == "int8 drafted":
+                same = f"{w['identical']['int8']}/{w['requests']}"
+            elif k == "llama.cpp prompt lookup":
+                same = f"{w['identical']['llama.cpp']}/{w['requests']}"
+            lines.append(f"| {name} | {k} | {s['median']:.1f} ({s['min']:.1f}..{s['max']:.1f}) | "
+                         f"{pre['median']:.0f} | {same} |" if pre else
+                         f"| {name} | {k} | {s['median']:.1f} ({s['min']:.1f}..{s['max']:.1f}) | - | {same} |")
+    lines += ["", "int8 verify cost curve (forward time for n new tokens / 1): "
+              + " ".join(f"{i + 1}:{c:.2f}" for i, c in enumerate(r["int8_cost_curve"])), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
