@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	@$(PHASE) "installing the BFCL v4 data" "seconds" -- $(PIP) install -qq --no-deps bfcl-eval
 	@touch $(STAMP)
 
-# The drafter's C kernels (ngram/_speedups.c) are built by the editable install; rebuilt when edited.
-$(SPEEDUPS): ngram/_speedups.c $(STAMP)
-	@$(PHASE) "building the drafter's C kernels" "seconds" -- $(PIP) install -qq --no-deps -e .
+# The C kernels (ngram/_speedups.c, server/_cpu_kernels.c) are built by the editable install; rebuilt when edited.
+$(SPEEDUPS): ngram/_speedups.c server/_cpu_kernels.c $(STAMP)
+	@$(PHASE) "building the C kernels" "seconds" -- $(PIP) install -qq --no-deps -e .
 	@touch $(SPEEDUPS)
 
 test: $(SPEEDUPS)

@@ -1,8 +1,13 @@
-"""The drafter's C kernels (ngram/_speedups.c), declared here because setuptools supports C extensions
-in setup.py without warnings (its pyproject.toml table is still experimental). Everything else about the
-package is in pyproject.toml. Optional: without a compiler the install still succeeds and ngram falls back
-to its pure-Python twins (same drafts, slower proposals)."""
+"""The C kernels, declared here because setuptools supports C extensions in setup.py without warnings
+(its pyproject.toml table is still experimental): the drafter's (ngram/_speedups.c) and the CPU path's
+int8 matmul and attention (server/_cpu_kernels.c: portable -O3; its AVX2 functions are compiled for
+AVX2 one by one and picked at run time, so no global -mavx2). Everything else about the package is in
+pyproject.toml. Optional: without a compiler the install still succeeds and ngram falls back to its
+pure-Python twins (same drafts, slower proposals)."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ngram._speedups", ["ngram/_speedups.c"], optional=True,
-                             extra_compile_args=["-O2"])])
+                             extra_compile_args=["-O2"]),
+                   Extension("server._cpu_kernels", ["server/_cpu_kernels.c"], optional=True,
+                             extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"],
+                             libraries=["m"])])

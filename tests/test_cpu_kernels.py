@@ -1,0 +1,199 @@
+"""The CPU path's C kernels (server/_cpu_kernels.c): quantize_rows exactly as the numpy Q8_0 rule,
+matmul_q8 and attention close to float64 references of the same definitions, and, bit for bit, the
+same rows whatever the batch size M, the thread count, and the AVX2 or scalar code (the server checks a
+16-token draft in one call against the logits 16 one-token calls would give). Skipped only where the
+extension was not built."""
+import numpy as np
+import pytest
+
+ck = pytest.importorskip("server._cpu_kernels")
+
+
+@pytest.fixture
+def scalar():
+    """Run the portable scalar code inside the test (restored after)."""
+    prev = ck._force_scalar(True)
+    yield
+    ck._force_scalar(prev)
+
+
+def _quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    m, k = x.shape
+    b = x.reshape(m, k // 32, 32)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    safe = np.where(d == 0, np.float32(1), d)[..., None]
+    q = np.where(d[..., None] == 0, np.float32(0), np.clip(np.rint(b / safe), -127, 127))
+    return q.astype(np.int8).reshape(m, k), d.astype(np.float32)
+
+
+def _weights(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    wq = rng.integers(-127, 128, size=(n, k), dtype=np.int8)
+    ws = (rng.random((n, k // 32), dtype=np.float32) * 0.02).astype(np.float32)
+    return wq, ws
+
+
+def _matmul(xq, xs, wq, ws, **kw) -> np.ndarray:
+    out = np.empty((xq.shape[0], wq.shape[0]), np.float32)
+    assert ck.matmul_q8(xq, xs, wq, ws, out, **kw) is out
+    return out
+
+
+def _matmul_ref(xq, xs, wq, ws) -> np.ndarray:
+    m, k = xq.shape
+    n = wq.shape[0]
+    idot = np.einsum("mbi,nbi->mnb", xq.reshape(m, k // 32, 32).astype(np.int64),
+                     wq.reshape(n, k // 32, 32).astype(np.int64))
+    return np.einsum("mnb,mb,nb->mn", idot.astype(np.float64), xs.astype(np.float64), ws.astype(np.float64))
+
+
+def test_quantize_rows_matches_the_q8_0_rule_exactly():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((7, 640)) * rng.uniform(0.01, 50, size=(7, 1))).astype(np.float32)
+    x[1, 32:64] = 0  # a zero block: d = 0, all codes 0
+    x[2, :32] = np.arange(32, dtype=np.float32) - 15.5  # halves: ties round to even
+    x[3, 64:96] = -3.0  # a block at its own maximum: codes -127
+    for forced in (False, True):
+        prev = ck._force_scalar(forced)
+        try:
+            xq, xs = ck.quantize_rows(x)
+        finally:
+            ck._force_scalar(prev)
+        rq, rs = _quantize_ref(x)
+        assert xq.dtype == np.int8 and xs.dtype == np.float32 and xq.shape == (7, 640) and xs.shape == (7, 20)
+        assert np.array_equal(xq, rq) and np.array_equal(xs, rs)
+        assert not xq[1, 32:64].any() and xs[1, 1] == 0 and (xq[3, 64:96] == -127).all()
+
+
+@pytest.mark.parametrize("m,n,k", [(5, 64, 640), (3, 37, 96), (2, 12, 2048)])  # N % 4 != 0; K/32 % 8 != 0
+def test_matmul_q8_is_the_block_scaled_dot_product(m, n, k):
+    rng = np.random.default_rng(1)
+    xq, xs = ck.quantize_rows(rng.standard_normal((m, k)).astype(np.float32))
+    wq, ws = _weights(rng, n, k)
+    ref = _matmul_ref(xq, xs, wq, ws)
+    np.testing.assert_allclose(_matmul(xq, xs, wq, ws), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n,k", [(260, 640), (1030, 352)])
+def test_matmul_q8_rows_are_the_same_for_any_batch_and_thread_count(n, k):
+    rng = np.random.default_rng(2)
+    xq, xs = ck.quantize_rows(rng.standard_normal((16, k)).astype(np.float32))
+    wq, ws = _weights(rng, n, k)
+    batch = _matmul(xq, xs, wq, ws, threads=1)
+    rows = np.concatenate([_matmul(xq[i:i + 1], xs[i:i + 1], wq, ws, threads=2) for i in range(16)])
+    assert np.array_equal(batch, rows)
+    for threads in (2, 3, 5):
+        assert np.array_equal(_matmul(xq, xs, wq, ws, threads=threads), batch)
+    assert np.array_equal(_matmul(xq[3:7], xs[3:7], wq, ws, threads=3), batch[3:7])
+    prev = ck._force_scalar(True)
+    try:
+        assert ck.simd() == "scalar"
+        assert np.array_equal(_matmul(xq, xs, wq, ws, threads=2), batch)
+        assert np.array_equal(_matmul(xq[5:6], xs[5:6], wq, ws, threads=1), batch[5:6])
+    finally:
+        ck._force_scalar(prev)
+
+
+def test_set_threads_is_the_default_for_calls():
+    prev = ck.set_threads(3)
+    try:
+        assert ck.get_threads() == 3
+        rng = np.random.default_rng(3)
+        xq, xs = ck.quantize_rows(rng.standard_normal((2, 64)).astype(np.float32))
+        wq, ws = _weights(rng, 40, 64)
+        assert np.array_equal(_matmul(xq, xs, wq, ws), _matmul(xq, xs, wq, ws, threads=1))
+    finally:
+        ck.set_threads(prev)
+    with pytest.raises(ValueError, match="1..64"):
+        ck.set_threads(0)
+
+
+def _attention(q, k, v, positions, window, scale, **kw) -> np.ndarray:
+    out = np.empty_like(q)
+    assert ck.attention(q, k, v, positions, window, scale, out, **kw) is out
+    return out
+
+
+def _attention_ref(q, k, v, positions, window, scale) -> np.ndarray:
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    out = np.empty_like(q)
+    for m, pos in enumerate(positions):
+        start = max(0, pos - window + 1) if window > 0 else 0
+        s = q[m] @ k[start:pos + 1].T * scale
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[m] = (e / e.sum(axis=-1, keepdims=True)) @ v[start:pos + 1]
+    return out
+
+
+def _cache(rng, m=16, h=4, d=256, t=300):
+    q = rng.standard_normal((m, h, d)).astype(np.float32)
+    k = rng.standard_normal((t, d)).astype(np.float32)
+    v = rng.standard_normal((t, d)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_attention_is_causal_softmax_attention(window):
+    rng = np.random.default_rng(4)
+    q, k, v = _cache(rng)
+    positions = np.array([0, 1, 5, 63, 64, 65, 100, 150, 199, 200, 250, 251, 252, 297, 298, 299], np.int64)
+    ref = _attention_ref(q, k, v, positions, window, 0.0625)
+    np.testing.assert_allclose(_attention(q, k, v, positions, window, 0.0625), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("h,d", [(4, 256), (3, 48), (2, 20)])  # D % 16 != 0 runs the scalar code throughout
+def test_attention_rows_are_the_same_for_any_batch_thread_count_and_path(h, d):
+    rng = np.random.default_rng(5)
+    q, k, v = _cache(rng, h=h, d=d)
+    positions = np.arange(180, 196, dtype=np.int64)  # a 16-token draft after a 180-token prefix
+    for window in (0, 50):
+        batch = _attention(q, k, v, positions, window, 0.1, threads=1)
+        rows = np.concatenate([_attention(q[i:i + 1], k, v, positions[i:i + 1], window, 0.1, threads=2)
+                               for i in range(16)])
+        assert np.array_equal(batch, rows)
+        for threads in (2, 3, 7):  # 3 and 7 split a row's heads between threads
+            assert np.array_equal(_attention(q, k, v, positions, window, 0.1, threads=threads), batch)
+        prev = ck._force_scalar(True)
+        try:
+            assert np.array_equal(_attention(q, k, v, positions, window, 0.1, threads=2), batch)
+        finally:
+            ck._force_scalar(prev)
+        np.testing.assert_allclose(batch, _attention_ref(q, k, v, positions, window, 0.1), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ck.quantize_rows(np.zeros((2, 40), np.float32))
+    with pytest.raises(TypeError, match="x must be float32, not float64"):
+        ck.quantize_rows(x.astype(np.float64))
+    with pytest.raises(TypeError, match="numpy array"):
+        ck.quantize_rows([[0.0] * 32])
+    with pytest.raises(ValueError, match="2-dimensional"):
+        ck.quantize_rows(np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ck.quantize_rows(np.zeros((64, 2), np.float32).T)
+    xq, xs = ck.quantize_rows(x)
+    wq, ws = np.zeros((8, 64), np.int8), np.zeros((8, 2), np.float32)
+    out = np.empty((2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"got xq \[2, 64\], xs \[2, 2\], wq \[8, 64\], ws \[8, 2\], out \[2, 9\]"):
+        ck.matmul_q8(xq, xs, wq, ws, np.empty((2, 9), np.float32))
+    with pytest.raises(ValueError, match="shapes must be"):
+        ck.matmul_q8(xq, xs, np.zeros((8, 96), np.int8), ws, out)
+    with pytest.raises(TypeError, match="wq must be int8, not uint8"):
+        ck.matmul_q8(xq, xs, wq.view(np.uint8), ws, out)
+    with pytest.raises(ValueError, match="out must be a writable"):
+        ro = np.empty((2, 8), np.float32)
+        ro.flags.writeable = False
+        ck.matmul_q8(xq, xs, wq, ws, ro)
+    with pytest.raises(ValueError, match="threads must be 1..64"):
+        ck.matmul_q8(xq, xs, wq, ws, out, threads=0)
+    q, k, v = _cache(np.random.default_rng(6), m=2, t=10)
+    pos = np.array([3, 9], np.int64)
+    with pytest.raises(ValueError, match="positions\\[1\\] = 10 is outside the cache"):
+        ck.attention(q, k, v, np.array([3, 10], np.int64), 0, 1.0, np.empty_like(q))
+    with pytest.raises(TypeError, match="positions must be int64, not int32"):
+        ck.attention(q, k, v, pos.astype(np.int32), 0, 1.0, np.empty_like(q))
+    with pytest.raises(ValueError, match="shapes must be"):
+        ck.attention(q, np.zeros((10, 128), np.float32), v, pos, 0, 1.0, np.empty_like(q))
+    with pytest.raises(ValueError, match="3-dimensional"):
+        ck.attention(q[0], k, v, pos, 0, 1.0, np.empty_like(q))
