@@ -1,8 +1,8 @@
 /* server._cpu_kernels: the CPU path's per-step kernels for the bundled Gemma 3 270M (Q8_0-style int8
-matmuls and single-KV-head attention), in C with AVX2 where the CPU has it.
+matmuls and single-KV-head attention), in C with AVX2 / AVX-VNNI / AVX-512 VNNI where the CPU has them.
 
 Contract (batch invariance): every output row is bit for bit the same whatever the number of rows M in
-the call, the number of threads, and whether the AVX2 or the portable scalar code runs. The server
+the call, the number of threads, and which code runs (AVX-512 VNNI, AVX-VNNI, AVX2 or portable scalar). The server
 verifies a 16-token draft in one call and must get exactly the logits 16 one-token calls give. So:
   - threads split the work by output columns n (matmul_q8) or by (m, h) pairs (attention), never a
     reduction; each output's arithmetic is one fixed sequence of float operations that depends on
@@ -12,7 +12,8 @@ verifies a 16-token draft in one call and must get exactly the logits 16 one-tok
     integer dot products are exact, so their order is free;
   - expf is libm's in both paths (called one value at a time).
 The scalar path also serves CPUs without AVX2/FMA (picked at run time, __builtin_cpu_supports) and
-any D not a multiple of 16 in attention; _force_scalar(True) selects it for tests.
+any D not a multiple of 16 in attention; _force_scalar(True) selects it for tests, _force_path(name)
+any of matmul_q8's paths.
 
 Functions (arrays through the buffer protocol, C-contiguous, native byte order; checked, TypeError for a
 wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read-only output):
@@ -22,11 +23,15 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
       x must be finite.
   matmul_q8(xq, xs, wq, ws, out, threads=None) -> out: xq int8 [M, K], xs float32 [M, K/32],
       wq int8 [N, K], ws float32 [N, K/32], out float32 [M, N]:
-          out[m, n] = tree8(lane[0..7]),  lane[j] = fma(xs[m,b] * ws[n,b], (float)idot(m, n, b), lane[j])
-      over b = j, j + 8, j + 16, ... in order (lanes start at +0; a group's missing blocks past the
-      end add fma(0, 0, lane)), idot the exact int32 dot product of block b of row m and row n, and
-      tree8(l) = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). wq codes must lie in [-127, 127]
-      (AVX2 applies x's sign to w: a -128 there wraps); xq may be any int8.
+          p(b, j) = sum over i = 0..3 of xq[m, 32b + 4j + i] * wq[n, 32b + 4j + i]   (exact int32)
+          acc[b % 2][j] = fmaf(xs[m,b] * ws[n,b], (float)p(b, j), acc[b % 2][j])      j = 0..7
+      for b = 0, 1, ..., K/32 - 1 in order, the 16 fp32 accumulators starting at +0 (the product of the
+      scales rounded to fp32 first, then one fused multiply-add), and then
+          out[m, n] = tree8(u),  u[j] = acc[0][j] + acc[1][j],
+          tree8(u) = ((u0 + u1) + (u2 + u3)) + ((u4 + u5) + (u6 + u7)).
+      (llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic: no horizontal add per block, one reduction per
+      output.) wq codes must lie in [-127, 127] (AVX2 applies x's sign to w: a -128 there wraps); xq
+      may be any int8.
   attention(q, k_cache, v_cache, positions, window, scale, out, threads=None) -> out:
       q float32 [M, H, D], k_cache / v_cache float32 [T, D] (one KV head shared by the H query heads),
       positions int64 [M] (each in 0..T-1), window int, scale float, out float32 [M, H, D]. Row m
@@ -37,14 +42,21 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
           mx = max_p s_p; e_p = expf(s_p - mx); sum = e_start + ... in position order;
           out[m, h, d] = acc_d / sum,  acc_d = fma chain of (e_p, v[p, d]) in position order from +0.
   set_threads(n) -> previous count (1..64; the default is the CPUs this process may run on);
-  get_threads(); _force_scalar(flag) -> previous flag; simd() -> "avx2" or "scalar" (what runs now).
+  get_threads(); paths() -> matmul_q8's paths this CPU runs ("scalar", "avx2", "avxvnni", "avx512",
+  best last); _force_path(name or None) -> the previous forced name or None (ValueError for a path
+  this CPU lacks); _force_scalar(flag) -> previous flag (False: unforced); simd() -> the path matmul_q8
+  runs now for M >= 2 (unforced, M = 1 calls run the AVX2 code: see matmul_q8).
   A call's threads= overrides the module count for that call. out must not overlap an input.
 The GIL is released around all compute. Threads are a small pool of pthreads started on first use
 (they spin about 0.2 ms after a call for the next one, then sleep); a fork()ed child starts its own.
 
 Why these loops: at M = 1 a matmul is a stream of the weights (the LM head: 262144 x 640 int8, 168 MB
 a call), so W is read once per call whatever M: a tile of 4 W rows stays in L1 and meets every x row
-(x is M x K bytes, in L2) before the next tile is read.
+(of an m_block whose codes and helper arrays stay in L2) before the next tile is read. Within a tile,
+micro-tiles apply each loaded W block to up to 4 x rows (AVX-512: 4 x rows by 4 W rows, 16 zmm
+accumulators, two blocks a zmm; AVX2 and AVX-VNNI, with 16 ymm registers: 2 by 2, a block a ymm).
+The per-block p(b, 0..7) is one vpdpbusd (W as w + 128 unsigned against x signed, starting from
+-128 * the sum of x's 4 codes) or maddubs + madd (|x| against w with x's sign); both are exact.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -52,6 +64,7 @@ a call), so W is read once per call whatever M: a tile of 4 W rows stays in L1 a
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -66,15 +79,20 @@ a call), so W is read once per call whatever M: a tile of 4 W rows stays in L1 a
 
 #define QBLOCK 32         /* values per quantization block */
 #define MAX_THREADS 64
-#define M_BLOCK 64        /* x rows that meet one W tile before the next tile (keeps x in L2) */
 #define PREFETCH_TILES 4   /* how many W tiles ahead matmul_q8 prefetches */
 #define SPIN_NS 200000    /* how long an idle worker (or a waiting caller) spins before sleeping */
 
 static int n_threads = 1;     /* set at import: the CPUs this process may run on */
-static int force_scalar = 0;  /* _force_scalar(True): tests compare the two paths */
-static int cpu_avx2 = 0;      /* AVX2 and FMA, checked once at import */
+/* matmul_q8's code paths, best last; quantize_rows and attention have AVX2 code only, which runs
+   whenever the path in use is not the scalar one. */
+enum { PATH_SCALAR, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512, N_PATHS };
+static const char *path_names[N_PATHS] = {"scalar", "avx2", "avxvnni", "avx512"};
+static int cpu_paths[N_PATHS] = {1, 0, 0, 0};  /* which paths this CPU runs, checked once at import */
+static int best_path = PATH_SCALAR;
+static int forced_path = -1;                   /* _force_path / _force_scalar: tests compare the paths */
 
-static int use_simd(void) { return cpu_avx2 && !force_scalar; }
+static int matmul_path(void) { return forced_path >= 0 ? forced_path : best_path; }
+static int use_simd(void) { return matmul_path() != PATH_SCALAR; }
 
 /* ---------------------------------------------------------------------------------------------
    Thread pool. Workers 1..size run parts of one call at a time (the caller runs part 0 and any
@@ -411,39 +429,36 @@ done:
    matmul_q8 */
 
 typedef struct {
-    const int8_t *xq, *xa;  /* xa: |xq| as unsigned bytes, for maddubs (AVX2 path only) */
+    const int8_t *xq;
+    const uint8_t *xa;    /* |xq| as unsigned bytes (the AVX2 path's maddubs operand) */
+    const int32_t *xc;    /* -128 * (sum of each 4 consecutive codes of xq), [M, K/4] (the VNNI paths) */
+    const float *xse;     /* xs with each value repeated 8 times, [M, K/32, 8] (the AVX-512 path) */
     const float *xs;
     const int8_t *wq;
     const float *ws;
     float *out;
-    Py_ssize_t M, N, K;
-    int simd;
+    Py_ssize_t M, N, K, m_block;
+    int path;
 } MatmulCtx;
-
-/* The exact int32 dot product of two 32-value int8 blocks (|result| <= 32 * 128 * 128). */
-static inline int32_t idot32(const int8_t *x, const int8_t *w) {
-    int32_t s = 0;
-    for (int i = 0; i < QBLOCK; i++) s += (int32_t)x[i] * (int32_t)w[i];
-    return s;
-}
 
 static inline float tree8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
 
-/* out[m, n] by the contract's definition; the AVX2 code performs these same float operations. */
+/* out[m, n] by the contract's definition; every SIMD path performs these same float operations on
+   the same exact integers p(b, j). */
 static float dot_q8_scalar(const int8_t *x, const float *xs, const int8_t *w, const float *ws, Py_ssize_t nb) {
-    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (Py_ssize_t g = 0; g < nb; g += 8)
+    float acc[2][8] = {{0}};
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const float s = xs[b] * ws[b];
+        const int8_t *xb = x + b * QBLOCK, *wb = w + b * QBLOCK;
         for (int j = 0; j < 8; j++) {
-            Py_ssize_t b = g + j;
-            float s = 0.0f;
-            int32_t d = 0;
-            if (b < nb) {
-                s = xs[b] * ws[b];
-                d = idot32(x + b * QBLOCK, w + b * QBLOCK);
-            }
-            lane[j] = fmaf(s, (float)d, lane[j]);
+            int32_t p = 0;
+            for (int i = 0; i < 4; i++) p += (int32_t)xb[4 * j + i] * (int32_t)wb[4 * j + i];
+            acc[b & 1][j] = fmaf(s, (float)p, acc[b & 1][j]);
         }
-    return tree8(lane);
+    }
+    float u[8];
+    for (int j = 0; j < 8; j++) u[j] = acc[0][j] + acc[1][j];
+    return tree8(u);
 }
 
 static void matmul_rows_scalar(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
@@ -454,81 +469,175 @@ static void matmul_rows_scalar(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n
 }
 
 #if HAVE_X86
-/* Block b of row x against block b of row w: 8 int32 lanes summing to the exact dot product
-   (x's sign moved onto w so maddubs gets |x| unsigned; pairs stay within int16: 2 * 128 * 127). */
-AVX2 static inline __m256i block_dot(const int8_t *xa, const int8_t *x, const int8_t *w) {
-    __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)w), _mm256_loadu_si256((const __m256i *)x));
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)xa), sw);
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+/* The SIMD paths share one loop over W tiles (4 rows, the tile PREFETCH_TILES ahead prefetched: the
+   hardware prefetcher alone falls behind once each tile takes a while) that meets every x row of an
+   m_block in micro-tiles of up to 4 x rows; N % 4 leftover rows run the scalar code (same arithmetic). */
+#define TILE_LOOP(TILE, MR_MAX)                                                                             \
+    Py_ssize_t n4 = n_lo + (n_hi - n_lo) / 4 * 4;                                                         \
+    for (Py_ssize_t m0 = 0; m0 < c->M; m0 += c->m_block) {                                                \
+        Py_ssize_t m1 = m0 + c->m_block < c->M ? m0 + c->m_block : c->M;                                   \
+        for (Py_ssize_t n = n_lo; n < n4; n += 4) {                                                       \
+            if (n + 4 * PREFETCH_TILES + 4 <= n4) {                                                       \
+                const char *pw = (const char *)(c->wq + (n + 4 * PREFETCH_TILES) * c->K);                  \
+                for (Py_ssize_t i = 0; i < 4 * c->K; i += 64) _mm_prefetch(pw + i, _MM_HINT_T0);            \
+                const char *ps = (const char *)(c->ws + (n + 4 * PREFETCH_TILES) * (c->K / QBLOCK));       \
+                for (Py_ssize_t i = 0; i < 4 * c->K / 8; i += 64) _mm_prefetch(ps + i, _MM_HINT_T0);        \
+            }                                                                                             \
+            Py_ssize_t m = m0;                                                                            \
+            for (; m + MR_MAX <= m1; m += MR_MAX) TILE(c, m, n, MR_MAX);                                  \
+            switch (m1 - m) {                                                                             \
+            case 3: TILE(c, m, n, 3); break;                                                              \
+            case 2: TILE(c, m, n, 2); break;                                                              \
+            case 1: TILE(c, m, n, 1); break;                                                              \
+            default: break;                                                                               \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    if (n4 < n_hi) matmul_rows_scalar(c, n4, n_hi);
+
+/* tree8 of u0..u3 (8 lanes each), all four at once: hadd pairs (0+1, 2+3 | 4+5, 6+7), then
+   (01+23 | 45+67), then low half + high half. */
+AVX2 static inline __m128 tree8_x4(__m256 u0, __m256 u1, __m256 u2, __m256 u3) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* [sum(v0), ..., sum(v7)]: eight blocks' exact dot products, one per lane (integer adds: any order). */
-AVX2 static inline __m256i block_sums(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5,
-                                      __m256i v6, __m256i v7) {
-    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+/* AVX2 and AVX-VNNI: a micro-tile of MR (<= 2) x rows and 2 W rows; acc[i][r][b % 2] are the
+   definition's acc[b % 2][0..7] of (m + i, n + r). PDOT(i, r) is p(b, 0..7) of x row m + i and W row
+   n + r for block b. */
+#define YMM_TILE_BODY(PDOT, PREP_W)                                                                       \
+    const Py_ssize_t K = c->K, nb = K / QBLOCK;                                                           \
+    __m256 acc[2][2][2];                                                                                  \
+    for (int i = 0; i < 2; i++)                                                                           \
+        for (int r = 0; r < 2; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();                    \
+    for (Py_ssize_t b = 0; b < nb; b++) {                                                                 \
+        const int par = (int)(b & 1);                                                                     \
+        __m256i wv[2];                                                                                    \
+        __m256 wsv[2];                                                                                    \
+        for (int r = 0; r < 2; r++) {                                                                     \
+            wv[r] = PREP_W(_mm256_loadu_si256((const __m256i *)(c->wq + (n + r) * K + b * QBLOCK)));      \
+            wsv[r] = _mm256_broadcast_ss(c->ws + (n + r) * nb + b);                                       \
+        }                                                                                                 \
+        for (int i = 0; i < MR; i++) {                                                                    \
+            const Py_ssize_t mi = m + i;                                                                  \
+            const __m256 xsv = _mm256_broadcast_ss(c->xs + mi * nb + b);                                  \
+            for (int r = 0; r < 2; r++) {                                                                 \
+                __m256i p = PDOT(mi, r);                                                                  \
+                if (par) acc[i][r][1] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, wsv[r]), _mm256_cvtepi32_ps(p), acc[i][r][1]); \
+                else acc[i][r][0] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, wsv[r]), _mm256_cvtepi32_ps(p), acc[i][r][0]); \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int i = 0; i < MR; i++) {                                                                        \
+        __m256 u0 = _mm256_add_ps(acc[i][0][0], acc[i][0][1]), u1 = _mm256_add_ps(acc[i][1][0], acc[i][1][1]); \
+        _mm_storel_pi((__m64 *)(c->out + (m + i) * c->N + n), tree8_x4(u0, u1, u0, u1));                   \
+    }
+
+/* AVX2: x's sign moved onto w so maddubs gets |x| unsigned (pairs stay within int16: 2 * 127 * 127),
+   then madd by 1 sums each 4 products exactly. */
+#define AVX2_PDOT(mi, r)                                                                                  \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(                                                               \
+        _mm256_loadu_si256((const __m256i *)(c->xa + (mi) * K + b * QBLOCK)),                             \
+        _mm256_sign_epi8(wv[r], _mm256_loadu_si256((const __m256i *)(c->xq + (mi) * K + b * QBLOCK)))),  \
+        _mm256_set1_epi16(1))
+#define NO_PREP(v) (v)
+
+AVX2 static inline __attribute__((always_inline)) void tile2_avx2(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t n,
+                                                                const int MR) {
+    YMM_TILE_BODY(AVX2_PDOT, NO_PREP)
 }
 
-/* out[m, n..n+3] for x row m and W rows n..n+3: the scalar definition, lane j of acc[r] being lane[j]. */
-AVX2 static void tile4_avx2(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t n) {
+/* Two 2-row halves of a 4-row W tile. */
+#define TILE_AVX2(c, m, n, MR) (tile2_avx2(c, m, n, (MR) > 2 ? 2 : (MR)), tile2_avx2(c, m, n + 2, (MR) > 2 ? 2 : (MR)), \
+                                (MR) > 2 ? (tile2_avx2(c, m + 2, n, (MR) - 2), tile2_avx2(c, m + 2, n + 2, (MR) - 2)) : (void)0)
+
+AVX2 static void matmul_rows_avx2(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) { TILE_LOOP(TILE_AVX2, 4) }
+
+/* The VNNI paths: vpdpbusd multiplies unsigned by signed bytes, so W goes in as w + 128 (w ^ 0x80,
+   unsigned) against x signed, and the accumulator starts at -128 * (x's 4 codes' sum): the result is
+   exactly p(b, j) (|intermediate| <= 4 * 255 * 128, no wrap). */
+#define VNNI256 __attribute__((target("avx2,fma,avxvnni")))
+#define VNNI256_PDOT(mi, r)                                                                               \
+    _mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i *)(c->xc + (mi) * (K / 4) + b * 8)), wv[r],  \
+                            _mm256_loadu_si256((const __m256i *)(c->xq + (mi) * K + b * QBLOCK)))
+#define FLIP256(v) _mm256_xor_si256((v), _mm256_set1_epi8((char)0x80))
+
+VNNI256 static inline __attribute__((always_inline)) void tile2_avxvnni(const MatmulCtx *c, Py_ssize_t m,
+                                                                      Py_ssize_t n, const int MR) {
+    YMM_TILE_BODY(VNNI256_PDOT, FLIP256)
+}
+
+#define TILE_AVXVNNI(c, m, n, MR) (tile2_avxvnni(c, m, n, (MR) > 2 ? 2 : (MR)), tile2_avxvnni(c, m, n + 2, (MR) > 2 ? 2 : (MR)), \
+                                   (MR) > 2 ? (tile2_avxvnni(c, m + 2, n, (MR) - 2), tile2_avxvnni(c, m + 2, n + 2, (MR) - 2)) : (void)0)
+
+VNNI256 static void matmul_rows_avxvnni(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
+    TILE_LOOP(TILE_AVXVNNI, 4)
+}
+
+/* AVX-512 VNNI: one zmm holds blocks b and b + 1 of one (m, n), lanes 0-7 acc[0][0..7] and 8-15
+   acc[1][0..7] of the definition (b even); a micro-tile is MR (<= 4) x rows by 4 W rows, 16 zmm
+   accumulators. An odd last block runs in lanes 0-7 only (masked loads, masked fma). */
+#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+
+AVX512 static inline __attribute__((always_inline)) void tile4_avx512(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t n,
+                                                                    const int MR) {
     const Py_ssize_t K = c->K, nb = K / QBLOCK;
-    const int8_t *x = c->xq + m * K, *xa = c->xa + m * K;
-    const float *xs = c->xs + m * nb;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    Py_ssize_t g = 0;
-    for (; g + 8 <= nb; g += 8) {
-        const __m256 sx = _mm256_loadu_ps(xs + g);
-        const int8_t *xg = x + g * QBLOCK, *ag = xa + g * QBLOCK;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
+    Py_ssize_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512i wv[4];
+        __m512 wsv[4];
         for (int r = 0; r < 4; r++) {
-            const int8_t *w = c->wq + (n + r) * K + g * QBLOCK;
-            __m256i d = block_sums(block_dot(ag, xg, w), block_dot(ag + 32, xg + 32, w + 32),
-                                   block_dot(ag + 64, xg + 64, w + 64), block_dot(ag + 96, xg + 96, w + 96),
-                                   block_dot(ag + 128, xg + 128, w + 128), block_dot(ag + 160, xg + 160, w + 160),
-                                   block_dot(ag + 192, xg + 192, w + 192), block_dot(ag + 224, xg + 224, w + 224));
-            __m256 s = _mm256_mul_ps(sx, _mm256_loadu_ps(c->ws + (n + r) * nb + g));
-            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), acc[r]);
+            wv[r] = _mm512_xor_si512(_mm512_loadu_si512(c->wq + (n + r) * K + b * QBLOCK), flip);
+            wsv[r] = _mm512_permutexvar_ps(pair, _mm512_castpd_ps(_mm512_castpd128_pd512(
+                                                     _mm_load_sd((const double *)(c->ws + (n + r) * nb + b)))));
+        }
+        for (int i = 0; i < MR; i++) {
+            const Py_ssize_t mi = m + i;
+            const __m512i xv = _mm512_loadu_si512(c->xq + mi * K + b * QBLOCK);
+            const __m512 xsv = _mm512_loadu_ps(c->xse + (mi * nb + b) * 8);
+            const int32_t *xc = c->xc + mi * (K / 4) + b * 8;
+            for (int r = 0; r < 4; r++) {
+                __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc), wv[r], xv);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(xsv, wsv[r]), _mm512_cvtepi32_ps(p), acc[i][r]);
+            }
         }
     }
-    if (g < nb) {  /* a last, partial group: missing blocks are zero scales and zero dots */
-        int left = (int)(nb - g);
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 sx = _mm256_maskload_ps(xs + g, mask);
+    if (b < nb) {
+        const __mmask64 k8 = 0xffffffffull;
+        const __mmask16 k32 = 0x00ff;
+        __m512i wv[4];
+        __m512 wsv[4];
         for (int r = 0; r < 4; r++) {
-            const int8_t *w = c->wq + (n + r) * K + g * QBLOCK;
-            __m256i v[8];
-            for (int j = 0; j < 8; j++)
-                v[j] = j < left ? block_dot(xa + (g + j) * QBLOCK, x + (g + j) * QBLOCK, w + j * QBLOCK)
-                                : _mm256_setzero_si256();
-            __m256i d = block_sums(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
-            __m256 s = _mm256_mul_ps(sx, _mm256_maskload_ps(c->ws + (n + r) * nb + g, mask));
-            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), acc[r]);
+            wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k8, c->wq + (n + r) * K + b * QBLOCK), flip);
+            wsv[r] = _mm512_set1_ps(c->ws[(n + r) * nb + b]);
+        }
+        for (int i = 0; i < MR; i++) {
+            const Py_ssize_t mi = m + i;
+            const __m512i xv = _mm512_maskz_loadu_epi8(k8, c->xq + mi * K + b * QBLOCK);
+            const __m512 xsv = _mm512_maskz_loadu_ps(k32, c->xse + (mi * nb + b) * 8);
+            const __m512i xc = _mm512_maskz_loadu_epi32(k32, c->xc + mi * (K / 4) + b * 8);
+            for (int r = 0; r < 4; r++) {
+                __m512i p = _mm512_dpbusd_epi32(xc, wv[r], xv);
+                acc[i][r] = _mm512_mask3_fmadd_ps(_mm512_mul_ps(xsv, wsv[r]), _mm512_cvtepi32_ps(p), acc[i][r], k32);
+            }
         }
     }
-    /* tree8 of each acc, all four at once: hadd pairs (0+1, 2+3 | 4+5, 6+7), then halves, then lo + hi */
-    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    _mm_storeu_ps(c->out + m * c->N + n, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    for (int i = 0; i < MR; i++) {
+        __m256 u[4];
+        for (int r = 0; r < 4; r++)  /* acc[0][j] + acc[1][j] */
+            u[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][r]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][r]), 1)));
+        _mm_storeu_ps(c->out + (m + i) * c->N + n, tree8_x4(u[0], u[1], u[2], u[3]));
+    }
 }
 
-AVX2 static void matmul_rows_avx2(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
-    Py_ssize_t n4 = n_lo + (n_hi - n_lo) / 4 * 4;
-    for (Py_ssize_t m0 = 0; m0 < c->M; m0 += M_BLOCK) {
-        Py_ssize_t m1 = m0 + M_BLOCK < c->M ? m0 + M_BLOCK : c->M;
-        for (Py_ssize_t n = n_lo; n < n4; n += 4) {
-            /* The tile PREFETCH_TILES ahead (its codes and scales) on its way to L1 while this one
-               is used: the hardware prefetcher alone falls behind once each tile takes a while. */
-            if (n + 4 * PREFETCH_TILES + 4 <= n4) {
-                const char *w = (const char *)(c->wq + (n + 4 * PREFETCH_TILES) * c->K);
-                for (Py_ssize_t i = 0; i < 4 * c->K; i += 64) _mm_prefetch(w + i, _MM_HINT_T0);
-                const char *s = (const char *)(c->ws + (n + 4 * PREFETCH_TILES) * (c->K / QBLOCK));
-                for (Py_ssize_t i = 0; i < 4 * c->K / 8; i += 64) _mm_prefetch(s + i, _MM_HINT_T0);
-            }
-            for (Py_ssize_t m = m0; m < m1; m++) tile4_avx2(c, m, n);
-        }
-    }
-    if (n4 < n_hi) {  /* fewer than 4 rows left (N % 4 != 0): the scalar code, same arithmetic */
-        matmul_rows_scalar(c, n4, n_hi);
-    }
+AVX512 static void matmul_rows_avx512(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
+    TILE_LOOP(tile4_avx512, 4)
 }
 #endif
 
@@ -536,13 +645,14 @@ static void matmul_part(void *ctx, int part, int nparts) {
     const MatmulCtx *c = ctx;
     Py_ssize_t lo, hi;
     part_range(c->N, 4, part, nparts, &lo, &hi);  /* parts start on a multiple of 4: whole tiles */
+    switch (c->path) {
 #if HAVE_X86
-    if (c->simd) {
-        matmul_rows_avx2(c, lo, hi);
-        return;
-    }
+    case PATH_AVX512: matmul_rows_avx512(c, lo, hi); return;
+    case PATH_AVXVNNI: matmul_rows_avxvnni(c, lo, hi); return;
+    case PATH_AVX2: matmul_rows_avx2(c, lo, hi); return;
 #endif
-    matmul_rows_scalar(c, lo, hi);
+    default: matmul_rows_scalar(c, lo, hi); return;
+    }
 }
 
 /* matmul_q8(xq, xs, wq, ws, out, threads=None) -> out */
@@ -584,24 +694,41 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
         shape_error(fn, msg);
         goto done;
     }
-    MatmulCtx c = {v[0].buf, NULL, v[1].buf, v[2].buf, v[3].buf, v[4].buf, M, N, K, use_simd()};
-    uint8_t *xa = NULL;
-    if (c.simd && M * K > 0) {
-        xa = PyMem_Malloc((size_t)(M * K));
-        if (!xa) {
+    /* M = 1 streams W from memory: there the AVX2 code (same results) keeps up with memory better than
+       the VNNI ones on the Zen 5 this was measured on, so an unforced call takes it. */
+    int path = matmul_path();
+    if (forced_path < 0 && M == 1 && path > PATH_AVX2) path = PATH_AVX2;
+    MatmulCtx c = {v[0].buf, NULL, NULL, NULL, v[1].buf, v[2].buf, v[3].buf, v[4].buf, M, N, K, 4, path};
+    /* x rows per m_block: their codes, xc and xse (3 K bytes a row) stay in L2 while W tiles pass */
+    c.m_block = K > 0 ? (512 * 1024 / (3 * K)) / 4 * 4 : 4;
+    if (c.m_block < 4) c.m_block = 4;
+    const Py_ssize_t nb = K / QBLOCK;
+    void *scratch = NULL;
+    if (c.path != PATH_SCALAR && M * K > 0) {
+        scratch = PyMem_Malloc((size_t)(c.path == PATH_AVX2 ? M * K : 2 * M * K));
+        if (!scratch) {
             PyErr_NoMemory();
             goto done;
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; xa && i < M * K; i++) {
-        int8_t q = c.xq[i];
-        xa[i] = (uint8_t)(q < 0 ? -(int)q : q);
+    if (scratch && c.path == PATH_AVX2) {
+        uint8_t *xa = scratch;
+        for (Py_ssize_t i = 0; i < M * K; i++) xa[i] = (uint8_t)abs((int)c.xq[i]);
+        c.xa = xa;
+    } else if (scratch) {
+        int32_t *xc = scratch;
+        float *xse = (float *)(xc + M * K / 4);
+        for (Py_ssize_t i = 0; i < M * K / 4; i++)
+            xc[i] = -128 * ((int32_t)c.xq[4 * i] + c.xq[4 * i + 1] + c.xq[4 * i + 2] + c.xq[4 * i + 3]);
+        for (Py_ssize_t i = 0; i < M * nb; i++)
+            for (int j = 0; j < 8; j++) xse[8 * i + j] = c.xs[i];
+        c.xc = xc;
+        c.xse = xse;
     }
-    c.xa = (const int8_t *)xa;
     pool_run(matmul_part, &c, parts_for((N + 3) / 4, threads));
     Py_END_ALLOW_THREADS
-    PyMem_Free(xa);
+    PyMem_Free(scratch);
     result = Py_NewRef(out_o);
 done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
@@ -835,12 +962,49 @@ static PyObject *get_threads(PyObject *self, PyObject *unused) { return PyLong_F
 static PyObject *force_scalar_fn(PyObject *self, PyObject *arg) {
     int flag = PyObject_IsTrue(arg);
     if (flag < 0) return NULL;
-    int prev = force_scalar;
-    force_scalar = flag;
+    int prev = forced_path == PATH_SCALAR;
+    forced_path = flag ? PATH_SCALAR : -1;
     return PyBool_FromLong(prev);
 }
 
-static PyObject *simd_fn(PyObject *self, PyObject *unused) { return PyUnicode_FromString(use_simd() ? "avx2" : "scalar"); }
+/* _force_path(name or None) -> the previous forced name or None */
+static PyObject *force_path_fn(PyObject *self, PyObject *arg) {
+    int want = -1;
+    if (arg != Py_None) {
+        const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+        if (!name) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_force_path: path must be a str or None");
+            return NULL;
+        }
+        for (int i = 0; i < N_PATHS; i++)
+            if (strcmp(name, path_names[i]) == 0) want = i;
+        if (want < 0) {
+            PyErr_Format(PyExc_ValueError, "_force_path: unknown path '%s' (scalar, avx2, avxvnni, avx512)", name);
+            return NULL;
+        }
+        if (!cpu_paths[want]) {
+            PyErr_Format(PyExc_ValueError, "_force_path: this CPU cannot run the %s path", name);
+            return NULL;
+        }
+    }
+    PyObject *prev = forced_path >= 0 ? PyUnicode_FromString(path_names[forced_path]) : Py_NewRef(Py_None);
+    if (prev) forced_path = want;
+    return prev;
+}
+
+/* paths() -> the paths this CPU can run, best last */
+static PyObject *paths_fn(PyObject *self, PyObject *unused) {
+    PyObject *r = PyList_New(0);
+    for (int i = 0; r && i < N_PATHS; i++) {
+        if (!cpu_paths[i]) continue;
+        PyObject *s = PyUnicode_FromString(path_names[i]);
+        if (!s || PyList_Append(r, s) < 0) Py_CLEAR(r);
+        Py_XDECREF(s);
+    }
+    return r;
+}
+
+static PyObject *simd_fn(PyObject *self, PyObject *unused) { return PyUnicode_FromString(path_names[matmul_path()]); }
 
 static PyMethodDef methods[] = {
     {"quantize_rows", (PyCFunction)(void (*)(void))quantize_rows, METH_VARARGS | METH_KEYWORDS,
@@ -852,7 +1016,11 @@ static PyMethodDef methods[] = {
     {"set_threads", set_threads, METH_O, "set_threads(n) -> the previous thread count"},
     {"get_threads", get_threads, METH_NOARGS, "get_threads() -> the thread count calls use by default"},
     {"_force_scalar", force_scalar_fn, METH_O, "_force_scalar(flag) -> previous flag: run the portable scalar code"},
-    {"simd", simd_fn, METH_NOARGS, "simd() -> 'avx2' or 'scalar': the code that runs now"},
+    {"_force_path", force_path_fn, METH_O,
+     "_force_path(name or None) -> previous forced path or None: run matmul_q8's 'scalar', 'avx2', 'avxvnni' or "
+     "'avx512' code (None: the best this CPU has)"},
+    {"paths", paths_fn, METH_NOARGS, "paths() -> matmul_q8's code paths this CPU can run, best last"},
+    {"simd", simd_fn, METH_NOARGS, "simd() -> 'avx512', 'avxvnni', 'avx2' or 'scalar': matmul_q8's code that runs now"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -863,7 +1031,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "server._cpu_kernels"
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
 #if HAVE_X86
     __builtin_cpu_init();
-    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    cpu_paths[PATH_AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    cpu_paths[PATH_AVXVNNI] = cpu_paths[PATH_AVX2] && __builtin_cpu_supports("avxvnni");
+    cpu_paths[PATH_AVX512] = cpu_paths[PATH_AVX2] && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    for (int i = 0; i < N_PATHS; i++)
+        if (cpu_paths[i]) best_path = i;
 #endif
     cpu_set_t set;
     long cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);

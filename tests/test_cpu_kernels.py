@@ -1,6 +1,7 @@
 """The CPU path's C kernels (server/_cpu_kernels.c): quantize_rows exactly as the numpy Q8_0 rule,
 matmul_q8 and attention close to float64 references of the same definitions, and, bit for bit, the
-same rows whatever the batch size M, the thread count, and the AVX2 or scalar code (the server checks a
+same rows whatever the batch size M, the thread count, and the code path (scalar, AVX2, AVX-VNNI,
+AVX-512 VNNI: matmul_q8's stated arithmetic exactly on each; the server checks a
 16-token draft in one call against the logits 16 one-token calls would give). Skipped only where the
 extension was not built."""
 import numpy as np
@@ -73,24 +74,82 @@ def test_matmul_q8_is_the_block_scaled_dot_product(m, n, k):
     np.testing.assert_allclose(_matmul(xq, xs, wq, ws), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("n,k", [(260, 640), (1030, 352)])
-def test_matmul_q8_rows_are_the_same_for_any_batch_and_thread_count(n, k):
+def _matmul_def(xq, xs, wq, ws) -> np.ndarray:
+    """The module's definition of out[m, n] in numpy float32, operation for operation: p(b, j) exact,
+    acc[b % 2][j] = fma(xs * ws, p, acc) (fma through float64: the product of two float32 values is
+    exact there and the sum is rounded once, except on a double-rounding tie, absent here), then
+    u = acc[0] + acc[1] and tree8(u)."""
+    m, k = xq.shape
+    n, nb = wq.shape[0], k // 32
+    p = np.einsum("mbji,nbji->mnbj", xq.reshape(m, nb, 8, 4).astype(np.int64),
+                  wq.reshape(n, nb, 8, 4).astype(np.int64)).astype(np.float32)
+    s = xs[:, None, :] * ws[None, :, :]  # float32 products, rounded
+    acc = np.zeros((2, m, n, 8), np.float32)
+    for b in range(nb):
+        acc[b % 2] = (s[:, :, b, None].astype(np.float64) * p[:, :, b].astype(np.float64)
+                      + acc[b % 2].astype(np.float64)).astype(np.float32)
+    u = acc[0] + acc[1]
+    return ((u[..., 0] + u[..., 1]) + (u[..., 2] + u[..., 3])) + ((u[..., 4] + u[..., 5]) + (u[..., 6] + u[..., 7]))
+
+
+def test_matmul_q8_is_its_stated_arithmetic_on_every_path():
+    rng = np.random.default_rng(7)
+    for m, n, k in [(5, 12, 640), (3, 9, 96)]:
+        xq, xs = ck.quantize_rows(rng.standard_normal((m, k)).astype(np.float32))
+        wq, ws = _weights(rng, n, k)
+        want = _matmul_def(xq, xs, wq, ws)
+        for path in ck.paths():
+            prev = ck._force_path(path)
+            try:
+                assert np.array_equal(_matmul(xq, xs, wq, ws), want), path
+            finally:
+                ck._force_path(prev)
+
+
+@pytest.mark.parametrize("n,k", [(260, 640), (1030, 352), (37, 96)])  # K/32 = 20, 11 (odd), 3
+def test_matmul_q8_rows_are_the_same_for_any_batch_thread_count_and_path(n, k):
     rng = np.random.default_rng(2)
-    xq, xs = ck.quantize_rows(rng.standard_normal((16, k)).astype(np.float32))
+    xq, xs = ck.quantize_rows(rng.standard_normal((64, k)).astype(np.float32))
     wq, ws = _weights(rng, n, k)
-    batch = _matmul(xq, xs, wq, ws, threads=1)
-    rows = np.concatenate([_matmul(xq[i:i + 1], xs[i:i + 1], wq, ws, threads=2) for i in range(16)])
-    assert np.array_equal(batch, rows)
-    for threads in (2, 3, 5):
-        assert np.array_equal(_matmul(xq, xs, wq, ws, threads=threads), batch)
-    assert np.array_equal(_matmul(xq[3:7], xs[3:7], wq, ws, threads=3), batch[3:7])
-    prev = ck._force_scalar(True)
+    prev = ck._force_path("scalar")
     try:
         assert ck.simd() == "scalar"
-        assert np.array_equal(_matmul(xq, xs, wq, ws, threads=2), batch)
-        assert np.array_equal(_matmul(xq[5:6], xs[5:6], wq, ws, threads=1), batch[5:6])
+        want = _matmul(xq, xs, wq, ws, threads=2)  # the scalar code, 64 rows
+        rows = np.concatenate([_matmul(xq[i:i + 1], xs[i:i + 1], wq, ws, threads=1) for i in range(64)])
+        assert np.array_equal(rows, want)
     finally:
-        ck._force_scalar(prev)
+        ck._force_path(prev)
+    assert "scalar" in ck.paths() and ck.simd() == ck.paths()[-1]
+    for path in ck.paths():
+        prev = ck._force_path(path)
+        try:
+            assert ck.simd() == path
+            for lo, hi in [(0, 16), (0, 64), (5, 8), (9, 10)]:  # M = 16, 64, 3, 1
+                for threads in range(1, 6):
+                    assert np.array_equal(_matmul(xq[lo:hi], xs[lo:hi], wq, ws, threads=threads), want[lo:hi]), \
+                        (path, lo, hi, threads)
+            rows = np.concatenate([_matmul(xq[i:i + 1], xs[i:i + 1], wq, ws, threads=2) for i in range(16)])
+            assert np.array_equal(rows, want[:16]), path
+        finally:
+            ck._force_path(prev)
+    assert np.array_equal(_matmul(xq[3:7], xs[3:7], wq, ws), want[3:7])  # unforced, the module's threads
+    assert np.array_equal(_matmul(xq[5:6], xs[5:6], wq, ws), want[5:6])
+
+
+def test_force_path_and_force_scalar():
+    assert ck._force_path(None) is None
+    assert ck._force_scalar(True) is False
+    assert ck.simd() == "scalar" and ck._force_path(None) == "scalar"
+    assert ck._force_scalar(False) is False and ck.simd() == ck.paths()[-1]
+    with pytest.raises(ValueError, match="unknown path"):
+        ck._force_path("neon")
+    with pytest.raises(TypeError):
+        ck._force_path(3)
+    for path in ("avx2", "avxvnni", "avx512"):
+        if path not in ck.paths():
+            with pytest.raises(ValueError, match="cannot run"):
+                ck._force_path(path)
+    assert ck.simd() == ck.paths()[-1]
 
 
 def test_set_threads_is_the_default_for_calls():
