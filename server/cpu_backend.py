@@ -60,13 +60,13 @@ class CpuBackend:
         self.position, self._keep = reused, reuse
         logits = None
         for begin in range(reused, len(prompt_ids), self.prefill_chunk):
-            logits = self.step(prompt_ids[begin:begin + self.prefill_chunk])
+            logits = self.step(prompt_ids[begin:begin + self.prefill_chunk], last_only=True)
         return Prefill(logits[-1], reused)
 
-    def step(self, ids: list[int]) -> torch.Tensor:
+    def step(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
         n = len(ids)
         self._reserve(self.position + n)
-        logits = self.model.forward(ids, self.position, self.cache)
+        logits = self.model.forward(ids, self.position, self.cache, last_only)
         self.position += n
         return torch.from_numpy(logits)
 

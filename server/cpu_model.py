@@ -7,7 +7,7 @@ with one fp32 scale per 32 input features (llama.cpp's Q8_0 layout; a Q8_0 GGUF 
 bundled model's embedding / LM head, comes back exactly), q/k/v fused into one matrix and gate/up
 into another. `forward(ids, start, cache) -> logits [len(ids), vocab]` (float32) runs ids at
 positions start.. of `cache` (a `KVCache`), writing their keys and values there; it reads positions
-< start + len(ids). Arithmetic: activations are quantized per row and 32-value block to int8 (Q8_0),
+< start + len(ids). `last_only=True` returns only the last row's logits [1, vocab] (a prefill). Arithmetic: activations are quantized per row and 32-value block to int8 (Q8_0),
 dot products are exact int32 per block, scaled and summed in fp32 in block order
 (server/_cpu_kernels.c); norms, RoPE and the activation run in float32 numpy, row by row
 independent. Invariant: row i of the logits depends only on the ids and cache before it, not on how
@@ -124,7 +124,7 @@ class CpuGemma3:
     def nbytes(self) -> int:
         return self.embed.nbytes() + sum(l[n].nbytes() for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
 
-    def forward(self, ids, start: int, cache: KVCache) -> np.ndarray:
+    def forward(self, ids, start: int, cache: KVCache, last_only: bool = False) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         m = ids.shape[0]
         if start + m > cache.max_len:
@@ -149,6 +149,8 @@ class CpuGemma3:
             inter = gate_up.shape[1] // 2
             act = _gelu_tanh(gate_up[:, :inter]) * gate_up[:, inter:]
             x = x + self._norm(k.linear(np.ascontiguousarray(act), L["down"]), L["post_ffn_norm"])
+        if last_only:  # a prefill chunk: only its last row's logits are read (the LM head is most of the work)
+            x = x[-1:]
         return k.linear(self._norm(x, self.final_norm), self.embed)
 
     def _embed_rows(self, ids: np.ndarray) -> np.ndarray:
