@@ -29,6 +29,12 @@ def set_threads(n: int) -> None:
         _C.set_threads(int(n))
 
 
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 codes, fp32 scales per 32 values) of each row of x float32 [M, K] (Q8_0's rule)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return _C.quantize_rows(x) if _C is not None else quantize_rows_numpy(x)
+
+
 def linear(x: np.ndarray, lin) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if _C is None:

@@ -30,6 +30,10 @@ BLOCK = 32  # input features per int8 scale
 def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """fp32 [N, K] -> (int8 codes [N, K], fp32 scales [N, K/32]): per 32-value block, scale =
     max|w| / 127 and codes = round-half-even(w / scale) (Q8_0's rule)."""
+    from server import cpu_kernels
+
+    if cpu_kernels.AVAILABLE:  # the activations' kernel applies the same rule, in C
+        return cpu_kernels.quantize_rows(np.ascontiguousarray(w, dtype=np.float32))
     n, k = w.shape
     blocks = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
     amax = np.abs(blocks).max(axis=2)
@@ -67,6 +71,26 @@ class KVCache:
         self.max_len = max_len
 
 
+def unsupported_reason(model) -> str | None:
+    """None when `CpuGemma3.from_hf(model)` serves this model, else why not (the eager path serves it)."""
+    c = model.config
+    if getattr(c, "model_type", None) not in ("gemma3_text",) or not hasattr(model, "model"):
+        return f"takes Gemma 3 text models (this one is {getattr(c, 'model_type', type(model).__name__)})"
+    if c.num_key_value_heads != 1:
+        return f"takes one KV head (this model has {c.num_key_value_heads})"
+    if getattr(c, "attn_logit_softcapping", None) or getattr(c, "final_logit_softcapping", None):
+        return "does not implement logit soft-capping"
+    if not getattr(c, "tie_word_embeddings", True):
+        return "takes tied embeddings (the LM head is the embedding table)"
+    widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    if any(w % BLOCK for w in widths):
+        return f"needs widths that are multiples of {BLOCK} (hidden, attention and MLP widths {widths})"
+    if any(getattr(c, "rope_parameters", {}).get(t, {}).get("rope_type", "default") != "default"
+           for t in set(c.layer_types)):
+        return "implements default RoPE only (this model scales it)"
+    return None
+
+
 class CpuGemma3:
     def __init__(self, cfg: dict, embed: Int8Linear, layers: list[dict], final_norm: np.ndarray, kernels):
         self.cfg = cfg
@@ -83,14 +107,10 @@ class CpuGemma3:
 
     @classmethod
     def from_hf(cls, model, kernels=None) -> "CpuGemma3":
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the CPU int8 path {reason}")
         c = model.config
-        if c.num_key_value_heads != 1:
-            raise ValueError(f"the CPU path takes one KV head (this model has {c.num_key_value_heads})")
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(c, name, None):
-                raise ValueError(f"the CPU path does not implement {name}")
-        if not getattr(c, "tie_word_embeddings", True):
-            raise ValueError("the CPU path takes tied embeddings (the LM head is the embedding table)")
         m = model.model
         arr = lambda t: t.detach().float().cpu().numpy()
         norm = lambda mod: (1.0 + arr(mod.weight)).astype(np.float32)  # Gemma3RMSNorm's (1 + w), once

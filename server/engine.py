@@ -245,7 +245,14 @@ class Engine:
             return self._build_fast_path()
         budget = self._prefix_budget(device)
         if device.type == "cpu" and self.config.cpu_int8:
-            return self._build_cpu_int8(budget)
+            from server.cpu_model import unsupported_reason as cpu_unsupported
+
+            reason = cpu_unsupported(self.model)
+            if reason is None:
+                return self._build_cpu_int8(budget)
+            why_not += f"; the CPU int8 path {reason}"
+        elif device.type == "cpu":
+            why_not += "; the CPU int8 path is off (--no-cpu-int8)"
         self.notes.append(why_not)
         backend = EagerBackend(self.model, budget, max_context=self.max_context, max_step=self.config.max_draft + 1)
         self.notes.append(_prefix_note(budget))
@@ -267,10 +274,15 @@ class Engine:
 
         cfg = self.config
         budget = (0 if not cfg.prefix_cache else cfg.prefix_cache_bytes)
+        ple = getattr(self.model.model, "embed_tokens_per_layer", None)
+        if ple is not None:  # Gemma 4's per-layer embeddings are looked up on the host: plan without them
+            ple.to("cpu")
+            torch.cuda.empty_cache()
         plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget)
         # A padded step may write up to one bucket past the last committed position: room for it.
         fast = FastTarget(self.model, max_len=plan.context + DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS,
-                          min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes)
+                          min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes,
+                          ple_on_host=ple is not None)
         seconds = fast.warmup()
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "

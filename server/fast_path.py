@@ -192,7 +192,7 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
         per_pos += 2 * kv_heads * attn.head_dim * elt
     per_pos = max(per_pos, 1)
     free, total = torch.cuda.mem_get_info(dev)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == dev)  # host tables: not here
     reserve = 2 * GIB + int(0.05 * total) + weights // 2   # step-kernel copies are a fraction of the weights
     context = min(max_context, cap or max_context)
     room = free - reserve
@@ -210,7 +210,7 @@ class FastTarget:
                  prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
                  fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None,
                  prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
-                 prefill_dense: bool | None = None):
+                 prefill_dense: bool | None = None, ple_on_host: bool = False):
         lm = model
         self.model = model
         text = lm.model
@@ -241,7 +241,10 @@ class FastTarget:
 
         self.ple_dim = getattr(cfg, "hidden_size_per_layer_input", 0) or 0
         if self.ple_dim:
-            self.embed_ple = text.embed_tokens_per_layer
+            # on the host (the engine's choice: frees 5.25 GiB on E4B) or the module itself
+            self.embed_ple = (HostRowTable(text.embed_tokens_per_layer, self.device) if ple_on_host
+                              else text.embed_tokens_per_layer)
+            self.ple_on_host = ple_on_host
             self.ple_model_proj = as_linear(text.per_layer_model_projection)
             self.ple_model_proj_scale = text.per_layer_model_projection_scale
             self.ple_norm = text.per_layer_projection_norm
@@ -412,6 +415,8 @@ class FastTarget:
         pin = dev.type == "cuda"
         self._host_in = torch.zeros(2, self.max_bucket, dtype=torch.long, pin_memory=pin)
         self._in_buf = torch.zeros(2, self.max_bucket, dtype=torch.long, device=dev)
+        if self.ple_dim and self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
+            self.ple_buf = torch.zeros(self.max_bucket, self.embed_ple.width, dtype=self.embed_ple.dtype, device=dev)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_cache.values(), *self.v_cache.values()))
@@ -423,10 +428,12 @@ class FastTarget:
         `step`: a decode/verify step, run on the step kernels when they are on."""
         ops = self.ops
         T = ids.shape[0]
+        from_buffers = step  # a step()'s inputs: the per-layer rows are in ple_buf (a graph cannot gather on the host)
         step = step and self.step_kernels
         h = self.embed(ids)                                              # [T, hidden]
         if self.ple_dim:
-            tok = self.embed_ple(ids).reshape(T, self.n_layers, self.ple_dim)
+            rows = self.ple_buf[:T] if (from_buffers and self.ple_on_host) else self.embed_ple(ids)
+            tok = rows.reshape(T, self.n_layers, self.ple_dim)
             proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers, self.ple_dim)
             ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), self.ple_norm.eps, tok,
                                  self.ple_input_scale)
@@ -566,6 +573,8 @@ class FastTarget:
         self._in_buf[:, :T].copy_(host[:, :T])
         self.ids_buf[:T].copy_(self._in_buf[0, :T])
         self.pos_buf[:T].copy_(self._in_buf[1, :T])
+        if self.ple_dim and self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
+            self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
         if self.capture:
             graph, out = self._graph(T, kv_len)
             graph.replay()
@@ -631,6 +640,38 @@ class FastTarget:
         self.pos = saved_pos
         self.slot_pos.copy_(saved_slots)
         return time.perf_counter() - t0
+
+
+class HostRowTable:
+    """An embedding table kept in host memory, looked up row by row: Gemma 4's per-layer embeddings
+    (E4B: 262,144 x 10,752 bf16, 5.25 GiB) are a lookup of a few rows per token, not a matmul, so the
+    table need not take GPU memory. `table(ids)` (ids on any device) and `rows_into(host_ids, out)`
+    give exactly what the module's forward gives: the rows times the module's embed_scale in the
+    table's dtype (transformers' Gemma4TextScaledWordEmbedding), multiplied on `device`.
+    The module's weight moves to the host (the fast path owns the model while it serves)."""
+
+    def __init__(self, module, device: torch.device):
+        module.to("cpu")
+        self.weight = module.weight.detach()
+        scale = getattr(module, "embed_scale", None)
+        self.scale = None if scale is None else torch.as_tensor(scale).to(device=device, dtype=self.weight.dtype)
+        self.width, self.dtype, self.device = self.weight.shape[1], self.weight.dtype, device
+        pin = device.type == "cuda"
+        self._staging = torch.empty(0, self.width, dtype=self.dtype, pin_memory=pin)
+        self._pin = pin
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.index_select(0, ids.to("cpu")).to(self.device)
+        return rows * self.scale if self.scale is not None else rows
+
+    def rows_into(self, host_ids: torch.Tensor, out: torch.Tensor) -> None:
+        n = host_ids.shape[0]
+        if self._staging.shape[0] < n:
+            self._staging = torch.empty(n, self.width, dtype=self.dtype, pin_memory=self._pin)
+        torch.index_select(self.weight, 0, host_ids, out=self._staging[:n])
+        out.copy_(self._staging[:n], non_blocking=self._pin)
+        if self.scale is not None:
+            out.mul_(self.scale)
 
 
 # ---------------------------------------------------------------- elementwise ops

@@ -109,8 +109,9 @@ def test_bundled_model_drafted_equals_plain():
     assert isinstance(engine.backend, CpuBackend)
     tok = target.tokenizer
     for text in ["def fibonacci(n):\n    if n < 2:", '{"name": "get_weather", "arguments": {"city": "',
-                 "The quick brown fox " * 40]:  # the last one crosses the 512-token window
+                 "The quick brown fox jumps. " * 100]:  # the last one crosses the 512-token window
         prompt = tok(text)["input_ids"]
+        assert len(prompt) > 512 or text[:3] != "The"
         plain, *_ = run(engine, prompt, max_tokens=40, draft=False)
         for err in (0.0, 0.3):
             engine.set_drafter(OracleWithErrors(len(prompt), plain, 262144, err, seed=7))

@@ -369,7 +369,7 @@ def test_270m_drafted_equals_plain(gemma270m):
     tok = gemma270m.tokenizer
     prompts = [tok(t)["input_ids"] for t in SNIPPETS] + _long_prompts(tok)
     assert len(prompts) >= 20
-    engine = Engine(gemma270m, None, EngineConfig(adaptive=False))
+    engine = Engine(gemma270m, None, EngineConfig(adaptive=False, cpu_int8=False))  # transformers' fp32 forward
     vocab = gemma270m.model.config.vocab_size
     kinds = ["oracle-err-0.2", "prompt-lookup", "random", "oracle-err-0.6"]
     for i, prompt in enumerate(prompts):

@@ -224,3 +224,45 @@ def test_int4_layers_use_tinygemm():
     # bf16 + int4 on a tiny random model: measured 0.047 unfused, 0.124 with the fused ops (fp32 paths
     # match transformers to 1e-4, see above); a wrong layer gives ~1.
     assert rel < 0.25, rel
+
+
+def _steps_logits(fast, ids: list[int]) -> torch.Tensor:
+    """A prefill, then steps of several sizes (a verify among them): all logits, stacked."""
+    out = [fast.prefill(ids[:20]).float()[None]]
+    at = 20
+    for n in (1, 4, 16, 2):
+        out.append(fast.step(ids[at:at + n]).float())
+        at += n
+    return torch.cat(out)
+
+
+def test_per_layer_embeddings_on_the_host_change_nothing(tiny):
+    """ple_on_host keeps Gemma 4's per-layer embedding table in host memory and gathers each step's
+    rows there: the logits are bit for bit those of the table on the device."""
+    import copy
+
+    ids = prompt_of(60, tiny.config.vocab_size, seed=7)
+    on_device = _steps_logits(FastTarget(tiny, max_len=128, prefill_chunk=16, capture=False, min_kv_len=16), ids)
+    moved = copy.deepcopy(tiny)
+    host = FastTarget(moved, max_len=128, prefill_chunk=16, capture=False, min_kv_len=16, ple_on_host=True)
+    assert moved.model.embed_tokens_per_layer.weight.device.type == "cpu"
+    assert torch.equal(_steps_logits(host, ids), on_device)
+
+
+@needs_cuda
+@pytest.mark.parametrize("quant", [False, True])
+def test_per_layer_embeddings_on_the_host_change_nothing_cuda(quant):
+    """Captured graphs and step kernels (bf16, int4): the host table gives the very same logits, and
+    takes the table's bytes off the GPU."""
+    ids = prompt_of(60, 1024, seed=8)
+    ref = _steps_logits(FastTarget(cuda_model(torch.bfloat16, quant=quant), max_len=256, prefill_chunk=16,
+                                   min_kv_len=64), ids)
+    model = cuda_model(torch.bfloat16, quant=quant)
+    table = model.model.embed_tokens_per_layer.weight
+    before = torch.cuda.memory_allocated()
+    fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, ple_on_host=True)
+    del table
+    assert fast.step_kernels
+    assert torch.equal(_steps_logits(fast, ids), ref)
+    assert model.model.embed_tokens_per_layer.weight.device.type == "cpu"
+    assert torch.cuda.memory_allocated() < before + 64 * 2**20  # nothing as big as a second table
