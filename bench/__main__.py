@@ -1,6 +1,7 @@
 """`make bench`: Sailfish against its peers, side by side, one run: `python -m bench [--quick|--full]`.
 
-Same target (the bundled Gemma 3 270M, fp32, CPU), same prompts, same machine, one process:
+Same target (the bundled Gemma 3 270M on the CPU, on the engine's default backend: the int8 path),
+same prompts, same machine, one process:
 - workloads: bench.workloads (tool calls from BFCL v4, agentic coding sessions, reasoning prose);
 - contenders: Sailfish plain (the baseline of every ratio), Sailfish drafted (trie index + live
   context + overlay), transformers `generate(prompt_lookup_num_tokens=10)`, SuffixDecoding
@@ -324,6 +325,7 @@ def main(argv=None) -> int:
         drafter = NgramDrafter(index, DrafterConfig())
         engine = Engine(target, drafter, EngineConfig())
         results["cost_curve"] = [float(c) for c in engine.policy.cost[1:]]
+        results["backend"] = type(engine.backend).__name__  # CpuBackend: the int8 path; EagerBackend: fp32
         if args.sampled_only:
             log(f"sampled decoding ({mode}: {cfg['requests']} requests per workload, {cfg['max_tokens']} tokens)")
             results["sampled"] = run_sampled(cfg, engine, drafter, fmt, tok)

@@ -32,17 +32,22 @@ def _sampled_lines(r: dict) -> list[str]:
     return lines
 
 
+def _backend(r: dict) -> str:
+    """Which forward the figures ran on (results before the int8 path was the default: fp32 eager)."""
+    return {"CpuBackend": "the int8 path"}.get(r.get("backend", "EagerBackend"), "transformers fp32")
+
+
 def sampled_markdown(r: dict) -> str:
     """`python -m bench --sampled-only`: the sampled-decoding table alone."""
     head = (f"Mode `{r['mode']}`, {r['config']['requests']} requests per workload, max_tokens "
-            f"{r['config']['max_tokens']}; bundled Gemma 3 270M, fp32, CPU; run took {r['seconds'] / 60:.1f} min.")
+            f"{r['config']['max_tokens']}; bundled Gemma 3 270M, CPU, {_backend(r)}; run took {r['seconds'] / 60:.1f} min.")
     return "\n".join([head, *_sampled_lines(r)]) + "\n"
 
 
 def markdown(r: dict) -> str:
     lines = [f"Mode `{r['mode']}`, workloads v{r['workload_version']}, {r['config']['requests']} requests per workload, "
              f"{r['config']['max_tokens']} new tokens, prompts cut to their last {r['config']['max_prompt']} tokens; "
-             f"bundled Gemma 3 270M (base), fp32, CPU. Index: {r['index']['tokens']:,} tokens. Run took {r['seconds'] / 60:.1f} min.",
+             f"bundled Gemma 3 270M (base), CPU, {_backend(r)}. Index: {r['index']['tokens']:,} tokens. Run took {r['seconds'] / 60:.1f} min.",
              "", "Decode tokens/s, median (min..max) over requests; speed-up = per-request ratio to Sailfish plain:", "",
              "| workload | contender | tokens/s | speed-up | identical to plain |", "|---|---|---|---|---|"]
     for name, w in r["workloads"].items():
