@@ -1,4 +1,4 @@
-"""The CPU int8 backend: server/backend.py's `Backend` over server/cpu_model.py's CpuGemma3.
+"""The CPU int8 backend: server/backend.py's `Backend` over server/cpu_model.py's CpuGemma (Gemma 3 and 4).
 
 Contract: `CpuBackend(cpu_model, max_context, prefix_budget_bytes, max_step)`. The live sequence's
 keys and values sit in a KVCache that grows by doubling (a step writes positions in place; rolling
@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from server.backend import Prefill
-from server.cpu_model import CpuGemma3, KVCache
+from server.cpu_model import CpuGemma, KVCache
 from server.prefix_store import KeptSequence, PrefixStore
 
 _FIRST_CAPACITY = 1024
 
 
 class CpuBackend:
-    def __init__(self, model: CpuGemma3, max_context: int, prefix_budget_bytes: int = 0, max_step: int = 17,
+    def __init__(self, model: CpuGemma, max_context: int, prefix_budget_bytes: int = 0, max_step: int = 17,
                  prefill_chunk: int = 256):
         self.model = model
         self.max_context = int(max_context)
@@ -101,20 +101,14 @@ class CpuBackend:
         capacity = cache.max_len
         while capacity < length:
             capacity *= 2
-        grown = self.model.new_cache(capacity)
-        grown.k[:, : self.position] = cache.k[:, : self.position]
-        grown.v[:, : self.position] = cache.v[:, : self.position]
-        self.cache = grown
+        self.cache = cache.copy_prefix(self.position, capacity)
 
     def _copy_prefix(self, cache: KVCache, length: int) -> KVCache:
         capacity = _FIRST_CAPACITY
         while capacity < length + 1:
             capacity *= 2
-        out = self.model.new_cache(capacity)
-        out.k[:, :length] = cache.k[:, :length]
-        out.v[:, :length] = cache.v[:, :length]
-        return out
+        return cache.copy_prefix(length, capacity)
 
 
 def _bytes(cache: KVCache) -> int:
-    return cache.k.nbytes + cache.v.nbytes
+    return cache.nbytes()

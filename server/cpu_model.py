@@ -1,22 +1,28 @@
-"""Gemma 3 text models on the CPU without transformers: int8 weights, a static KV cache, and
-batch-invariant kernels, so a drafted verify step gives the very logits one-token steps give.
+"""Gemma 3 and Gemma 4 text models on the CPU without transformers: int8 weights, a KV cache of
+its own, and batch-invariant kernels, so a drafted verify step gives the very logits one-token steps
+give.
 
-Contract: `CpuGemma3.from_hf(model)` takes a loaded transformers `Gemma3ForCausalLM` (the bundled
-model is the GGUF dequantized to fp32) and re-lays its weights out once: every linear as int8 codes
-with one fp32 scale per 32 input features (llama.cpp's Q8_0 layout; a Q8_0 GGUF tensor, such as the
-bundled model's embedding / LM head, comes back exactly), q/k/v fused into one matrix and gate/up
-into another. `forward(ids, start, cache) -> logits [len(ids), vocab]` (float32) runs ids at
+Contract: `CpuGemma.from_hf(model)` takes a loaded transformers `Gemma3ForCausalLM` or
+`Gemma4ForCausalLM` (text; the bundled model is the GGUF dequantized to fp32) and re-lays its weights
+out once: every linear as int8 codes with one fp32 scale per 32 input features (llama.cpp's Q8_0
+layout; a Q8_0 GGUF tensor, such as the bundled model's embedding / LM head, comes back exactly), q/k/v
+fused into one matrix and gate/up into another; embedding tables stay int8 too, rows dequantized as
+they are looked up. `forward(ids, start, cache) -> logits [len(ids), vocab]` (float32) runs ids at
 positions start.. of `cache` (a `KVCache`), writing their keys and values there; it reads positions
-< start + len(ids). `last_only=True` returns only the last row's logits [1, vocab] (a prefill). Arithmetic: activations are quantized per row and 32-value block to int8 (Q8_0),
-dot products are exact int32 per block, scaled and summed in fp32 in block order
-(server/_cpu_kernels.c); norms, RoPE and the activation run in float32 numpy, row by row
-independent. Invariant: row i of the logits depends only on the ids and cache before it, not on how
-many rows the call carries or how many threads run it (tests/test_cpu_model.py checks it bit for bit).
+< start + len(ids). `last_only=True` returns only the last row's logits [1, vocab] (a prefill).
+Arithmetic: activations are quantized per row and 32-value block to int8 (Q8_0), dot products are
+exact int32 per block, scaled and summed in fp32 in a fixed order (server/_cpu_kernels.c); norms,
+RoPE and the activations run in float32 numpy, row by row independent. Invariant: row i of the
+logits depends only on the ids and cache before it, not on how many rows the call carries or how
+many threads run it (tests/test_cpu_model.py checks it bit for bit).
 
-The math is transformers' Gemma 3 (Gemma3RMSNorm's x * rsqrt(mean(x^2) + eps) * (1 + w) in float32,
-scaled embeddings, q/k norms, NeoX RoPE with the local and global bases, the 512-token sliding window
-(a key at p is seen from q if q - window < p <= q), query_pre_attn_scalar ** -0.5, gelu-tanh
-gate times up), in int8 where transformers runs fp32: logits agree closely, not exactly.
+The math is transformers': Gemma 3's RMSNorm scales by (1 + w), Gemma 4's by w (its value norm by
+nothing); scaled embeddings; q/k norms; RoPE from the model's own rotary module (its local and
+global bases, Gemma 4's partial rotation); the sliding window (a key at p is seen from q if
+q - window < p <= q); each layer's attention scaling; gelu-tanh gate times up; and for Gemma 4 the
+per-layer inputs (a per-layer embedding table plus a projection of the embeddings), KV-shared layers
+that read an earlier layer's cache, the layer scalar and the final logit soft-cap. It runs in int8
+where transformers runs fp32: logits agree closely, not exactly.
 """
 from __future__ import annotations
 
@@ -62,87 +68,136 @@ class Int8Linear:
         return self.codes.nbytes + self.scales.nbytes
 
 
-class KVCache:
-    """Keys and values of every layer, [layers, max_len, head_dim] float32 each (one KV head)."""
-
-    def __init__(self, layers: int, max_len: int, head_dim: int):
-        self.k = np.zeros((layers, max_len, head_dim), dtype=np.float32)
-        self.v = np.zeros((layers, max_len, head_dim), dtype=np.float32)
-        self.max_len = max_len
-
-
 def unsupported_reason(model) -> str | None:
-    """None when `CpuGemma3.from_hf(model)` serves this model, else why not (the eager path serves it)."""
+    """None when `CpuGemma.from_hf(model)` serves this model, else why not (the eager path serves it)."""
     c = model.config
-    if getattr(c, "model_type", None) not in ("gemma3_text",) or not hasattr(model, "model"):
-        return f"takes Gemma 3 text models (this one is {getattr(c, 'model_type', type(model).__name__)})"
-    if c.num_key_value_heads != 1:
-        return f"takes one KV head (this model has {c.num_key_value_heads})"
-    if getattr(c, "attn_logit_softcapping", None) or getattr(c, "final_logit_softcapping", None):
-        return "does not implement logit soft-capping"
-    if not getattr(c, "tie_word_embeddings", True):
-        return "takes tied embeddings (the LM head is the embedding table)"
-    widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    kind = getattr(c, "model_type", None)
+    if kind not in ("gemma3_text", "gemma4_text") or not hasattr(getattr(model, "model", None), "layers"):
+        return f"takes Gemma 3 and Gemma 4 text models (this one is {kind or type(model).__name__})"
+    if getattr(c, "enable_moe_block", False):
+        return "does not implement Gemma 4's MoE layers"
+    if getattr(c, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        return f"implements gelu-tanh only (this model uses {c.hidden_activation})"
+    if getattr(c, "attn_logit_softcapping", None):
+        return "does not implement attention logit soft-capping"
+    widths = {c.hidden_size, getattr(c, "hidden_size_per_layer_input", 0) or BLOCK}
+    for layer in model.model.layers:
+        widths |= {layer.self_attn.o_proj.in_features, layer.mlp.down_proj.in_features}
     if any(w % BLOCK for w in widths):
-        return f"needs widths that are multiples of {BLOCK} (hidden, attention and MLP widths {widths})"
-    if any(getattr(c, "rope_parameters", {}).get(t, {}).get("rope_type", "default") != "default"
-           for t in set(c.layer_types)):
-        return "implements default RoPE only (this model scales it)"
+        return f"needs input widths that are multiples of {BLOCK} (this model has {sorted(widths)})"
     return None
 
 
-class CpuGemma3:
-    def __init__(self, cfg: dict, embed: Int8Linear, layers: list[dict], final_norm: np.ndarray, kernels):
-        self.cfg = cfg
-        self.embed = embed  # also the LM head (tied)
-        self.layers = layers
-        self.final_norm = final_norm
-        self.k = kernels
-        self.hidden, self.heads, self.head_dim = cfg["hidden"], cfg["heads"], cfg["head_dim"]
+class KVCache:
+    """Keys and values of every layer that owns a cache, [kv_heads, max_len, head_dim] float32 each
+    (`k[i]` is None for a Gemma 4 KV-shared layer, which reads its source layer's)."""
+
+    def __init__(self, shapes: list[tuple[int, int] | None], max_len: int):
+        self.shapes, self.max_len = shapes, max_len
+        self.k = [None if s is None else np.zeros((s[0], max_len, s[1]), dtype=np.float32) for s in shapes]
+        self.v = [None if s is None else np.zeros((s[0], max_len, s[1]), dtype=np.float32) for s in shapes]
+
+    def copy_prefix(self, length: int, max_len: int) -> "KVCache":
+        """A new cache of `max_len` positions holding this one's first `length`."""
+        out = KVCache(self.shapes, max_len)
+        for mine, theirs in ((out.k, self.k), (out.v, self.v)):
+            for i, t in enumerate(theirs):
+                if t is not None:
+                    mine[i][:, :length] = t[:, :length]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v) if t is not None)
+
+
+class CpuGemma:
+    """Gemma 3 and Gemma 4 text models (see the module docstring); `from_hf` builds one."""
+
+    def __init__(self, cfg: dict, embed: Int8Linear, lm_head: Int8Linear, layers: list[dict],
+                 final_norm: np.ndarray | None, rotary, ple: dict | None, kernels):
+        self.cfg, self.embed, self.lm_head, self.layers = cfg, embed, lm_head, layers
+        self.final_norm, self.rotary, self.ple, self.k = final_norm, rotary, ple, kernels
         self.eps = np.float32(cfg["eps"])
-        self.embed_scale = np.float32(cfg["hidden"] ** 0.5)
-        self.scale = float(cfg["query_pre_attn_scalar"] ** -0.5)
-        self.window = cfg["window"]
-        self._rope = {theta: _inv_freq(theta, self.head_dim) for theta in {l["theta"] for l in layers}}
+        self.embed_scale = np.float32(cfg["embed_scale"])
+        self.window, self.softcap = cfg["window"], cfg["softcap"]
+        self._rope: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     @classmethod
-    def from_hf(cls, model, kernels=None) -> "CpuGemma3":
+    def from_hf(cls, model, kernels=None) -> "CpuGemma":
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the CPU int8 path {reason}")
         c = model.config
         m = model.model
+        gemma3 = c.model_type == "gemma3_text"
         arr = lambda t: t.detach().float().cpu().numpy()
-        norm = lambda mod: (1.0 + arr(mod.weight)).astype(np.float32)  # Gemma3RMSNorm's (1 + w), once
-        rope = c.rope_parameters
+
+        def norm(mod):
+            """The norm's weight as applied: Gemma3RMSNorm's (1 + w), Gemma4RMSNorm's w, or None (no scale)."""
+            if mod is None or getattr(mod, "weight", None) is None:
+                return None
+            return ((1.0 + arr(mod.weight)) if gemma3 else arr(mod.weight)).astype(np.float32)
+
+        types = list(c.layer_types)
+        n = len(m.layers)
+        first_shared = n - (getattr(c, "num_kv_shared_layers", 0) or 0)
+        ple_dim = 0 if gemma3 else (getattr(c, "hidden_size_per_layer_input", 0) or 0)
         layers = []
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
-            kind = c.layer_types[i]
+            shared = bool(getattr(a, "is_kv_shared_layer", False))
+            source = max(j for j in range(first_shared) if types[j] == types[i]) if shared else i
+            kv_heads = c.num_attention_heads // a.num_key_value_groups
+            parts = [arr(a.q_proj.weight)]
+            if not shared:
+                parts.append(arr(a.k_proj.weight))
+                v = getattr(a, "v_proj", None)
+                parts.append(arr(v.weight) if v is not None else arr(a.k_proj.weight))  # k_eq_v: V is K
+            scalar = getattr(layer, "layer_scalar", None)
             layers.append({
-                "sliding": kind == "sliding_attention",
-                "theta": float(rope[kind]["rope_theta"]),
-                "qkv": Int8Linear.of(arr(a.q_proj.weight), arr(a.k_proj.weight), arr(a.v_proj.weight)),
-                "o": Int8Linear.of(arr(a.o_proj.weight)),
+                "kind": types[i], "sliding": types[i] == "sliding_attention", "source": source,
+                "head_dim": a.head_dim, "heads": c.num_attention_heads, "kv_heads": kv_heads, "scaling": float(a.scaling),
+                "qkv": Int8Linear.of(*parts), "o": Int8Linear.of(arr(a.o_proj.weight)),
                 "gate_up": Int8Linear.of(arr(mlp.gate_proj.weight), arr(mlp.up_proj.weight)),
                 "down": Int8Linear.of(arr(mlp.down_proj.weight)),
                 "in_norm": norm(layer.input_layernorm), "post_attn_norm": norm(layer.post_attention_layernorm),
                 "pre_ffn_norm": norm(layer.pre_feedforward_layernorm), "post_ffn_norm": norm(layer.post_feedforward_layernorm),
-                "q_norm": norm(a.q_norm), "k_norm": norm(a.k_norm),
+                "q_norm": norm(a.q_norm), "k_norm": norm(getattr(a, "k_norm", None)),
+                "v_norm": getattr(a, "v_norm", None) is not None, "v_norm_w": norm(getattr(a, "v_norm", None)),
+                "scalar": None if scalar is None else np.float32(arr(scalar).reshape(-1)[0]),
+                "ple_gate": Int8Linear.of(arr(layer.per_layer_input_gate.weight)) if ple_dim else None,
+                "ple_proj": Int8Linear.of(arr(layer.per_layer_projection.weight)) if ple_dim else None,
+                "ple_norm": norm(layer.post_per_layer_input_norm) if ple_dim else None,
             })
-        cfg = {"hidden": c.hidden_size, "heads": c.num_attention_heads, "head_dim": c.head_dim,
-               "intermediate": c.intermediate_size, "vocab": c.vocab_size, "eps": c.rms_norm_eps,
-               "query_pre_attn_scalar": c.query_pre_attn_scalar, "window": c.sliding_window,
-               "layers": len(layers)}
+        ple = None
+        if ple_dim:
+            table = m.embed_tokens_per_layer
+            ple = {"dim": ple_dim, "table": Int8Linear.of(arr(table.weight)),
+                   "table_scale": np.float32(arr(table.embed_scale).reshape(-1)[0]),
+                   "proj": Int8Linear.of(arr(m.per_layer_model_projection.weight)),
+                   "proj_scale": np.float32(m.per_layer_model_projection_scale),
+                   "norm": norm(m.per_layer_projection_norm), "input_scale": np.float32(m.per_layer_input_scale)}
+        embed = Int8Linear.of(arr(m.embed_tokens.weight))
+        head = getattr(model, "lm_head", None)
+        tied = head is None or head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
+        cfg = {"hidden": c.hidden_size, "vocab": c.vocab_size, "eps": c.rms_norm_eps, "window": c.sliding_window,
+               "embed_scale": float(arr(m.embed_tokens.embed_scale).reshape(-1)[0]),
+               "softcap": getattr(c, "final_logit_softcapping", None) or None, "gemma3": gemma3}
         if kernels is None:
             from server import cpu_kernels as kernels
-        return cls(cfg, Int8Linear.of(arr(m.embed_tokens.weight)), layers, norm(m.norm), kernels)
+        return cls(cfg, embed, embed if tied else Int8Linear.of(arr(head.weight)), layers, norm(m.norm),
+                   m.rotary_emb, ple, kernels)
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache(len(self.layers), max_len, self.head_dim)
+        return KVCache([(L["kv_heads"], L["head_dim"]) if L["source"] == i else None
+                        for i, L in enumerate(self.layers)], max_len)
 
     def nbytes(self) -> int:
-        return self.embed.nbytes() + sum(l[n].nbytes() for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
+        lin = [self.embed] + ([self.lm_head] if self.lm_head is not self.embed else [])
+        lin += [L[n] for L in self.layers for n in ("qkv", "o", "gate_up", "down", "ple_gate", "ple_proj") if L[n] is not None]
+        if self.ple:
+            lin += [self.ple["table"], self.ple["proj"]]
+        return sum(x.nbytes() for x in lin)
 
     def forward(self, ids, start: int, cache: KVCache, last_only: bool = False) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -150,50 +205,81 @@ class CpuGemma3:
         if start + m > cache.max_len:
             raise ValueError(f"positions {start}..{start + m - 1} exceed the cache's {cache.max_len}")
         positions = np.arange(start, start + m, dtype=np.int64)
-        k, heads, d = self.k, self.heads, self.head_dim
-        x = self._embed_rows(ids)
-        q_width = heads * d
+        k = self.k
+        x = _rows(self.embed, ids) * self.embed_scale
+        ple = self._per_layer_inputs(ids, x) if self.ple else None
         for i, L in enumerate(self.layers):
-            h = self._norm(x, L["in_norm"])
-            qkv = k.linear(h, L["qkv"])
-            q = self._norm(qkv[:, :q_width].reshape(m, heads, d), L["q_norm"])
-            key = self._norm(qkv[:, q_width : q_width + d], L["k_norm"])
-            cos, sin = self._cos_sin(positions, L["theta"])
-            q = _rope(q, cos[:, None, :], sin[:, None, :])
-            cache.k[i, start : start + m] = _rope(key, cos, sin)
-            cache.v[i, start : start + m] = qkv[:, q_width + d :]
-            attn = k.attention(np.ascontiguousarray(q), cache.k[i], cache.v[i], positions,
-                               self.window if L["sliding"] else 0, self.scale)
-            x = x + self._norm(k.linear(attn.reshape(m, q_width), L["o"]), L["post_attn_norm"])
+            D, kvh = L["head_dim"], L["kv_heads"]
+            heads = L["heads"]
+            qkv = k.linear(self._norm(x, L["in_norm"]), L["qkv"])
+            cos, sin = self._cos_sin(L["kind"], start + m)
+            cos, sin = cos[start : start + m], sin[start : start + m]
+            q = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos[:, None, :], sin[:, None, :])
+            if L["source"] == i:
+                at = heads * D
+                key = self._norm(qkv[:, at : at + kvh * D].reshape(m, kvh, D), L["k_norm"])
+                value = qkv[:, at + kvh * D :].reshape(m, kvh, D)
+                if L["v_norm"]:
+                    value = self._norm(value, L["v_norm_w"])
+                cache.k[i][:, start : start + m] = _rope(key, cos[:, None, :], sin[:, None, :]).transpose(1, 0, 2)
+                cache.v[i][:, start : start + m] = value.transpose(1, 0, 2)
+            kc, vc = cache.k[L["source"]], cache.v[L["source"]]
+            window = self.window if L["sliding"] else 0
+            group = heads // kvh
+            attn = np.empty((m, heads, D), dtype=np.float32)
+            for g in range(kvh):  # each KV head with the query heads that read it
+                attn[:, g * group : (g + 1) * group] = k.attention(
+                    np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], positions, window, L["scaling"])
+            x = x + self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"])
             gate_up = k.linear(self._norm(x, L["pre_ffn_norm"]), L["gate_up"])
             inter = gate_up.shape[1] // 2
             act = _gelu_tanh(gate_up[:, :inter]) * gate_up[:, inter:]
             x = x + self._norm(k.linear(np.ascontiguousarray(act), L["down"]), L["post_ffn_norm"])
+            if ple is not None:
+                gated = _gelu_tanh(k.linear(x, L["ple_gate"])) * ple[:, i]
+                x = x + self._norm(k.linear(np.ascontiguousarray(gated), L["ple_proj"]), L["ple_norm"])
+            if L["scalar"] is not None:
+                x = x * L["scalar"]
         if last_only:  # a prefill chunk: only its last row's logits are read (the LM head is most of the work)
             x = x[-1:]
-        return k.linear(self._norm(x, self.final_norm), self.embed)
+        logits = k.linear(self._norm(x, self.final_norm), self.lm_head)
+        if self.softcap:
+            cap = np.float32(self.softcap)
+            logits = (np.tanh(logits / cap) * cap).astype(np.float32)
+        return logits
 
-    def _embed_rows(self, ids: np.ndarray) -> np.ndarray:
-        e = self.embed
-        rows = e.codes[ids].astype(np.float32).reshape(len(ids), -1, BLOCK) * e.scales[ids][:, :, None]
-        return rows.reshape(len(ids), -1) * self.embed_scale
+    def _per_layer_inputs(self, ids: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Gemma 4's per-layer inputs [M, layers, dim]: (norm(proj(x) * proj_scale) + table rows) * input_scale."""
+        p, m, n = self.ple, ids.shape[0], len(self.layers)
+        tok = (_rows(p["table"], ids) * p["table_scale"]).reshape(m, n, p["dim"])
+        proj = (self.k.linear(x, p["proj"]) * p["proj_scale"]).reshape(m, n, p["dim"])
+        return ((self._norm(proj, p["norm"]) + tok) * p["input_scale"]).astype(np.float32)
 
-    def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """Gemma3RMSNorm over the last axis, float32, each row on its own."""
+    def _norm(self, x: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+        """RMSNorm over the last axis, float32, each row on its own (weight None: no scale)."""
         var = np.einsum("...i,...i->...", x, x, dtype=np.float32) / np.float32(x.shape[-1])
-        return x * (1.0 / np.sqrt(var + self.eps))[..., None].astype(np.float32) * weight
+        out = x * (1.0 / np.sqrt(var + self.eps))[..., None].astype(np.float32)
+        return out * weight if weight is not None else out
 
-    def _cos_sin(self, positions: np.ndarray, theta: float) -> tuple[np.ndarray, np.ndarray]:
-        freqs = positions.astype(np.float32)[:, None] * self._rope[theta][None, :]
-        emb = np.concatenate([freqs, freqs], axis=1)
-        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    def _cos_sin(self, kind: str, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE tables for positions 0..end-1 from transformers' own rotary module (grown by doubling)."""
+        have = self._rope.get(kind)
+        if have is None or have[0].shape[0] < end:
+            import torch
+
+            n = max(1024, 1 << max(0, (end - 1).bit_length()))
+            with torch.no_grad():
+                cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32), torch.arange(n)[None], kind)
+            have = (cos[0].float().numpy(), sin[0].float().numpy())
+            self._rope[kind] = have
+        return have
 
 
-def _inv_freq(theta: float, dim: int) -> np.ndarray:
-    """transformers' default RoPE inverse frequencies, in float32 as it computes them."""
-    import torch
 
-    return (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).numpy()
+
+def _rows(lin: Int8Linear, ids: np.ndarray) -> np.ndarray:
+    """Rows of an int8 table (embeddings), dequantized to float32."""
+    return (lin.codes[ids].astype(np.float32).reshape(len(ids), -1, BLOCK) * lin.scales[ids][:, :, None]).reshape(len(ids), -1)
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

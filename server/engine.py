@@ -261,9 +261,9 @@ class Engine:
     def _build_cpu_int8(self, budget: int) -> Backend:
         from server import cpu_kernels
         from server.cpu_backend import CpuBackend
-        from server.cpu_model import CpuGemma3
+        from server.cpu_model import CpuGemma
 
-        backend = CpuBackend(CpuGemma3.from_hf(self.model), self.max_context, budget, max_step=self.config.max_draft + 1)
+        backend = CpuBackend(CpuGemma.from_hf(self.model), self.max_context, budget, max_step=self.config.max_draft + 1)
         self.notes.append(f"CPU int8 path: {backend.model.nbytes() / 2**20:.0f} MiB of int8 weights, "
                           + ("C kernels" if cpu_kernels.AVAILABLE else "numpy kernels (the C extension is not built)"))
         self.notes.append(_prefix_note(budget))

@@ -26,7 +26,7 @@ class EngineConfig:
     fast_path: bool = field(default=True, metadata={
         "help": "on CUDA, Gemma 4: static KV cache and CUDA graphs (--no-fast-path: transformers eager)"})
     cpu_int8: bool = field(default=True, metadata={
-        "help": "on the CPU, Gemma 3 text models: int8 weights, a static KV cache and batch-invariant C kernels "
+        "help": "on the CPU, Gemma 3 and Gemma 4 text models: int8 weights, a static KV cache and batch-invariant C kernels "
                 "(server/cpu_model.py; --no-cpu-int8: transformers' fp32 forward)"})
     fast_max_context: int | None = field(default=None, metadata={
         "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "

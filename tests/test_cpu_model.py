@@ -9,7 +9,7 @@ import torch
 
 from server import cpu_kernels
 from server.cpu_backend import CpuBackend
-from server.cpu_model import CpuGemma3, quantize_weight
+from server.cpu_model import CpuGemma, quantize_weight
 from tests.test_engine_lossless import drafters, engine_for, first_divergence, prompts_for, run
 
 
@@ -34,7 +34,7 @@ def tiny_gemma3(seed: int = 0):
 @pytest.fixture(scope="module")
 def tiny():
     model = tiny_gemma3()
-    return model, CpuGemma3.from_hf(model)
+    return model, CpuGemma.from_hf(model)
 
 
 def test_weights_quantize_like_q8_0():
@@ -117,3 +117,77 @@ def test_bundled_model_drafted_equals_plain():
             engine.set_drafter(OracleWithErrors(len(prompt), plain, 262144, err, seed=7))
             got, *_ = run(engine, prompt, max_tokens=40)
             assert got == plain, (text[:20], err, first_divergence(got, plain))
+
+
+# ---------------------------------------------------------------- Gemma 4 text (tiny, random)
+
+@pytest.fixture(scope="module")
+def tiny4():
+    from tests.test_engine_lossless import tiny_gemma4
+
+    # per-layer inputs of 32 (the int8 layout takes widths in 32s), KV-shared layers, a logit soft-cap
+    model = tiny_gemma4(seed=3, hidden_size_per_layer_input=32, final_logit_softcapping=30.0)
+    return model, CpuGemma.from_hf(model)
+
+
+class FloatKernels:
+    """The model's math with float matmuls on the int8 weights (no activation quantization): checks
+    the forward's structure against transformers more tightly than the int8 kernels allow."""
+
+    AVAILABLE = False
+
+    @staticmethod
+    def linear(x, lin):
+        w = (lin.codes.astype(np.float64).reshape(lin.codes.shape[0], -1, 32) * lin.scales[:, :, None])
+        return (x.astype(np.float64) @ w.reshape(lin.codes.shape[0], -1).T).astype(np.float32)
+
+    @staticmethod
+    def attention(q, k_cache, v_cache, positions, window, scale):
+        return cpu_kernels._attention_numpy(q, k_cache, v_cache, positions, window, scale, np.empty_like(q))
+
+
+def test_gemma4_math_is_transformers(tiny4, monkeypatch):
+    """With the weights kept exactly (float "codes", unit scales) and float matmuls, the forward is
+    transformers' own to float rounding: per-layer inputs, KV-shared layers, the layer scalar,
+    partial RoPE and the soft-cap included."""
+    import server.cpu_model as cpu_model
+
+    model, _ = tiny4
+    monkeypatch.setattr(cpu_model, "quantize_weight",
+                        lambda w: (w.astype(np.float32), np.ones((w.shape[0], w.shape[1] // 32), np.float32)))
+    exact = CpuGemma.from_hf(model, kernels=FloatKernels)
+    ids = prompts_for(512, [30], seed=11)[0]  # past the window of 8
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(exact.forward(ids, 0, exact.new_cache(64)) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_gemma4_int8_logits_close_to_transformers(tiny4):
+    model, cpu = tiny4
+    ids = prompts_for(512, [30], seed=11)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    out = cpu.forward(ids, 0, cpu.new_cache(64))
+    assert np.corrcoef(out.ravel(), ref.ravel())[0, 1] > 0.98
+
+
+def test_gemma4_verify_equals_one_token_steps_bit_for_bit(tiny4):
+    _, cpu = tiny4
+    ids = prompts_for(512, [40], seed=12)[0]
+    batched = cpu.forward(ids, 0, cpu.new_cache(64))
+    cache = cpu.new_cache(64)
+    cpu.forward(ids[:20], 0, cache)
+    rows = [cpu.forward(ids[j:j + 1], j, cache)[0] for j in range(20, 40)]
+    assert np.array_equal(np.stack(rows), batched[20:])
+
+
+def test_gemma4_drafted_equals_plain_through_the_engine(tiny4):
+    model, _ = tiny4
+    engine = engine_for(model, cpu_int8=True)  # the engine picks the CPU int8 path for Gemma 4 text too
+    assert isinstance(engine.backend, CpuBackend), engine.notes
+    for prompt in prompts_for(512, (3, 17, 40), seed=13):
+        plain, *_ = run(engine, prompt, max_tokens=24, draft=False)
+        for name, drafter in drafters(len(prompt), plain, 512, seed=14).items():
+            engine.set_drafter(drafter)
+            got, *_ = run(engine, prompt, max_tokens=24)
+            assert got == plain, (name, first_divergence(got, plain))

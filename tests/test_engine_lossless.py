@@ -131,6 +131,7 @@ def run(engine, prompt, **params):
 
 def engine_for(model, tokenizer=None, drafter=None, backend=None, **config):
     config.setdefault("adaptive", False)  # verify every draft in full: the strictest test
+    config.setdefault("cpu_int8", False)  # these tests prove transformers' path; tests/test_cpu_model.py the int8 one
     target = LoadedTarget(model, tokenizer or IdTokenizer(), "test", "none", next(model.parameters()).dtype,
                           torch.device("cpu"), [])
     return Engine(target, drafter, EngineConfig(**config), backend=backend)
