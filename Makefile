@@ -59,6 +59,7 @@ $(BENCH_STAMP): $(SPEEDUPS)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench
+	$(PY) -m bench.cpu_path --requests 10
 
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick

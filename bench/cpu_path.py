@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         fmt = ChatFormat.for_tokenizer(tok)
         stop_ids = frozenset(fmt.stop_token_ids(tok))
         drafter = NgramDrafter(index)
-        eager = Engine(target, None, EngineConfig(cost_cache=None))
+        eager = Engine(target, None, EngineConfig(cpu_int8=False, cost_cache=None))
         int8 = Engine(target, None, EngineConfig(cpu_int8=True, cost_cache=None))
         llama = LlamaCpp(str(bundled_gguf_path()), threads=args.threads)
         results = {"threads": args.threads, "requests": args.requests, "max_tokens": args.max_tokens,

@@ -43,19 +43,8 @@ class CpuBackend:
         self.discard()
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         cache, reused = None, 0
-        if reuse and self.store is not None:
-            entry, shared = self.store.best(prompt)
-            reused = min(shared, len(prompt) - 1)
-            if entry is not None and reused > 0:
-                if reused >= len(entry.tokens) - entry.generated:
-                    self.store.pop(entry)  # its continuation past `reused` is dead: take it over
-                    cache = entry.kv
-                else:
-                    self.store.touch(entry)
-                    cache = self._copy_prefix(entry.kv, reused)
-            else:
-                reused = 0
-            self.store.record(reused, len(prompt) - reused)
+        if reuse and self.store is not None:  # a taken-over cache needs no trim: steps overwrite past `reused`
+            cache, reused = self.store.reuse(prompt, lambda kv, n: kv, self._copy_prefix)
         self.cache = cache if cache is not None else self.model.new_cache(_FIRST_CAPACITY)
         self.position, self._keep = reused, reuse
         logits = None

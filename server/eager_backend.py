@@ -111,6 +111,11 @@ def clone_prefix(model, cache, length: int):
     return out
 
 
+def _cropped(cache, length: int):
+    crop(cache, length)
+    return cache
+
+
 class EagerBackend:
     def __init__(self, model, prefix_budget_bytes: int = 0, max_context: int | None = None,
                  max_step: int = 16, prefill_chunk: int = 2048):
@@ -136,19 +141,7 @@ class EagerBackend:
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         cache, reused = None, 0
         if reuse and self.store is not None:
-            entry, shared = self.store.best(prompt)
-            reused = min(shared, len(prompt) - 1)
-            if entry is not None and reused > 0:
-                if reused >= len(entry.tokens) - entry.generated:
-                    self.store.pop(entry)       # its continuation past `reused` is dead: take it over
-                    cache = entry.kv
-                    crop(cache, reused)
-                else:
-                    self.store.touch(entry)
-                    cache = clone_prefix(self.model, entry.kv, reused)
-            else:
-                reused = 0
-            self.store.record(reused, len(prompt) - reused)
+            cache, reused = self.store.reuse(prompt, _cropped, lambda kv, n: clone_prefix(self.model, kv, n))
         if cache is None:
             cache = new_cache(self.model)
         self.cache, self.position, self._keep = cache, reused, reuse

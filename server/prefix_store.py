@@ -106,6 +106,29 @@ class PrefixStore:
     def clear(self) -> None:
         self._entries.clear()
 
+    def reuse(self, prompt: np.ndarray, take_over, copy_prefix) -> tuple[object | None, int]:
+        """(KV to start `prompt` from, how many of its tokens that KV holds) for a backend's start,
+        counted by `record`; (None, 0) when nothing is shared. The longest common prefix is reused
+        up to all but the prompt's last token (whose logits are needed). When the prompt leaves the
+        kept sequence inside its generated reply or past it (an agent's next turn), the kept KV is
+        taken over with no copy (`take_over(kv, reused)` trims it and returns it: that sequence's
+        continuation is dead); otherwise `copy_prefix(kv, reused)` copies the shared part and the
+        kept sequence stays for its own continuation."""
+        entry, shared = self.best(prompt)
+        reused = min(shared, len(prompt) - 1)
+        kv = None
+        if entry is not None and reused > 0:
+            if reused >= len(entry.tokens) - entry.generated:
+                self.pop(entry)
+                kv = take_over(entry.kv, reused)
+            else:
+                self.touch(entry)
+                kv = copy_prefix(entry.kv, reused)
+        else:
+            reused = 0
+        self.record(reused, len(prompt) - reused)
+        return kv, reused
+
     def record(self, reused: int, computed: int) -> None:
         s = self.stats
         s.requests += 1
