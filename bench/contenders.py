@@ -99,3 +99,60 @@ class LlamaCpp:
             tokens.append(int(token))
         return Run(tokens, (times[len(tokens) - 1] - times[0]) if len(tokens) > 1 else 0.0,
                    first_token_s=times[0] - t0 if times else 0.0)
+
+
+class LlamaServer:
+    """A llama-server binary (llama.cpp's own server: its n-gram speculative modes, which
+    llama-cpp-python lacks) on the bundled GGUF, one process per mode, queried with token-id prompts
+    on /completion. Decode tokens/s is the server's own `predicted_per_second`; prompts are never
+    cached (`cache_prompt: false`), so every request prefills in full."""
+
+    # ngram-simple at n 4, m 16 (drafts of 16): its best setting in earlier measurements on this model
+    MODES = {"plain": [], "ngram-simple": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                                            "--spec-ngram-simple-size-m", "16"],
+             "ngram-mod": ["--spec-type", "ngram-mod"]}
+
+    def __init__(self, binary: str, gguf_path: str, mode: str, threads: int, n_ctx: int = 8192):
+        import subprocess
+
+        from bench.live_server import free_port
+
+        self.port = free_port()
+        self.proc = subprocess.Popen([binary, "-m", gguf_path, "-t", str(threads), "-c", str(n_ctx), "-np", "1",
+                                      "--host", "127.0.0.1", "--port", str(self.port), *self.MODES[mode]],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("llama-server did not become ready")
+
+    def run(self, prompt: list[int], max_tokens: int) -> tuple[Run, float, float]:
+        """(tokens, decode tokens/s, prefill tokens/s) for a greedy completion of `prompt`."""
+        import json
+        import urllib.request
+
+        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                           "cache_prompt": False, "return_tokens": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        timings = out.get("timings", {})
+        return (Run(list(out.get("tokens", [])), 0.0), float(timings.get("predicted_per_second", 0.0)),
+                float(timings.get("prompt_per_second", 0.0)))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)

@@ -1,6 +1,6 @@
 """The CPU int8 path against llama.cpp on the bundled GGUF, side by side, one run.
 
-    python -m bench.cpu_path [--requests 6] [--max-tokens 64] [--threads 2] [--quick]
+    python -m bench.cpu_path [--requests 6] [--max-tokens 64] [--threads 2] [--quick] [--llama-server PATH]
 
 Same prompts (bench.workloads' tool-call and agentic requests, the bench index built as `make bench`
 builds it), same thread count, greedy, one process; contenders run request by request in turn, so
@@ -9,8 +9,11 @@ machine noise spreads over all of them:
 - `int8 plain` / `int8 drafted`: Sailfish's CPU int8 path (`--cpu-int8`, server/cpu_model.py), plain
   and with the n-gram drafter;
 - `llama.cpp plain` / `llama.cpp prompt lookup`: llama-cpp-python on the same GGUF, plain and with its
-  prompt-lookup draft model (LlamaPromptLookupDecoding, 10 tokens; llama-server's other n-gram modes
-  are not in llama-cpp-python).
+  prompt-lookup draft model (LlamaPromptLookupDecoding, 10 tokens);
+- with `--llama-server PATH` (a llama-server binary of the same llama.cpp): `llama-server plain`,
+  `llama-server ngram-simple` (n 4, m 16) and `llama-server ngram-mod` (its `--spec-default`),
+  llama.cpp's own n-gram speculative modes, which llama-cpp-python lacks (their decode and prefill
+  tokens/s are the server's own timings).
 Decode tokens/s = (tokens - 1) / (time of the last token - time of the first); prefill tokens/s =
 prompt tokens / time to the first token, on the same prompts. `identical` compares each engine's
 drafted output with its own plain output. Output: bench/results/cpu_path.{json,md}.
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="2 requests per workload, 32 tokens")
+    p.add_argument("--llama-server", help="a llama-server binary: adds llama.cpp's own server, plain and with its "
+                                           "n-gram modes (ngram-simple n 4 m 16, ngram-mod)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
     if args.quick:
@@ -69,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         eager = Engine(target, None, EngineConfig(cpu_int8=False, cost_cache=None))
         int8 = Engine(target, None, EngineConfig(cpu_int8=True, cost_cache=None))
         llama = LlamaCpp(str(bundled_gguf_path()), threads=args.threads)
+        servers = {}
+        if args.llama_server:
+            from bench.contenders import LlamaServer
+
+            servers = {f"llama-server {mode}": LlamaServer(args.llama_server, str(bundled_gguf_path()), mode, args.threads)
+                       for mode in LlamaServer.MODES}
         results = {"threads": args.threads, "requests": args.requests, "max_tokens": args.max_tokens,
                    "kernels": "C" if cpu_kernels.AVAILABLE else "numpy", "int8_notes": int8.notes,
                    "int8_cost_curve": [float(c) for c in int8.policy.cost[1:]], "workloads": {}}
@@ -88,8 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                     row[label] = {"tok_s": run.decode_tok_s, "tokens": run.tokens}
                     if not lookup:
                         row[label]["prefill_tok_s"] = len(prompt) / max(run.first_token_s, 1e-9)
+                for label, server in servers.items():
+                    run, decode, prefill = server.run(prompt, args.max_tokens)
+                    row[label] = {"tok_s": decode, "tokens": run.tokens, "prefill_tok_s": prefill}
                 row["identical"] = {"int8": row["int8 drafted"]["tokens"] == row["int8 plain"]["tokens"],
                                     "llama.cpp": row["llama.cpp prompt lookup"]["tokens"] == row["llama.cpp plain"]["tokens"]}
+                for label in servers:
+                    if label != "llama-server plain":
+                        row["identical"][label] = row[label]["tokens"] == row["llama-server plain"]["tokens"]
                 rows.append(row)
                 print(f"  {name} " + "  ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items() if k != "identical")
                       + f"  identical {row['identical']}", file=sys.stderr, flush=True)
@@ -98,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_tok_s": {k: _spread([r[k]["tok_s"] for r in rows]) for k in contenders},
                 "prefill_tok_s": {k: _spread([r[k]["prefill_tok_s"] for r in rows]) for k in contenders
                                   if "prefill_tok_s" in rows[0][k]},
-                "identical": {e: sum(r["identical"][e] for r in rows) for e in ("int8", "llama.cpp")},
+                "identical": {e: sum(r["identical"][e] for r in rows) for e in rows[0]["identical"]},
                 "requests": len(rows)}
+        for server in servers.values():
+            server.close()
     results["seconds"] = time.perf_counter() - started
     md = markdown(results)
     write_results(args.out, "cpu_path" + ("-quick" if args.quick else ""), results, md)
@@ -120,6 +139,8 @@ def markdown(r: dict) -> str:
                 same = f"{w['identical']['int8']}/{w['requests']}"
             elif k == "llama.cpp prompt lookup":
                 same = f"{w['identical']['llama.cpp']}/{w['requests']}"
+            elif k in w["identical"]:
+                same = f"{w['identical'][k]}/{w['requests']}"
             lines.append(f"| {name} | {k} | {s['median']:.1f} ({s['min']:.1f}..{s['max']:.1f}) | "
                          f"{pre['median']:.0f} | {same} |" if pre else
                          f"| {name} | {k} | {s['median']:.1f} ({s['min']:.1f}..{s['max']:.1f}) | - | {same} |")

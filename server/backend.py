@@ -48,6 +48,15 @@ class Backend(Protocol):
     def prefix_summary(self) -> dict | None: ...
 
 
+def checked_prompt(prompt_ids: list[int], max_context: int) -> np.ndarray:
+    """The prompt as int32 ids, or a ValueError for one that is empty or longer than the context."""
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    if len(prompt_ids) > max_context:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {max_context}")
+    return np.asarray(prompt_ids, dtype=np.int32)
+
+
 def accept(draft: list[int], target: list[int]) -> int:
     """Greedy acceptance: feed [pending, d1..dn]; target[i] is the argmax after d_i (target[0]
     after pending). d_i is accepted iff d_1..d_i equal target[0..i-1]; returns the count k. The

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from server.backend import Prefill
+from server.backend import Prefill, checked_prompt
 from server.cpu_model import CpuGemma, KVCache
 from server.prefix_store import KeptSequence, PrefixStore
 
@@ -36,12 +36,8 @@ class CpuBackend:
         self._keep = False
 
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if len(prompt_ids) > self.max_context:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_context}")
+        prompt = checked_prompt(prompt_ids, self.max_context)
         self.discard()
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
         cache, reused = None, 0
         if reuse and self.store is not None:  # a taken-over cache needs no trim: steps overwrite past `reused`
             cache, reused = self.store.reuse(prompt, lambda kv, n: kv, self._copy_prefix)

@@ -26,7 +26,7 @@ import inspect
 import numpy as np
 import torch
 
-from server.backend import Prefill
+from server.backend import Prefill, checked_prompt
 from server.prefix_store import KeptSequence, PrefixStore
 
 _CACHE_KWARGS: dict[type, str] = {}
@@ -133,12 +133,8 @@ class EagerBackend:
     # ------------------------------------------------------------ Backend
 
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if len(prompt_ids) > self.max_context:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_context}")
+        prompt = checked_prompt(prompt_ids, self.max_context)
         self.discard()
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
         cache, reused = None, 0
         if reuse and self.store is not None:
             cache, reused = self.store.reuse(prompt, _cropped, lambda kv, n: clone_prefix(self.model, kv, n))
