@@ -18,7 +18,7 @@ import torch
 
 from server.backend import Prefill, checked_prompt
 from server.cpu_model import CpuGemma, KVCache
-from server.prefix_store import KeptSequence, PrefixStore
+from server.prefix_store import PrefixStore
 
 _FIRST_CAPACITY = 1024
 
@@ -65,10 +65,7 @@ class CpuBackend:
         self.cache, self.position = None, 0
         if cache is None or not keep or self.store is None:
             return
-        tokens = np.asarray(tokens, dtype=np.int32)
-        if len(tokens) != length:
-            raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {length}")
-        self.store.put(KeptSequence(tokens.copy(), cache, _bytes(cache), generated))
+        self.store.keep(tokens, cache, length, cache.nbytes(), generated)
 
     def discard(self) -> None:
         self.cache, self.position = None, 0
@@ -94,6 +91,3 @@ class CpuBackend:
             capacity *= 2
         return cache.copy_prefix(length, capacity)
 
-
-def _bytes(cache: KVCache) -> int:
-    return cache.nbytes()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from server.backend import Prefill, checked_prompt
-from server.prefix_store import KeptSequence, PrefixStore
+from server.prefix_store import PrefixStore
 
 _CACHE_KWARGS: dict[type, str] = {}
 
@@ -166,10 +166,7 @@ class EagerBackend:
         self.cache, self.position = None, 0
         if cache is None or not keep or self.store is None:
             return
-        tokens = np.asarray(tokens, dtype=np.int32)
-        if len(tokens) != cache_length(cache):
-            raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {cache_length(cache)}")
-        self.store.put(KeptSequence(tokens.copy(), cache, cache_bytes(cache), generated))
+        self.store.keep(tokens, cache, cache_length(cache), cache_bytes(cache), generated)
 
     def discard(self) -> None:
         self.cache, self.position = None, 0

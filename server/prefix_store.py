@@ -129,6 +129,13 @@ class PrefixStore:
         self.record(reused, len(prompt) - reused)
         return kv, reused
 
+    def keep(self, tokens, kv, held: int, nbytes: int, generated: int) -> None:
+        """A backend's finished sequence: `tokens` must be the ids of the `held` positions its KV holds."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) != held:
+            raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {held}")
+        self.put(KeptSequence(tokens.copy(), kv, nbytes, generated))
+
     def record(self, reused: int, computed: int) -> None:
         s = self.stats
         s.requests += 1
