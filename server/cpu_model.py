@@ -35,18 +35,10 @@ BLOCK = 32  # input features per int8 scale
 
 def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """fp32 [N, K] -> (int8 codes [N, K], fp32 scales [N, K/32]): per 32-value block, scale =
-    max|w| / 127 and codes = round-half-even(w / scale) (Q8_0's rule)."""
+    max|w| / 127 and codes = round-half-even(w / scale) (Q8_0's rule, the one the activations get)."""
     from server import cpu_kernels
 
-    if cpu_kernels.AVAILABLE:  # the activations' kernel applies the same rule, in C
-        return cpu_kernels.quantize_rows(np.ascontiguousarray(w, dtype=np.float32))
-    n, k = w.shape
-    blocks = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
-    amax = np.abs(blocks).max(axis=2)
-    scale = (amax / np.float32(127)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.rint(blocks / safe[:, :, None]), -127, 127).astype(np.int8)
-    return codes.reshape(n, k), scale
+    return cpu_kernels.quantize_rows(w)
 
 
 @dataclass
@@ -115,7 +107,7 @@ class CpuGemma:
 
     def __init__(self, cfg: dict, embed: Int8Linear, lm_head: Int8Linear, layers: list[dict],
                  final_norm: np.ndarray | None, rotary, ple: dict | None, kernels):
-        self.cfg, self.embed, self.lm_head, self.layers = cfg, embed, lm_head, layers
+        self.embed, self.lm_head, self.layers = embed, lm_head, layers
         self.final_norm, self.rotary, self.ple, self.k = final_norm, rotary, ple, kernels
         self.eps = np.float32(cfg["eps"])
         self.embed_scale = np.float32(cfg["embed_scale"])
@@ -180,9 +172,9 @@ class CpuGemma:
         embed = Int8Linear.of(arr(m.embed_tokens.weight))
         head = getattr(model, "lm_head", None)
         tied = head is None or head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
-        cfg = {"hidden": c.hidden_size, "vocab": c.vocab_size, "eps": c.rms_norm_eps, "window": c.sliding_window,
+        cfg = {"eps": c.rms_norm_eps, "window": c.sliding_window,
                "embed_scale": float(arr(m.embed_tokens.embed_scale).reshape(-1)[0]),
-               "softcap": getattr(c, "final_logit_softcapping", None) or None, "gemma3": gemma3}
+               "softcap": getattr(c, "final_logit_softcapping", None) or None}
         if kernels is None:
             from server import cpu_kernels as kernels
         return cls(cfg, embed, embed if tied else Int8Linear.of(arr(head.weight)), layers, norm(m.norm),
@@ -208,20 +200,22 @@ class CpuGemma:
         k = self.k
         x = _rows(self.embed, ids) * self.embed_scale
         ple = self._per_layer_inputs(ids, x) if self.ple else None
+        rope = {}  # layer kind -> this call's cos, sin [m, 1, D]
         for i, L in enumerate(self.layers):
-            D, kvh = L["head_dim"], L["kv_heads"]
-            heads = L["heads"]
+            D, kvh, heads = L["head_dim"], L["kv_heads"], L["heads"]
             qkv = k.linear(self._norm(x, L["in_norm"]), L["qkv"])
-            cos, sin = self._cos_sin(L["kind"], start + m)
-            cos, sin = cos[start : start + m], sin[start : start + m]
-            q = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos[:, None, :], sin[:, None, :])
+            if L["kind"] not in rope:
+                cos, sin = self._cos_sin(L["kind"], start + m)
+                rope[L["kind"]] = (cos[start : start + m, None, :], sin[start : start + m, None, :])
+            cos, sin = rope[L["kind"]]
+            q = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
             if L["source"] == i:
                 at = heads * D
                 key = self._norm(qkv[:, at : at + kvh * D].reshape(m, kvh, D), L["k_norm"])
                 value = qkv[:, at + kvh * D :].reshape(m, kvh, D)
                 if L["v_norm"]:
                     value = self._norm(value, L["v_norm_w"])
-                cache.k[i][:, start : start + m] = _rope(key, cos[:, None, :], sin[:, None, :]).transpose(1, 0, 2)
+                cache.k[i][:, start : start + m] = _rope(key, cos, sin).transpose(1, 0, 2)
                 cache.v[i][:, start : start + m] = value.transpose(1, 0, 2)
             kc, vc = cache.k[L["source"]], cache.v[L["source"]]
             window = self.window if L["sliding"] else 0
@@ -273,8 +267,6 @@ class CpuGemma:
             have = (cos[0].float().numpy(), sin[0].float().numpy())
             self._rope[kind] = have
         return have
-
-
 
 
 def _rows(lin: Int8Linear, ids: np.ndarray) -> np.ndarray:

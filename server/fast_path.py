@@ -240,11 +240,11 @@ class FastTarget:
         self.n_layers = cfg.num_hidden_layers
 
         self.ple_dim = getattr(cfg, "hidden_size_per_layer_input", 0) or 0
+        self.ple_on_host = bool(self.ple_dim) and ple_on_host
         if self.ple_dim:
             # on the host (the engine's choice: frees 5.25 GiB on E4B) or the module itself
             self.embed_ple = (HostRowTable(text.embed_tokens_per_layer, self.device) if ple_on_host
                               else text.embed_tokens_per_layer)
-            self.ple_on_host = ple_on_host
             self.ple_model_proj = as_linear(text.per_layer_model_projection)
             self.ple_model_proj_scale = text.per_layer_model_projection_scale
             self.ple_norm = text.per_layer_projection_norm
@@ -415,7 +415,7 @@ class FastTarget:
         pin = dev.type == "cuda"
         self._host_in = torch.zeros(2, self.max_bucket, dtype=torch.long, pin_memory=pin)
         self._in_buf = torch.zeros(2, self.max_bucket, dtype=torch.long, device=dev)
-        if self.ple_dim and self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
+        if self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
             self.ple_buf = torch.zeros(self.max_bucket, self.embed_ple.width, dtype=self.embed_ple.dtype, device=dev)
 
     def cache_bytes(self) -> int:
@@ -573,7 +573,7 @@ class FastTarget:
         self._in_buf[:, :T].copy_(host[:, :T])
         self.ids_buf[:T].copy_(self._in_buf[0, :T])
         self.pos_buf[:T].copy_(self._in_buf[1, :T])
-        if self.ple_dim and self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
+        if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
             self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
         if self.capture:
             graph, out = self._graph(T, kv_len)
@@ -669,7 +669,7 @@ class HostRowTable:
         if self._staging.shape[0] < n:
             self._staging = torch.empty(n, self.width, dtype=self.dtype, pin_memory=self._pin)
         torch.index_select(self.weight, 0, host_ids, out=self._staging[:n])
-        out.copy_(self._staging[:n], non_blocking=self._pin)
+        out.copy_(self._staging[:n])  # blocking: the next step rewrites the staging rows
         if self.scale is not None:
             out.mul_(self.scale)
 
