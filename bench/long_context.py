@@ -123,7 +123,7 @@ def replay_chains(make_drafter, chains, max_draft: int) -> dict:
 
 def markdown(r: dict) -> str:
     names = list(r["contenders"])
-    lines = [f"# Drafters on long agent conversations\n",
+    lines = ["# Drafters on long agent conversations\n",
              f"{r['when']}, {r['machine']}. Command: `{r['command']}`.\n",
              f"{r['chains']} chained conversations, {r['turns']} turns, {r['target_tokens']:,} target tokens, "
              f"contexts up to {r['longest_context']:,} tokens; at most {r['max_draft']} tokens per verify. "

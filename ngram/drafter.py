@@ -3,8 +3,8 @@
 Contract (the session is an ngram.draft.DrafterSession):
     drafter = NgramDrafter(index_or_None, DrafterConfig(...))
     session = drafter.session()                         # one per request
-    draft = session.propose(context_ids, max_tokens)    # context = prompt + tokens committed so far
     session.prepare(prompt_ids)                         # before the prefill (indexes a long prompt)
+    draft = session.propose(context_ids, max_tokens)    # context = prompt + tokens committed so far
     session.feedback(drafted=len(draft), accepted=n)    # after verification
     session.finish(final_context_ids)                   # the completion joins the online overlay
 `propose` never returns more than `max_tokens` tokens, and returns an empty Draft (source "none")
@@ -28,7 +28,7 @@ does. By default min_draft = max_draft, so it does not: how much of a draft to v
 engine's decision (its cost model weighs the draft's confidences against the verify cost curve),
 and a second limit in the drafter only cut drafts the cost model would have verified. The defaults
 (min_draft 16, min_match 1, max_match 32, cut-off 0.1; before: 2, 2, 16, 0.3) were chosen on replay:
-BFCL held-out tau 6.77 -> 7.57, bench.long_context's chained agent conversations 6.66 -> 7.26, and
+BFCL held-out tau 6.77 -> 7.56, bench.long_context's chained agent conversations 6.66 -> 7.26, and
 the same decode tokens/s on the bundled model's CPU engine (the cost model cuts the longer drafts).
 """
 from __future__ import annotations

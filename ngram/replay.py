@@ -10,9 +10,10 @@ is kept as that command's name and hands over to it):
 
 Each assistant turn is replayed as if the target had produced exactly its tokens, under greedy
 verification: per step the drafter proposes up to K tokens (never past the turn's end), the longest
-prefix that matches the target's tokens is accepted (of a token tree: the longest root path), and the target adds one token of its own (the
-first mismatch, or the next token). A step with no draft is a plain decoding step. After each turn the drafter learns it (its online
-overlay, as in the server), so turns are replayed in trace order.
+prefix that matches the target's tokens is accepted (of a token tree: the longest root path), and
+the target adds one token of its own (the first mismatch, or the next token). A step with no draft
+is a plain decoding step. After each turn the drafter learns it (its online overlay, as in the
+server), so turns are replayed in trace order.
   tau              = target tokens / verify steps (every target forward counts as a step)
   acceptance_rate  = accepted drafted tokens / drafted tokens
   draft_us_p50/p99 = wall time of each propose() call

@@ -184,30 +184,36 @@ class ContextSource(_RowSource):
         self.index = None
 
     def prepare(self, text: str) -> None:
-        if min(len(text), self.window) > EXACT_SEARCH_TOKENS:
-            if self.index is None:
-                self.index = self.indexes.take(text)
-            self.index.extend(text)
+        if self._indexed_search(len(text)):
+            self._index_of(text)
 
     def finish(self, text: str) -> None:
         """Hand the text's index to the next turn. A session that never searched it takes one now,
         so that the next turn's first search indexes only its new tokens, not the whole context."""
-        if self.index is None and min(len(text), self.window) > EXACT_SEARCH_TOKENS and self.indexes.size:
-            self.index = self.indexes.take(text)
-        if self.index is not None:
-            self.index.extend(text)
-            self.indexes.put(self.index, text)
+        if self.index is not None or (self._indexed_search(len(text)) and self.indexes.size):
+            self.indexes.put(self._index_of(text), text)
             self.index = None
 
+    def _indexed_search(self, text_len: int) -> bool:
+        """Whether a search of a text this long goes through the position index."""
+        return min(text_len, self.window) > EXACT_SEARCH_TOKENS
+
+    def _index_of(self, text: str) -> ContextIndex:
+        """The session's position index, taken from the cache if it has none yet, brought up to `text`."""
+        if self.index is None:
+            self.index = self.indexes.take(text)
+        self.index.extend(text)
+        return self.index
+
     def _fresh_bound(self, text_len: int, seen: int) -> int:
-        if min(text_len, self.window) > EXACT_SEARCH_TOKENS:
+        if self._indexed_search(text_len):
             return self.max_match
         last_k, seen_then = self.searched
         return min(self.max_match, max(last_k, self.min_match - 1) + seen - seen_then)
 
     def _fresh(self, text: str, seen: int) -> tuple[int, list]:
         start = max(0, len(text) - self.window)
-        if len(text) - start > EXACT_SEARCH_TOKENS:
+        if self._indexed_search(len(text)):
             k, rows = self._indexed(text, start)
         else:
             k, starts = context_match(text, self.min_match, self.max_match, self.occurrences, start,
@@ -218,10 +224,7 @@ class ContextSource(_RowSource):
         return k, rows
 
     def _indexed(self, text: str, start: int) -> tuple[int, list]:
-        if self.index is None:
-            self.index = self.indexes.take(text)
-        self.index.extend(text)
-        offsets, key_tokens = self.index.candidates(text, INDEX_CANDIDATES)
+        offsets, key_tokens = self._index_of(text).candidates(text, INDEX_CANDIDATES)
         if start:  # past the window: search only text[start:], as a session holding just that would
             view = text[start:]
             offsets = [o - start for o in offsets if o - start >= key_tokens]
