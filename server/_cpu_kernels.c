@@ -296,6 +296,18 @@ static int get_array(PyObject *obj, const char *fn, const char *name, dtype dt, 
     return 0;
 }
 
+/* The arrays of one call, acquired in order with get_array (spec i for objs[i] into views[i]). Returns
+   how many were acquired: n on success; fewer, with the error set, when one failed (those acquired
+   are the caller's to release, as on success). */
+typedef struct { const char *name; dtype dt; int ndim; int writable; } ArraySpec;
+
+static int get_arrays(const char *fn, int n, const ArraySpec *spec, PyObject *const *objs, Py_buffer *views) {
+    for (int i = 0; i < n; i++)
+        if (get_array(objs[i], fn, spec[i].name, spec[i].dt, spec[i].ndim, spec[i].writable, &views[i]) < 0)
+            return i;
+    return n;
+}
+
 /* ValueError "fn: what" with the shapes in the message; always -1. */
 static int shape_error(const char *fn, const char *what) {
     PyErr_Format(PyExc_ValueError, "%s: %s", fn, what);
@@ -664,20 +676,14 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
         return NULL;
     int threads = threads_arg(threads_o, fn);
     if (threads < 0) return NULL;
+    static const ArraySpec spec[5] = {{"xq", I8, 2, 0}, {"xs", F32, 2, 0}, {"wq", I8, 2, 0}, {"ws", F32, 2, 0},
+                                      {"out", F32, 2, 1}};
+    PyObject *const objs[5] = {xq_o, xs_o, wq_o, ws_o, out_o};
     Py_buffer v[5];
-    int got = 0;
     PyObject *result = NULL;
     char msg[200];
-    if (get_array(xq_o, fn, "xq", I8, 2, 0, &v[0]) < 0) goto done;
-    got++;
-    if (get_array(xs_o, fn, "xs", F32, 2, 0, &v[1]) < 0) goto done;
-    got++;
-    if (get_array(wq_o, fn, "wq", I8, 2, 0, &v[2]) < 0) goto done;
-    got++;
-    if (get_array(ws_o, fn, "ws", F32, 2, 0, &v[3]) < 0) goto done;
-    got++;
-    if (get_array(out_o, fn, "out", F32, 2, 1, &v[4]) < 0) goto done;
-    got++;
+    int got = get_arrays(fn, 5, spec, objs, v);
+    if (got < 5) goto done;
     Py_ssize_t M = v[0].shape[0], K = v[0].shape[1], N = v[2].shape[0];
     if (K % QBLOCK) {
         snprintf(msg, sizeof msg, "K (xq.shape[1] = %zd) must be a multiple of %d", K, QBLOCK);
@@ -887,20 +893,14 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
         return NULL;
     int threads = threads_arg(threads_o, fn);
     if (threads < 0) return NULL;
+    static const ArraySpec spec[5] = {{"q", F32, 3, 0}, {"k_cache", F32, 2, 0}, {"v_cache", F32, 2, 0},
+                                      {"positions", I64, 1, 0}, {"out", F32, 3, 1}};
+    PyObject *const objs[5] = {q_o, k_o, v_o, p_o, out_o};
     Py_buffer v[5];
-    int got = 0;
     PyObject *result = NULL;
     char msg[200];
-    if (get_array(q_o, fn, "q", F32, 3, 0, &v[0]) < 0) goto done;
-    got++;
-    if (get_array(k_o, fn, "k_cache", F32, 2, 0, &v[1]) < 0) goto done;
-    got++;
-    if (get_array(v_o, fn, "v_cache", F32, 2, 0, &v[2]) < 0) goto done;
-    got++;
-    if (get_array(p_o, fn, "positions", I64, 1, 0, &v[3]) < 0) goto done;
-    got++;
-    if (get_array(out_o, fn, "out", F32, 3, 1, &v[4]) < 0) goto done;
-    got++;
+    int got = get_arrays(fn, 5, spec, objs, v);
+    if (got < 5) goto done;
     Py_ssize_t M = v[0].shape[0], H = v[0].shape[1], D = v[0].shape[2], T = v[1].shape[0];
     if (v[1].shape[1] != D || v[2].shape[0] != T || v[2].shape[1] != D || v[3].shape[0] != M ||
         v[4].shape[0] != M || v[4].shape[1] != H || v[4].shape[2] != D || H < 1 || D < 1) {
