@@ -57,14 +57,17 @@ def test_logits_close_to_transformers(tiny):
     assert (out.argmax(1) == ref.argmax(1)).mean() >= 0.9
 
 
-def test_a_verify_equals_one_token_steps_bit_for_bit(tiny):
-    _, cpu = tiny
-    ids = prompts_for(512, [40], seed=2)[0]
+def _assert_verify_equals_one_token_steps(cpu, seed: int) -> None:
+    ids = prompts_for(512, [40], seed=seed)[0]
     batched = cpu.forward(ids, 0, cpu.new_cache(64))
     cache = cpu.new_cache(64)
     cpu.forward(ids[:20], 0, cache)
     rows = [cpu.forward(ids[j:j + 1], j, cache)[0] for j in range(20, 40)]
     assert np.array_equal(np.stack(rows), batched[20:])
+
+
+def test_a_verify_equals_one_token_steps_bit_for_bit(tiny):
+    _assert_verify_equals_one_token_steps(tiny[1], seed=2)
 
 
 def test_threads_do_not_change_a_bit(tiny):
@@ -172,13 +175,7 @@ def test_gemma4_int8_logits_close_to_transformers(tiny4):
 
 
 def test_gemma4_verify_equals_one_token_steps_bit_for_bit(tiny4):
-    _, cpu = tiny4
-    ids = prompts_for(512, [40], seed=12)[0]
-    batched = cpu.forward(ids, 0, cpu.new_cache(64))
-    cache = cpu.new_cache(64)
-    cpu.forward(ids[:20], 0, cache)
-    rows = [cpu.forward(ids[j:j + 1], j, cache)[0] for j in range(20, 40)]
-    assert np.array_equal(np.stack(rows), batched[20:])
+    _assert_verify_equals_one_token_steps(tiny4[1], seed=12)
 
 
 def test_gemma4_drafted_equals_plain_through_the_engine(tiny4):
