@@ -41,6 +41,12 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
                 order from +0, then u_i = l_i + l_{i+8} (i < 8) and tree8(u);
           mx = max_p s_p; e_p = expf(s_p - mx); sum = e_start + ... in position order;
           out[m, h, d] = acc_d / sum,  acc_d = fma chain of (e_p, v[p, d]) in position order from +0.
+      A token tree (ancestors int64 [M], tree_start >= 0): the step's rows sit in slots tree_start..;
+      row m is at position positions[m] = tree_start + depth and bit j of ancestors[m] marks step
+      slot tree_start + j as one of its ancestors (or itself), so its k-th set bit is its ancestor at
+      depth k. Row m attends to slots start..tree_start-1 and then to those ancestors in depth order
+      (those at positions >= start): the keys a chain row at that position sees, in the same order,
+      so a tree row's output equals the chain row's bit for bit.
   set_threads(n) -> previous count (1..64; the default is the CPUs this process may run on);
   get_threads(); paths() -> matmul_q8's paths this CPU runs ("scalar", "avx2", "avxvnni", "avx512",
   best last); _force_path(name or None) -> the previous forced name or None (ValueError for a path
@@ -747,17 +753,41 @@ done:
 typedef struct {
     const float *q, *k, *v;
     const int64_t *pos;
+    const uint64_t *ancestors;  /* NULL: a chain; else each row's ancestor bits over the step's slots */
     float *out, *scratch;
-    Py_ssize_t M, H, D, T, scratch_per_part;
+    Py_ssize_t M, H, D, T, scratch_per_part, tree_start;
     long long window;
     float scale;
     int simd;
 } AttnCtx;
 
-/* The first cache position row m attends to (its last is pos). */
-static Py_ssize_t attn_start(const AttnCtx *c, Py_ssize_t pos) {
-    if (c->window > 0 && pos - c->window + 1 > 0) return (Py_ssize_t)(pos - c->window + 1);
-    return 0;
+/* The keys row m attends to, in position order: `n_run` cache slots from `start` on (contiguous),
+   then the step slots extra[0..n_extra-1] (a tree row's visible ancestors and itself). */
+typedef struct {
+    Py_ssize_t start, n_run, n_extra, n;
+    Py_ssize_t extra[64];
+} KeyList;
+
+static void attn_keys(const AttnCtx *c, Py_ssize_t m, KeyList *keys) {
+    const Py_ssize_t pos = (Py_ssize_t)c->pos[m];
+    Py_ssize_t start = 0;
+    if (c->window > 0 && pos - c->window + 1 > 0) start = (Py_ssize_t)(pos - c->window + 1);
+    keys->start = start;
+    keys->n_extra = 0;
+    if (c->ancestors == NULL) {
+        keys->n_run = pos - start + 1;
+    } else {  /* the k-th set bit is the ancestor at depth k, i.e. at position tree_start + k */
+        const Py_ssize_t s = c->tree_start;
+        keys->n_run = start < s ? s - start : 0;
+        uint64_t bits = c->ancestors[m];
+        for (Py_ssize_t depth = 0; bits; depth++, bits &= bits - 1)
+            if (s + depth >= start) keys->extra[keys->n_extra++] = s + __builtin_ctzll(bits);
+    }
+    keys->n = keys->n_run + keys->n_extra;
+}
+
+static inline Py_ssize_t key_slot(const KeyList *keys, Py_ssize_t p) {
+    return p < keys->n_run ? keys->start + p : keys->extra[p - keys->n_run];
 }
 
 /* In place: s[p * stride] -> expf(s - max) for p < n; returns their sum in position order. One
@@ -786,14 +816,16 @@ static float dot16_scalar(const float *a, const float *b, Py_ssize_t D) {
 
 /* One (m, h) pair by the contract's definition; scratch holds n + D floats. */
 static void attend_scalar(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, float *scratch) {
-    const Py_ssize_t D = c->D, pos = (Py_ssize_t)c->pos[m], start = attn_start(c, pos), n = pos - start + 1;
+    KeyList keys;
+    attn_keys(c, m, &keys);
+    const Py_ssize_t D = c->D, n = keys.n;
     const float *q = c->q + (m * c->H + h) * D;
     float *s = scratch, *acc = scratch + n, *out = c->out + (m * c->H + h) * D;
-    for (Py_ssize_t p = 0; p < n; p++) s[p] = dot16_scalar(q, c->k + (start + p) * D, D) * c->scale;
+    for (Py_ssize_t p = 0; p < n; p++) s[p] = dot16_scalar(q, c->k + key_slot(&keys, p) * D, D) * c->scale;
     float sum = softmax_weights(s, n, 1);
     for (Py_ssize_t d = 0; d < D; d++) acc[d] = 0.0f;
     for (Py_ssize_t p = 0; p < n; p++) {
-        const float *vp = c->v + (start + p) * D;
+        const float *vp = c->v + key_slot(&keys, p) * D;
         for (Py_ssize_t d = 0; d < D; d++) acc[d] = fmaf(s[p], vp[d], acc[d]);
     }
     for (Py_ssize_t d = 0; d < D; d++) out[d] = acc[d] / sum;
@@ -814,13 +846,15 @@ AVX2 static inline __m256 dot16_halves(const float *q, const float *k, Py_ssize_
    computed (a short group repeats its last head) and only the G real ones stored. Each head's
    arithmetic is attend_scalar's. scratch holds 4 * n floats, scores laid out [p][head]. */
 AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int G, float *scratch) {
-    const Py_ssize_t D = c->D, pos = (Py_ssize_t)c->pos[m], start = attn_start(c, pos), n = pos - start + 1;
+    KeyList keys;
+    attn_keys(c, m, &keys);
+    const Py_ssize_t D = c->D, n = keys.n;
     const float *q[4];
     for (int j = 0; j < 4; j++) q[j] = c->q + (m * c->H + h + (j < G ? j : G - 1)) * D;
     float *s = scratch;
     const __m128 scale = _mm_set1_ps(c->scale);
     for (Py_ssize_t p = 0; p < n; p++) {
-        const float *kp = c->k + (start + p) * D;
+        const float *kp = c->k + key_slot(&keys, p) * D;
         __m256 u0 = dot16_halves(q[0], kp, D), u1 = dot16_halves(q[1], kp, D);
         __m256 u2 = dot16_halves(q[2], kp, D), u3 = dot16_halves(q[3], kp, D);
         __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));  /* tree8, as in tile4_avx2 */
@@ -834,7 +868,7 @@ AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int 
                a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
                a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
         for (Py_ssize_t p = 0; p < n; p++) {
-            const float *vp = c->v + (start + p) * D + d;
+            const float *vp = c->v + key_slot(&keys, p) * D + d;
             const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
             const float *e = s + 4 * p;
             __m256 e0 = _mm256_broadcast_ss(e), e1 = _mm256_broadcast_ss(e + 1);
@@ -881,26 +915,28 @@ static void attn_part(void *ctx, int part, int nparts) {
     }
 }
 
-/* attention(q, k_cache, v_cache, positions, window, scale, out, threads=None) -> out */
+/* attention(q, k_cache, v_cache, positions, window, scale, out, threads=None, tree_start=-1, ancestors=None) -> out */
 static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"q", "k_cache", "v_cache", "positions", "window", "scale", "out", "threads", NULL};
+    static char *kwlist[] = {"q", "k_cache", "v_cache", "positions", "window", "scale", "out", "threads",
+                             "tree_start", "ancestors", NULL};
     static const char *fn = "attention";
-    PyObject *q_o, *k_o, *v_o, *p_o, *out_o, *threads_o = Py_None;
-    long long window;
+    PyObject *q_o, *k_o, *v_o, *p_o, *out_o, *threads_o = Py_None, *anc_o = Py_None;
+    long long window, tree_start = -1;
     float scale;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLfO|O", kwlist, &q_o, &k_o, &v_o, &p_o, &window, &scale,
-                                     &out_o, &threads_o))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLfO|OLO", kwlist, &q_o, &k_o, &v_o, &p_o, &window, &scale,
+                                     &out_o, &threads_o, &tree_start, &anc_o))
         return NULL;
     int threads = threads_arg(threads_o, fn);
     if (threads < 0) return NULL;
-    static const ArraySpec spec[5] = {{"q", F32, 3, 0}, {"k_cache", F32, 2, 0}, {"v_cache", F32, 2, 0},
-                                      {"positions", I64, 1, 0}, {"out", F32, 3, 1}};
-    PyObject *const objs[5] = {q_o, k_o, v_o, p_o, out_o};
-    Py_buffer v[5];
+    const int tree = anc_o != Py_None, n_arrays = tree ? 6 : 5;
+    static const ArraySpec spec[6] = {{"q", F32, 3, 0}, {"k_cache", F32, 2, 0}, {"v_cache", F32, 2, 0},
+                                      {"positions", I64, 1, 0}, {"out", F32, 3, 1}, {"ancestors", I64, 1, 0}};
+    PyObject *const objs[6] = {q_o, k_o, v_o, p_o, out_o, anc_o};
+    Py_buffer v[6];
     PyObject *result = NULL;
     char msg[200];
-    int got = get_arrays(fn, 5, spec, objs, v);
-    if (got < 5) goto done;
+    int got = get_arrays(fn, n_arrays, spec, objs, v);
+    if (got < n_arrays) goto done;
     Py_ssize_t M = v[0].shape[0], H = v[0].shape[1], D = v[0].shape[2], T = v[1].shape[0];
     if (v[1].shape[1] != D || v[2].shape[0] != T || v[2].shape[1] != D || v[3].shape[0] != M ||
         v[4].shape[0] != M || v[4].shape[1] != H || v[4].shape[2] != D || H < 1 || D < 1) {
@@ -919,6 +955,26 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
             shape_error(fn, msg);
             goto done;
         }
+    const uint64_t *anc = NULL;
+    if (tree) {  /* row m: position tree_start + depth, ancestors' bits (itself included) over the step's slots */
+        anc = v[5].buf;
+        if (v[5].shape[0] != M || tree_start < 0) {
+            snprintf(msg, sizeof msg, "a tree needs ancestors [M] and tree_start >= 0; got ancestors [%zd], tree_start %lld",
+                     v[5].shape[0], tree_start);
+            shape_error(fn, msg);
+            goto done;
+        }
+        for (Py_ssize_t m = 0; m < M; m++) {
+            uint64_t bits = anc[m];
+            int top = bits ? 63 - __builtin_clzll(bits) : -1;
+            if (top < 0 || tree_start + top >= T || pos[m] != tree_start + __builtin_popcountll(bits) - 1) {
+                snprintf(msg, sizeof msg, "ancestors[%zd] must hold the row's path (positions[m] = tree_start + "
+                         "depth) inside the cache", m);
+                shape_error(fn, msg);
+                goto done;
+            }
+        }
+    }
     if (M == 0) {
         result = Py_NewRef(out_o);
         goto done;
@@ -931,7 +987,8 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_NoMemory();
         goto done;
     }
-    AttnCtx c = {v[0].buf, v[1].buf, v[2].buf, pos, v[4].buf, scratch, M, H, D, T, per_part, window, scale, simd};
+    AttnCtx c = {v[0].buf, v[1].buf, v[2].buf, pos, anc, v[4].buf, scratch, M, H, D, T, per_part,
+                 (Py_ssize_t)tree_start, window, scale, simd};
     Py_BEGIN_ALLOW_THREADS
     pool_run(attn_part, &c, nparts);
     Py_END_ALLOW_THREADS
@@ -1012,7 +1069,8 @@ static PyMethodDef methods[] = {
     {"matmul_q8", (PyCFunction)(void (*)(void))matmul_q8, METH_VARARGS | METH_KEYWORDS,
      "matmul_q8(xq, xs, wq, ws, out, threads=None) -> out: out[m, n] = sum over blocks of xs*ws*idot (see the source)"},
     {"attention", (PyCFunction)(void (*)(void))attention, METH_VARARGS | METH_KEYWORDS,
-     "attention(q, k_cache, v_cache, positions, window, scale, out, threads=None) -> out (see the source)"},
+     "attention(q, k_cache, v_cache, positions, window, scale, out, threads=None, tree_start=-1, ancestors=None) -> out "
+     "(see the source)"},
     {"set_threads", set_threads, METH_O, "set_threads(n) -> the previous thread count"},
     {"get_threads", get_threads, METH_NOARGS, "get_threads() -> the thread count calls use by default"},
     {"_force_scalar", force_scalar_fn, METH_O, "_force_scalar(flag) -> previous flag: run the portable scalar code"},

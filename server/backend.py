@@ -8,6 +8,14 @@ Contract. A `Backend` owns one live sequence at a time (positions 0..position-1 
   computes everything and keeps nothing afterwards (measurements).
 - `step(ids) -> logits [len(ids), vocab]`: append 1..max_step tokens at the current position.
 - `rollback(n)`: forget the last n positions.
+- Token trees, where `supports_tree` is True: `step(ids, parents=parents)` feeds a tree, parents[0]
+  == -1 (the pending token, after the cached positions) and 0 <= parents[j] < j. Row j sits at
+  position `position + depth(j)` and sees the cached positions and its ancestors (itself included),
+  nothing else, so its logits are the ones a chain of its path gives there (bit for bit where the
+  backend's chain verify is). Its K/V take step slot j for now; `position` advances by len(ids).
+  `keep_path(path)` then keeps the rows of one root path ([0, r1, .., rk], increasing, each the
+  parent of the next) at consecutive positions and forgets the rest: the cache is what a chain
+  step of those tokens would leave.
 - `finish(tokens, generated)`: the request is over; `tokens` are the ids of positions
   0..position-1 (the last `generated` of them were generated) and may be kept for reuse.
   `discard()` forgets the live sequence without keeping it (after an error mid-forward).

@@ -34,6 +34,7 @@ class CpuBackend:
         self.cache: KVCache | None = None
         self.position = 0
         self._keep = False
+        self._tree_start = -1  # where the last step began, when it was a tree
 
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
         prompt = checked_prompt(prompt_ids, self.max_context)
@@ -48,12 +49,25 @@ class CpuBackend:
             logits = self.step(prompt_ids[begin:begin + self.prefill_chunk], last_only=True)
         return Prefill(logits[-1], reused)
 
-    def step(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
+    supports_tree = True
+
+    def step(self, ids: list[int], last_only: bool = False, parents=None) -> torch.Tensor:
         n = len(ids)
         self._reserve(self.position + n)
-        logits = self.model.forward(ids, self.position, self.cache, last_only)
+        logits = self.model.forward(ids, self.position, self.cache, last_only, parents)
         self.position += n
+        self._tree_start = self.position - n if parents is not None else -1
         return torch.from_numpy(logits)
+
+    def keep_path(self, path: list[int]) -> None:
+        """After a tree step (server/backend.py): keep its rows `path`, a root path, at the positions
+        of a chain; the rest is forgotten."""
+        start = self._tree_start
+        if start < 0:
+            raise ValueError("keep_path follows a tree step")
+        self._tree_start = -1
+        self.cache.keep_path(start, list(path))
+        self.position = start + len(path)
 
     def rollback(self, n: int) -> None:
         if n < 0 or n > self.position:

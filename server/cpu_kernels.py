@@ -46,11 +46,17 @@ def linear(x: np.ndarray, lin) -> np.ndarray:
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray,
-              window: int, scale: float) -> np.ndarray:
+              window: int, scale: float, tree_start: int = -1, ancestors: np.ndarray | None = None) -> np.ndarray:
+    """`ancestors` (int64 [M] bit masks over the step's slots from `tree_start`): a token tree's rows
+    (see the C source's contract); None: a chain."""
     out = np.empty_like(q)
     if _C is None:
-        return _attention_numpy(q, k_cache, v_cache, positions, window, scale, out)
-    _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale), out)
+        return _attention_numpy(q, k_cache, v_cache, positions, window, scale, out, tree_start, ancestors)
+    if ancestors is None:
+        _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale), out)
+    else:
+        _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
+                     out, tree_start=int(tree_start), ancestors=np.ascontiguousarray(ancestors, dtype=np.int64))
     return out
 
 
@@ -76,10 +82,17 @@ def _linear_numpy(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.nd
     return out
 
 
-def _attention_numpy(q, k_cache, v_cache, positions, window, scale, out):
+def _attention_numpy(q, k_cache, v_cache, positions, window, scale, out, tree_start=-1, ancestors=None):
     for i, pos in enumerate(positions.tolist()):
         lo = max(0, pos - window + 1) if window > 0 else 0
-        keys, values = k_cache[lo : pos + 1], v_cache[lo : pos + 1]
+        if ancestors is None:
+            slots = np.arange(lo, pos + 1)
+        else:  # the cached run before the step, then the row's ancestors (the k-th set bit: depth k)
+            bits = int(ancestors[i]) & (2**64 - 1)
+            path = [tree_start + j for j in range(64) if bits >> j & 1]
+            slots = np.array(list(range(lo, tree_start)) + [s for d, s in enumerate(path) if tree_start + d >= lo],
+                             dtype=np.int64)
+        keys, values = k_cache[slots], v_cache[slots]
         for h in range(q.shape[1]):
             s = (keys @ q[i, h]) * np.float32(scale)
             p = np.exp(s - s.max())

@@ -101,6 +101,32 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.k, *self.v) if t is not None)
 
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        """After a tree step written at slots start..: move step rows `rows` (increasing) to
+        start, start + 1, ... (a row never moves up, so in order no source is overwritten first)."""
+        moves = [(start + i, start + r) for i, r in enumerate(rows) if r != i]
+        if not moves:
+            return
+        dst, src = np.array([d for d, _ in moves]), np.array([s for _, s in moves])
+        for t in (*self.k, *self.v):
+            if t is not None:
+                t[:, dst] = t[:, src]
+
+
+def tree_layout(parents) -> tuple[np.ndarray, np.ndarray]:
+    """(depth [M] int64, ancestors [M] int64 bit masks) of a token tree: parents[0] == -1 (the
+    pending token), 0 <= parents[j] < j; bit i of ancestors[j] is set when row i is on row j's path
+    (itself included). At most 64 rows."""
+    parents = [int(p) for p in parents]
+    m = len(parents)
+    if not 1 <= m <= 64 or parents[0] != -1 or any(not 0 <= p < j for j, p in enumerate(parents) if j):
+        raise ValueError(f"not a token tree of 1..64 rows (parents[0] == -1, 0 <= parents[j] < j): {parents}")
+    depth, bits = [0] * m, [1] + [0] * (m - 1)
+    for j in range(1, m):
+        depth[j] = depth[parents[j]] + 1
+        bits[j] = bits[parents[j]] | (1 << j)
+    return np.array(depth, dtype=np.int64), np.array(bits, dtype=np.uint64).view(np.int64)
+
 
 class CpuGemma:
     """Gemma 3 and Gemma 4 text models (see the module docstring); `from_hf` builds one."""
@@ -191,12 +217,17 @@ class CpuGemma:
             lin += [self.ple["table"], self.ple["proj"]]
         return sum(x.nbytes() for x in lin)
 
-    def forward(self, ids, start: int, cache: KVCache, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids, start: int, cache: KVCache, last_only: bool = False, parents=None) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         m = ids.shape[0]
         if start + m > cache.max_len:
             raise ValueError(f"positions {start}..{start + m - 1} exceed the cache's {cache.max_len}")
-        positions = np.arange(start, start + m, dtype=np.int64)
+        tree = None
+        if parents is None:
+            positions = np.arange(start, start + m, dtype=np.int64)
+        else:  # a token tree: row j at start + depth(j), seeing the cache and its ancestors (tree_layout)
+            depth, ancestors = tree_layout(parents)
+            positions, tree = start + depth, (start, ancestors)
         k = self.k
         x = _rows(self.embed, ids) * self.embed_scale
         ple = self._per_layer_inputs(ids, x) if self.ple else None
@@ -206,7 +237,7 @@ class CpuGemma:
             qkv = k.linear(self._norm(x, L["in_norm"]), L["qkv"])
             if L["kind"] not in rope:
                 cos, sin = self._cos_sin(L["kind"], start + m)
-                rope[L["kind"]] = (cos[start : start + m, None, :], sin[start : start + m, None, :])
+                rope[L["kind"]] = (cos[positions][:, None, :], sin[positions][:, None, :])
             cos, sin = rope[L["kind"]]
             q = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
             if L["source"] == i:
@@ -223,7 +254,8 @@ class CpuGemma:
             attn = np.empty((m, heads, D), dtype=np.float32)
             for g in range(kvh):  # each KV head with the query heads that read it
                 attn[:, g * group : (g + 1) * group] = k.attention(
-                    np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], positions, window, L["scaling"])
+                    np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], positions, window, L["scaling"],
+                    *(tree or ()))
             x = x + self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"])
             gate_up = k.linear(self._norm(x, L["pre_ffn_norm"]), L["gate_up"])
             inter = gate_up.shape[1] // 2

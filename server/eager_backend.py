@@ -117,6 +117,8 @@ def _cropped(cache, length: int):
 
 
 class EagerBackend:
+    supports_tree = False  # transformers' masks are built per layer kind inside the model: chains only
+
     def __init__(self, model, prefix_budget_bytes: int = 0, max_context: int | None = None,
                  max_step: int = 16, prefill_chunk: int = 2048):
         self.model = model

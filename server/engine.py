@@ -78,6 +78,7 @@ class RequestStats:
     plain_steps: int = 0
     probes: int = 0
     grammar_cut_tokens: int = 0  # drafted tokens the grammar rejected, never verified
+    tree_steps: int = 0         # verify steps over a token tree (branches beside the main chain)
     prefill_s: float = 0.0
     decode_s: float = 0.0       # wall time after the prefill, everything included
     draft_s: float = 0.0        # drafter.propose + the draft/no-draft decision
@@ -169,6 +170,8 @@ class Engine:
         self.notes: list[str] = []
         self.backend = backend if backend is not None else self._build_backend()
         self.max_context = min(self.max_context, self.backend.max_context)
+        # token trees: verified in one step where the backend can (else only a tree's main chain is)
+        self._trees = bool(getattr(self.backend, "supports_tree", False))
         if self.backend.max_step - 1 < self.config.max_draft:
             self.notes.append(f"drafts capped at {self.backend.max_step - 1} tokens (the backend's largest step "
                               f"is {self.backend.max_step}; max_draft was {self.config.max_draft})")
@@ -180,7 +183,7 @@ class Engine:
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
                                              "accepted_tokens", "verify_steps", "plain_steps", "probes",
-                                             "cached_tokens", "grammar_cut_tokens")}
+                                             "cached_tokens", "grammar_cut_tokens", "tree_steps")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0, grammar_s=0.0)
 
     def _cost_curve(self) -> np.ndarray:
@@ -382,25 +385,41 @@ class Engine:
                     if session is not None and room > 0:
                         t = time.perf_counter()
                         draft = session.propose(context[:length], room)
+                        if draft.parents is not None and (grammar is not None or not self._trees):
+                            draft = _main_chain(draft)  # trees are verified only without a grammar
                         if grammar is not None and len(draft):
                             draft = _grammar_cut(draft, grammar, room, stats)
                         if len(draft):
                             stats.drafts += 1
-                            n, probe = self.policy.choose(draft.confidence[:room], draft.match_length, tracker)
+                            chain = min(room, _chain_length(draft))
+                            n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, tracker)
                         stats.draft_s += time.perf_counter() - t
                     t = time.perf_counter()
-                    if n > 0:
+                    branches = (_tree_branches(draft, n, self.policy, tracker, backend.max_step - 1, room)
+                                if n > 0 and draft.parents is not None else [])
+                    if branches:
+                        tree = _TreeStep(draft, n, branches)
+                        logits = backend.step([pending, *tree.tokens], parents=tree.row_parents)
+                        path, token = tree.verify(sampler, logits, stats.completion_tokens)
+                        backend.keep_path([0, *path])
+                        new = [tree.tokens[r - 1] for r in path] + [token]
+                        accepted, on_chain = len(path), tree.on_chain(path)
+                        stats.tree_steps += 1
+                    elif n > 0:
                         proposal = [int(x) for x in draft.tokens[:n]]
                         logits = backend.step([pending, *proposal])
                         accepted, token = _verify(sampler, grammar, logits, proposal, stats.completion_tokens)
                         backend.rollback(n - accepted)
                         new = proposal[:accepted] + [token]
+                        on_chain = accepted
+                    if n > 0:
+                        drafted = n + len(branches)
                         stats.verify_steps += 1
                         stats.probes += probe
-                        stats.drafted_tokens += n
+                        stats.drafted_tokens += drafted
                         stats.accepted_tokens += accepted
-                        tracker.record(n, accepted, probe)
-                        session.feedback(n, accepted)
+                        tracker.record(n, on_chain, probe)
+                        session.feedback(n, on_chain)
                     else:
                         new = [_choose(sampler, grammar, backend.step([pending])[0], stats.completion_tokens)]
                         stats.plain_steps += 1
@@ -424,6 +443,91 @@ def _choose(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tens
     if grammar is not None:
         logits = grammar.mask_logits(logits)
     return sampler.pick(logits, position, pending)
+
+
+def _chain_length(draft: Draft) -> int:
+    """A draft's main chain: all of a chain, or a tree's tokens before the first whose parent is not
+    its predecessor (ngram.draft: the drafter lays a tree out main chain first)."""
+    if draft.parents is None:
+        return len(draft)
+    return next((i for i, p in enumerate(draft.parents) if p != i - 1), len(draft.parents))
+
+
+def _main_chain(draft: Draft) -> Draft:
+    k = _chain_length(draft)
+    return Draft(draft.tokens[:k], draft.confidence[:k], draft.source, draft.match_length)
+
+
+def _tree_branches(draft: Draft, n: int, policy: DraftPolicy, tracker: AcceptanceTracker, max_nodes: int,
+                   max_depth: int) -> list[int]:
+    """The branch nodes of a token tree to verify beside the first n tokens of its main chain: in
+    the draft's order, each one whose parent is kept and whose depth is at most max_depth, while it
+    raises the expected tokens per cost (the chain rule of server.cost_model, a node counting its
+    confidence, capped by alpha ** depth) and the step fits in max_nodes drafted tokens."""
+    parents, conf = draft.parents, draft.confidence
+    chain = _chain_length(draft)
+    kept = set(range(min(n, chain)))
+    depth = {i: i + 1 for i in kept}
+    alpha = tracker.alpha
+    expected = 1.0 + sum(min(float(conf[i]), alpha ** (i + 1)) for i in kept)
+    out: list[int] = []
+    for j in range(chain, len(parents)):
+        if n + len(out) >= max_nodes or n + len(out) + 2 >= len(policy.cost):
+            break
+        p = parents[j]
+        if p != -1 and p not in kept:
+            continue
+        d = 1 if p == -1 else depth[p] + 1
+        if d > max_depth:
+            continue
+        gain = min(float(conf[j]), alpha ** d)
+        size = n + len(out)  # drafted tokens so far: the step feeds size + 1
+        if (expected + gain) / policy.cost[size + 2] <= expected / policy.cost[size + 1]:
+            continue
+        kept.add(j)
+        depth[j] = d
+        expected += gain
+        out.append(j)
+    return out
+
+
+class _TreeStep:
+    """A verify step over a token tree: rows [pending, main chain[:n], branch nodes]; `verify`
+    walks it from the pending token, at each row choosing the token plain decoding would choose
+    there (server.sampling: the row's logits, its output position, the path's tokens before it)
+    and following the child that drafted it."""
+
+    def __init__(self, draft: Draft, n: int, branches: list[int]):
+        nodes = list(range(n)) + branches
+        row_of = {node: r + 1 for r, node in enumerate(nodes)}
+        self.tokens = [int(draft.tokens[i]) for i in nodes]
+        self.row_parents = [-1] + [row_of.get(draft.parents[i], 0) for i in nodes]
+        self.chain_rows = n
+        self.children: dict[int, dict[int, int]] = {}
+        for r in range(1, len(self.row_parents)):
+            self.children.setdefault(self.row_parents[r], {}).setdefault(self.tokens[r - 1], r)
+
+    def verify(self, sampler: Sampler, logits: torch.Tensor, position: int) -> tuple[list[int], int]:
+        """(rows of the accepted path, the step's new token)."""
+        greedy = sampler.params.plain_argmax
+        choices = logits.argmax(-1).tolist() if greedy else None
+        path: list[int] = []
+        row = 0
+        while True:
+            prior = [self.tokens[r - 1] for r in path]
+            token = choices[row] if greedy else sampler.pick(logits[row], position + len(path), prior)
+            child = self.children.get(row, {}).get(token)
+            if child is None:
+                return path, token
+            path.append(child)
+            row = child
+
+    def on_chain(self, path: list[int]) -> int:
+        """How many of the accepted rows are the main chain's (rows 1..n, a prefix of the path)."""
+        k = 0
+        while k < len(path) and path[k] == k + 1 and k < self.chain_rows:
+            k += 1
+        return k
 
 
 def _grammar_cut(draft: Draft, grammar: GrammarMatcher, room: int, stats: RequestStats) -> Draft:

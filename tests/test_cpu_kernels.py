@@ -256,3 +256,51 @@ def test_bad_arguments_raise_clear_errors():
         ck.attention(q, np.zeros((10, 128), np.float32), v, pos, 0, 1.0, np.empty_like(q))
     with pytest.raises(ValueError, match="3-dimensional"):
         ck.attention(q[0], k, v, pos, 0, 1.0, np.empty_like(q))
+
+
+def _random_tree(rng, m: int) -> list[int]:
+    return [-1] + [int(rng.integers(0, j)) for j in range(1, m)]
+
+
+@pytest.mark.parametrize("h,d", [(4, 256), (2, 20)])
+def test_a_tree_row_equals_the_chain_row_of_its_path(h, d):
+    """A token tree's row (its ancestors in the step's slots) gives, bit for bit, what the chain of
+    its path gives at the same position: on every code path, with and without a window."""
+    from server.cpu_model import tree_layout
+
+    rng = np.random.default_rng(6)
+    q, k, v = _cache(rng, m=24, h=h, d=d, t=300)
+    start = 200
+    parents = _random_tree(rng, 24)
+    depth, ancestors = tree_layout(parents)
+    for window in (0, 12, 50):
+        for force_scalar in (False, True):
+            prev = ck._force_scalar(force_scalar)
+            try:
+                tree = _attention(q, k, v, start + depth, window, 0.1, tree_start=start, ancestors=ancestors)
+                for j in range(24):
+                    path = [i for i in range(24) if int(ancestors[j]) >> i & 1]  # in depth order
+                    chain_k, chain_v = k.copy(), v.copy()
+                    chain_k[start:start + len(path)] = k[[start + i for i in path]]
+                    chain_v[start:start + len(path)] = v[[start + i for i in path]]
+                    row = _attention(q[j:j + 1], chain_k, chain_v, np.array([start + depth[j]]), window, 0.1)
+                    assert np.array_equal(tree[j:j + 1], row), (window, j)
+            finally:
+                ck._force_scalar(prev)
+        twin = cpu_kernels_numpy_attention(q, k, v, start + depth, window, 0.1, start, ancestors)
+        np.testing.assert_allclose(twin, tree, rtol=1e-4, atol=1e-5)
+
+
+def cpu_kernels_numpy_attention(q, k, v, positions, window, scale, tree_start, ancestors):
+    from server import cpu_kernels
+
+    return cpu_kernels._attention_numpy(q, k, v, positions, window, scale, np.empty_like(q), tree_start, ancestors)
+
+
+def test_a_malformed_tree_is_refused():
+    rng = np.random.default_rng(7)
+    q, k, v = _cache(rng, m=2, h=1, d=32, t=40)
+    with pytest.raises(ValueError, match="ancestors"):  # row 1 claims depth 1 but marks no parent
+        _attention(q, k, v, np.array([10, 11]), 0, 0.1, tree_start=10, ancestors=np.array([1, 2], np.int64))
+    with pytest.raises(ValueError, match="ancestors"):
+        _attention(q, k, v, np.array([10, 11]), 0, 0.1, tree_start=39, ancestors=np.array([1, 3], np.int64))

@@ -70,6 +70,37 @@ def test_a_verify_equals_one_token_steps_bit_for_bit(tiny):
     _assert_verify_equals_one_token_steps(tiny[1], seed=2)
 
 
+def _assert_tree_rows_equal_their_chains(cpu, seed: int) -> None:
+    """Each row of a token-tree forward equals, bit for bit, the last row of its path's chain
+    forward; keep_path leaves the cache a chain of the kept path would (the next step agrees)."""
+    from server.cpu_model import tree_layout
+
+    rng = np.random.default_rng(seed)
+    ids = prompts_for(512, [30], seed=seed)[0]  # past the window of 8
+    parents = [-1] + [int(rng.integers(0, j)) for j in range(1, 20)]
+    step = rng.integers(3, 512, 20).tolist()
+    cache = cpu.new_cache(64)
+    cpu.forward(ids, 0, cache)
+    tree = cpu.forward(step, 30, cache, parents=parents)
+    _, ancestors = tree_layout(parents)
+    paths = [[i for i in range(20) if int(ancestors[j]) >> i & 1] for j in range(20)]
+    for j in range(20):
+        chain = cpu.new_cache(64)
+        cpu.forward(ids, 0, chain)
+        rows = cpu.forward([step[i] for i in paths[j]], 30, chain)
+        assert np.array_equal(tree[j], rows[-1]), j
+    deepest = max(range(20), key=lambda j: len(paths[j]))
+    cache.keep_path(30, paths[deepest])
+    at = 30 + len(paths[deepest])
+    chain = cpu.new_cache(64)
+    cpu.forward(ids + [step[i] for i in paths[deepest]], 0, chain)
+    assert np.array_equal(cpu.forward([7, 8], at, cache), cpu.forward([7, 8], at, chain))
+
+
+def test_a_tree_row_equals_its_chain_bit_for_bit(tiny):
+    _assert_tree_rows_equal_their_chains(tiny[1], seed=21)
+
+
 def test_threads_do_not_change_a_bit(tiny):
     if not cpu_kernels.AVAILABLE:
         pytest.skip("the C kernels are not built")
@@ -90,8 +121,9 @@ def test_drafted_equals_plain_through_the_engine(tiny, prefix_cache):
         plain, *_ = run(engine, prompt, max_tokens=24, draft=False)
         for name, drafter in drafters(len(prompt), plain, 512, seed=5).items():
             engine.set_drafter(drafter)
-            got, *_ = run(engine, prompt, max_tokens=24)
+            got, _, _, stats = run(engine, prompt, max_tokens=24)
             assert got == plain, (name, first_divergence(got, plain))
+            assert stats.tree_steps > 0 or not name.startswith("tree")  # trees were verified as trees
         # the next turn of the conversation reuses this one's cache: same output as computed afresh
         turn = prompt + plain + prompt[:5]
         again, _, _, stats = run(engine, turn, max_tokens=12, draft=False)
@@ -99,6 +131,26 @@ def test_drafted_equals_plain_through_the_engine(tiny, prefix_cache):
         assert again == fresh
         if prefix_cache:
             assert stats.cached_tokens > 0
+
+
+def test_sampled_token_trees_equal_plain(tiny):
+    """Sampled requests verified as token trees: for the same seed, the output of every preset
+    (penalties included: a tree row sees its own path's tokens) equals plain decoding's."""
+    from tests.test_engine_lossless import TreeOracle
+    from tests.test_sampled_drafting import PRESETS
+
+    model, cpu = tiny
+    engine = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), prefix_cache=False)
+    prompt = prompts_for(512, [40], seed=8)[0]
+    trees = 0
+    for i, preset in enumerate(PRESETS):
+        plain, *_ = run(engine, prompt, max_tokens=30, draft=False, seed=40 + i, **preset)
+        engine.set_drafter(TreeOracle(len(prompt), plain, 512, 0.4, seed=i))
+        got, _, _, stats = run(engine, prompt, max_tokens=30, seed=40 + i, **preset)
+        engine.set_drafter(None)
+        assert got == plain, (preset, first_divergence(got, plain))
+        trees += stats.tree_steps
+    assert trees > 0
 
 
 @pytest.mark.slow
@@ -176,6 +228,10 @@ def test_gemma4_int8_logits_close_to_transformers(tiny4):
 
 def test_gemma4_verify_equals_one_token_steps_bit_for_bit(tiny4):
     _assert_verify_equals_one_token_steps(tiny4[1], seed=12)
+
+
+def test_gemma4_tree_row_equals_its_chain_bit_for_bit(tiny4):
+    _assert_tree_rows_equal_their_chains(tiny4[1], seed=22)
 
 
 def test_gemma4_drafted_equals_plain_through_the_engine(tiny4):

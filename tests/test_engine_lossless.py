@@ -60,6 +60,42 @@ class OracleWithErrors:
         return _Session(propose)
 
 
+class TreeOracle:
+    """A token tree: a main chain of the known continuation with errors, then branches, each off a
+    random node of the tree so far, holding either the right continuation there or random tokens.
+    Laid out as ngram.draft says (main chain first, parents before children)."""
+
+    def __init__(self, prompt_len: int, reference: list[int], vocab: int, error_rate: float, seed: int = 0):
+        self.prompt_len, self.reference, self.vocab = prompt_len, reference, vocab
+        self.error_rate, self.rng = error_rate, np.random.default_rng(seed)
+
+    def session(self):
+        def propose(context, max_tokens):
+            rng, ref = self.rng, self.reference[len(context) - self.prompt_len:]
+            chain = int(rng.integers(0, max_tokens + 1))
+            tokens, parents, depth = [], [], []
+            for i in range(min(chain, len(ref))):
+                wrong = rng.random() < self.error_rate
+                tokens.append((ref[i] + 1 + int(rng.integers(self.vocab - 1))) % self.vocab if wrong else ref[i])
+                parents.append(i - 1)
+                depth.append(i + 1)
+            while len(tokens) < max_tokens and rng.random() < 0.8:
+                at = int(rng.integers(-1, len(tokens)))  # the branch's parent (-1: the pending token)
+                d = 0 if at < 0 else depth[at]
+                for k in range(int(rng.integers(1, 4))):
+                    if len(tokens) >= max_tokens:
+                        break
+                    right = d + k < len(ref) and rng.random() < 0.5
+                    tokens.append(ref[d + k] if right else int(rng.integers(0, self.vocab)))
+                    parents.append(at if k == 0 else len(tokens) - 2)
+                    depth.append(d + k + 1)
+            if not tokens:
+                return _draft([], "tree")
+            return Draft(np.asarray(tokens, dtype=np.int32), np.ones(len(tokens), dtype=np.float32), "tree", 0,
+                         parents)
+        return _Session(propose)
+
+
 class RandomDrafter:
     def __init__(self, vocab: int, seed: int = 0):
         self.vocab, self.rng = vocab, np.random.default_rng(seed)
@@ -146,7 +182,8 @@ def drafters(prompt_len, reference, vocab, seed):
     return {"oracle": OracleWithErrors(prompt_len, reference, vocab, 0.0, seed),
             "oracle-err-0.2": OracleWithErrors(prompt_len, reference, vocab, 0.2, seed),
             "oracle-err-0.6": OracleWithErrors(prompt_len, reference, vocab, 0.6, seed),
-            "random": RandomDrafter(vocab, seed), "prompt-lookup": PromptLookup()}
+            "random": RandomDrafter(vocab, seed), "prompt-lookup": PromptLookup(),
+            "tree-oracle-err-0.5": TreeOracle(prompt_len, reference, vocab, 0.5, seed)}
 
 
 def first_divergence(a, b):
