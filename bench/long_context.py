@@ -1,7 +1,10 @@
 """Long agent conversations through the drafters, offline: tau and propose latency by context length.
 
     python -m bench.long_context [--chains 3] [--max-context 131072] [--max-draft 16] [--quick]
-                                 [--out bench/results/long_context.md]
+                                 [--split all|dev|test] [--out bench/results]
+
+`--split`: the conversations are cut into two halves by a hash of their question (split_of); the
+drafter's settings are tuned on `dev`, and `test` is the held-out figure.
 
 The conversations (real recorded ones, never generated text): the held-out BFCL v4 multi-turn
 conversations (the default index never saw them) and the Claude Code sample transcripts, CHAINED
@@ -46,8 +49,23 @@ def bucket_name(lo: int, hi: int) -> str:
     return f"{lo // 1024}k-{hi // 1024}k" if hi < 1 << 30 else f">= {lo // 1024}k"
 
 
-def chained_turns(chains: int, max_context: int, notes: list[str]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """`chains` lists of (context, target) id arrays, in replay order (see the module docstring)."""
+SPLITS = ("all", "dev", "test")
+
+
+def split_of(conversation_id: str) -> str:
+    """"dev" or "test": a conversation's half, fixed by a hash of its question (every BFCL variant
+    of a question falls in the same half), so tuning on dev never sees a test conversation."""
+    import zlib
+
+    from bench.sessions import variant_key
+
+    return "test" if zlib.crc32(variant_key(conversation_id).encode()) % 2 else "dev"
+
+
+def chained_turns(chains: int, max_context: int, notes: list[str],
+                  split: str = "all") -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """`chains` lists of (context, target) id arrays, in replay order (see the module docstring),
+    from the conversations of `split` ("all", or the "dev" or "test" half: split_of)."""
     from bench.sessions import BFCL_MULTI_TURN, DEFAULT_CLAUDE_SAMPLES, load_conversations, variant_key
     from common.chat_format import ChatFormat
     from common.tokenizer import conversation_turns, load_tokenizer
@@ -57,6 +75,8 @@ def chained_turns(chains: int, max_context: int, notes: list[str]) -> list[list[
     convs = load_conversations(DEFAULT_CLAUDE_SAMPLES, list(BFCL_MULTI_TURN), notes)
     seen: set[str] = set()  # BFCL's four multi-turn categories repeat each question: one variant each
     convs = [c for c in convs if not (variant_key(c.id) in seen or seen.add(variant_key(c.id)))]
+    if split != "all":
+        convs = [c for c in convs if split_of(c.id) == split]
     out: list[list] = [[] for _ in range(chains)]
     history: list[list[int]] = [[] for _ in range(chains)]
     for i, conv in enumerate(convs):
@@ -158,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-draft", type=int, default=16)
     p.add_argument("--index", type=Path, help="index directory (default: the default index)")
     p.add_argument("--quick", action="store_true", help="one chain to 32k tokens, fewer peers")
+    p.add_argument("--split", choices=SPLITS, default="all",
+                   help="replay every conversation, or only the dev or the test half (tune on dev, report test)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
     from common.paths import default_index_dir
@@ -172,14 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e} (build one with `python -m index build`)", file=sys.stderr)
         return 2
     notes: list[str] = []
-    chains = chained_turns(args.chains, args.max_context, notes)
+    chains = chained_turns(args.chains, args.max_context, notes, args.split)
     turns = [t for c in chains for t in c]
     if not turns:
         print("error: no conversations to replay (is bfcl-eval installed?)", file=sys.stderr)
         return 2
     results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"),
                "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
-               "command": "python -m bench.long_context" + (" --quick" if args.quick else ""),
+               "command": "python -m bench.long_context" + (" --quick" if args.quick else "")
+                          + (f" --max-draft {args.max_draft}" if args.max_draft != 16 else "")
+                          + (f" --split {args.split}" if args.split != "all" else ""),
+               "split": args.split,
                "chains": len(chains), "turns": len(turns), "max_draft": args.max_draft,
                "target_tokens": int(sum(len(t) for _, t in turns)),
                "longest_context": int(max(len(c) for c, _ in turns)),
@@ -192,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<24} tau {a['tau']:.3f}  acceptance {a['acceptance_rate']:.3f}  "
               f"p50 {a['draft_us_p50']:.1f} us  p99 {a['draft_us_p99']:.1f} us  ({r['seconds']:.0f} s)", file=sys.stderr)
     md = markdown(results)
-    write_results(args.out, "long_context" + ("-quick" if args.quick else ""), results, md)
+    name = "long_context" + ("-quick" if args.quick else "") + (f"-{args.max_draft}" if args.max_draft != 16 else "")
+    write_results(args.out, name + (f"-{args.split}" if args.split != "all" else ""), results, md)
     print(md)
     return 0
 

@@ -83,7 +83,9 @@ def _guarded(handler, metrics, answer=_openai_error, logger=log):
         try:
             return await handler(request)
         except APIError as e:
-            return answer(e)
+            response = answer(e)
+            response.headers.update(e.headers)
+            return response
         except Exception:
             logger.exception("unhandled error on %s %s", request.method, request.url.path)
             metrics.internal_error()
@@ -113,7 +115,7 @@ def create_app(service: Service) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         text = service.metrics.render(service.scheduler.waiting, service.scheduler.running,
-                                      service.engine.prefix_summary())
+                                      service.engine.prefix_summary(), service.engine.batch_summary())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def reload_index(request: Request) -> Response:

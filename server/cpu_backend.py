@@ -6,6 +6,9 @@ back only moves `position`, the rows past it are overwritten by the next step). 
 chunks of `prefill_chunk` tokens. Every forward is batch-invariant (see cpu_model), so a verify
 step's logits equal the one-token steps', and drafted output equals plain output bit for bit.
 
+Several requests at once: `lanes(n)` gives n backends over one model and one prefix store whose
+forwards a StepBatcher (server/batcher.py) runs together; each lane's logits stay bit for bit its own.
+
 Prefix reuse, as the eager backend does it: finished sequences are kept in a PrefixStore under
 `prefix_budget_bytes` (0: off). A new prompt reuses the kept sequence with the longest common prefix,
 up to all but its last token; when it leaves that sequence inside its generated reply or past it (an
@@ -17,7 +20,8 @@ import numpy as np
 import torch
 
 from server.backend import Prefill, checked_prompt
-from server.cpu_model import CpuGemma, KVCache
+from server.batcher import StepBatcher
+from server.cpu_model import CpuGemma, KVCache, Rows
 from server.prefix_store import PrefixStore
 
 _FIRST_CAPACITY = 1024
@@ -25,16 +29,27 @@ _FIRST_CAPACITY = 1024
 
 class CpuBackend:
     def __init__(self, model: CpuGemma, max_context: int, prefix_budget_bytes: int = 0, max_step: int = 17,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, store: PrefixStore | None = None, batcher: StepBatcher | None = None):
         self.model = model
         self.max_context = int(max_context)
         self.max_step = max_step
         self.prefill_chunk = prefill_chunk
-        self.store = PrefixStore(prefix_budget_bytes) if prefix_budget_bytes > 0 else None
+        self.store = store if store is not None else (PrefixStore(prefix_budget_bytes) if prefix_budget_bytes > 0 else None)
+        self.batcher = batcher  # None: this backend's forwards run alone
         self.cache: KVCache | None = None
         self.position = 0
         self._keep = False
+        self._joined = False  # a member of the batcher's forwards (between start and finish/discard)
         self._tree_start = -1  # where the last step began, when it was a tree
+
+    def lanes(self, n: int) -> list["CpuBackend"]:
+        """n backends for n requests at once (this one first): one model, one prefix store, and one
+        StepBatcher (server/batcher.py) that runs their steps together, each bit for bit as alone."""
+        if n <= 1:
+            return [self]
+        self.batcher = self.batcher or StepBatcher(self.model)
+        return [self] + [CpuBackend(self.model, self.max_context, 0, self.max_step, self.prefill_chunk,
+                                    store=self.store, batcher=self.batcher) for _ in range(n - 1)]
 
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
         prompt = checked_prompt(prompt_ids, self.max_context)
@@ -44,6 +59,9 @@ class CpuBackend:
             cache, reused = self.store.reuse(prompt, lambda kv, n: kv, self._copy_prefix)
         self.cache = cache if cache is not None else self.model.new_cache(_FIRST_CAPACITY)
         self.position, self._keep = reused, reuse
+        if self.batcher is not None:
+            self.batcher.join()
+            self._joined = True
         logits = None
         for begin in range(reused, len(prompt_ids), self.prefill_chunk):
             logits = self.step(prompt_ids[begin:begin + self.prefill_chunk], last_only=True)
@@ -54,7 +72,8 @@ class CpuBackend:
     def step(self, ids: list[int], last_only: bool = False, parents=None) -> torch.Tensor:
         n = len(ids)
         self._reserve(self.position + n)
-        logits = self.model.forward(ids, self.position, self.cache, last_only, parents)
+        rows = Rows(ids, self.position, self.cache, last_only, parents)
+        logits = self.batcher.run(rows) if self._joined else self.model.forward_batch([rows])[0]
         self.position += n
         self._tree_start = self.position - n if parents is not None else -1
         return torch.from_numpy(logits)
@@ -76,13 +95,16 @@ class CpuBackend:
 
     def finish(self, tokens: np.ndarray, generated: int) -> None:
         cache, keep, length = self.cache, self._keep, self.position
-        self.cache, self.position = None, 0
+        self.discard()
         if cache is None or not keep or self.store is None:
             return
         self.store.keep(tokens, cache, length, cache.nbytes(), generated)
 
     def discard(self) -> None:
         self.cache, self.position = None, 0
+        if self._joined:
+            self._joined = False
+            self.batcher.leave()
 
     def prefix_summary(self) -> dict | None:
         return None if self.store is None else self.store.summary()

@@ -113,6 +113,25 @@ class KVCache:
                 t[:, dst] = t[:, src]
 
 
+class Rows:
+    """One sequence's part of a forward: `ids` at positions start.. of `cache` (a token tree when
+    `parents` is given: tree_layout), and whether only its last row's logits are wanted."""
+
+    __slots__ = ("ids", "start", "cache", "last_only", "positions", "tree")
+
+    def __init__(self, ids, start: int, cache: KVCache, last_only: bool = False, parents=None):
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.start, self.cache, self.last_only = int(start), cache, last_only
+        if parents is None:
+            self.positions = np.arange(self.start, self.start + self.ids.shape[0], dtype=np.int64)
+            self.tree = None
+        else:  # a token tree: row j at start + depth(j), seeing the cache and its ancestors
+            depth, ancestors = tree_layout(parents)
+            if depth.shape[0] != self.ids.shape[0]:
+                raise ValueError(f"{len(parents)} parents for {self.ids.shape[0]} ids")
+            self.positions, self.tree = self.start + depth, (self.start, ancestors)
+
+
 def tree_layout(parents) -> tuple[np.ndarray, np.ndarray]:
     """(depth [M] int64, ancestors [M] int64 bit masks) of a token tree: parents[0] == -1 (the
     pending token), 0 <= parents[j] < j; bit i of ancestors[j] is set when row i is on row j's path
@@ -218,44 +237,51 @@ class CpuGemma:
         return sum(x.nbytes() for x in lin)
 
     def forward(self, ids, start: int, cache: KVCache, last_only: bool = False, parents=None) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64)
-        m = ids.shape[0]
-        if start + m > cache.max_len:
-            raise ValueError(f"positions {start}..{start + m - 1} exceed the cache's {cache.max_len}")
-        tree = None
-        if parents is None:
-            positions = np.arange(start, start + m, dtype=np.int64)
-        else:  # a token tree: row j at start + depth(j), seeing the cache and its ancestors (tree_layout)
-            depth, ancestors = tree_layout(parents)
-            positions, tree = start + depth, (start, ancestors)
+        return self.forward_batch([Rows(ids, start, cache, last_only, parents)])[0]
+
+    def forward_batch(self, batch: list["Rows"]) -> list[np.ndarray]:
+        """Several sequences in one forward: their rows share every matmul (each row's arithmetic is
+        its own, so a sequence's logits are the ones it gets alone, bit for bit), and each attends to
+        its own cache. Returns each one's logits, in order."""
+        spans, at = [], 0
+        for r in batch:
+            n = r.ids.shape[0]
+            if r.start + n > r.cache.max_len:
+                raise ValueError(f"positions {r.start}..{r.start + n - 1} exceed the cache's {r.cache.max_len}")
+            spans.append((at, at + n))
+            at += n
+        m = at
+        ids = np.concatenate([r.ids for r in batch]) if len(batch) > 1 else batch[0].ids
         k = self.k
         x = _rows(self.embed, ids) * self.embed_scale
         ple = self._per_layer_inputs(ids, x) if self.ple else None
-        rope = {}  # layer kind -> this call's cos, sin [m, 1, D]
+        rope = {}  # layer kind -> each sequence's cos, sin [n, 1, D]
         for i, L in enumerate(self.layers):
             D, kvh, heads = L["head_dim"], L["kv_heads"], L["heads"]
             qkv = k.linear(self._norm(x, L["in_norm"]), L["qkv"])
             if L["kind"] not in rope:
-                cos, sin = self._cos_sin(L["kind"], start + m)
-                rope[L["kind"]] = (cos[positions][:, None, :], sin[positions][:, None, :])
-            cos, sin = rope[L["kind"]]
-            q = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
-            if L["source"] == i:
-                at = heads * D
-                key = self._norm(qkv[:, at : at + kvh * D].reshape(m, kvh, D), L["k_norm"])
-                value = qkv[:, at + kvh * D :].reshape(m, kvh, D)
-                if L["v_norm"]:
-                    value = self._norm(value, L["v_norm_w"])
-                cache.k[i][:, start : start + m] = _rope(key, cos, sin).transpose(1, 0, 2)
-                cache.v[i][:, start : start + m] = value.transpose(1, 0, 2)
-            kc, vc = cache.k[L["source"]], cache.v[L["source"]]
+                cos, sin = self._cos_sin(L["kind"], max(r.start + r.ids.shape[0] for r in batch))
+                rope[L["kind"]] = [(cos[r.positions][:, None, :], sin[r.positions][:, None, :]) for r in batch]
+            q_all = self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"])
             window = self.window if L["sliding"] else 0
             group = heads // kvh
             attn = np.empty((m, heads, D), dtype=np.float32)
-            for g in range(kvh):  # each KV head with the query heads that read it
-                attn[:, g * group : (g + 1) * group] = k.attention(
-                    np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], positions, window, L["scaling"],
-                    *(tree or ()))
+            for r, (lo, hi), (cos, sin) in zip(batch, spans, rope[L["kind"]]):
+                n, cache = hi - lo, r.cache
+                q = _rope(q_all[lo:hi], cos, sin)
+                if L["source"] == i:
+                    at = heads * D
+                    key = self._norm(qkv[lo:hi, at : at + kvh * D].reshape(n, kvh, D), L["k_norm"])
+                    value = qkv[lo:hi, at + kvh * D :].reshape(n, kvh, D)
+                    if L["v_norm"]:
+                        value = self._norm(value, L["v_norm_w"])
+                    cache.k[i][:, r.start : r.start + n] = _rope(key, cos, sin).transpose(1, 0, 2)
+                    cache.v[i][:, r.start : r.start + n] = value.transpose(1, 0, 2)
+                kc, vc = cache.k[L["source"]], cache.v[L["source"]]
+                for g in range(kvh):  # each KV head with the query heads that read it
+                    attn[lo:hi, g * group : (g + 1) * group] = k.attention(
+                        np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], r.positions, window,
+                        L["scaling"], *(r.tree or ()))
             x = x + self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"])
             gate_up = k.linear(self._norm(x, L["pre_ffn_norm"]), L["gate_up"])
             inter = gate_up.shape[1] // 2
@@ -266,13 +292,20 @@ class CpuGemma:
                 x = x + self._norm(k.linear(np.ascontiguousarray(gated), L["ple_proj"]), L["ple_norm"])
             if L["scalar"] is not None:
                 x = x * L["scalar"]
-        if last_only:  # a prefill chunk: only its last row's logits are read (the LM head is most of the work)
-            x = x[-1:]
+        # a prefill chunk reads only its last row's logits (the LM head is most of the work)
+        keep = [np.arange(hi - 1, hi) if r.last_only else np.arange(lo, hi) for r, (lo, hi) in zip(batch, spans)]
+        rows = np.concatenate(keep)
+        if rows.shape[0] < m:
+            x = x[rows]
         logits = k.linear(self._norm(x, self.final_norm), self.lm_head)
         if self.softcap:
             cap = np.float32(self.softcap)
             logits = (np.tanh(logits / cap) * cap).astype(np.float32)
-        return logits
+        out, at = [], 0
+        for rows_of in keep:
+            out.append(logits[at : at + rows_of.shape[0]])
+            at += rows_of.shape[0]
+        return out
 
     def _per_layer_inputs(self, ids: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Gemma 4's per-layer inputs [M, layers, dim]: (norm(proj(x) * proj_scale) + table rows) * input_scale."""

@@ -38,6 +38,8 @@ in the grammar (masks, advancing, draft checks; inside `forward_s` and `draft_s`
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator
@@ -185,6 +187,30 @@ class Engine:
                                              "accepted_tokens", "verify_steps", "plain_steps", "probes",
                                              "cached_tokens", "grammar_cut_tokens", "tree_steps")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0, grammar_s=0.0)
+        # Requests at once: one backend lane each (server/cpu_backend.py batches their forwards);
+        # the drafter's shared state (index memo, overlay, context indexes) is used under one lock.
+        lanes = self._lanes_of(self.backend)
+        self.parallel = len(lanes)
+        self._free_lanes: queue.SimpleQueue = queue.SimpleQueue()
+        for lane in lanes:
+            self._free_lanes.put(lane)
+        self._lock = threading.Lock()
+        self._draft_lock = threading.Lock()
+
+    def _lanes_of(self, backend: Backend) -> list:
+        from server.cpu_backend import CpuBackend
+
+        asked = self.config.parallel
+        if isinstance(backend, CpuBackend):
+            n = 4 if asked is None else max(1, int(asked))
+            if n > 1:
+                self.notes.append(f"parallel: {n} requests at once, their steps batched into shared forwards "
+                                  "(--parallel to change)")
+            return backend.lanes(n)
+        if asked is not None and asked > 1:
+            self.notes.append(f"parallel: {type(backend).__name__} serves one request at a time "
+                              f"(--parallel {asked} needs the CPU int8 path)")
+        return [backend]
 
     def _cost_curve(self) -> np.ndarray:
         """The verify cost curve: kept from an earlier start under the same conditions, else measured
@@ -302,6 +328,11 @@ class Engine:
     def prefix_summary(self) -> dict | None:
         return self.backend.prefix_summary()
 
+    def batch_summary(self) -> dict | None:
+        """The batcher's counters (server/batcher.py) when requests share forwards, else None."""
+        batcher = getattr(self.backend, "batcher", None)
+        return batcher.summary() if batcher is not None else None
+
     def generate(self, prompt_ids: list[int], params: GenerationParams,
                  cancelled: Callable[[], bool] | None = None) -> Iterator[GenerationChunk]:
         prompt_ids = [int(t) for t in prompt_ids]
@@ -310,20 +341,22 @@ class Engine:
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context}")
         stats = RequestStats(prompt_tokens=len(prompt_ids))
-        self._totals["requests"] += 1
+        lane = self._free_lanes.get()  # blocks while `parallel` requests run (the scheduler admits no more)
         try:
-            yield from self._generate(prompt_ids, params, cancelled, stats)
+            yield from self._generate(prompt_ids, params, cancelled, stats, lane)
         finally:
-            for f in fields(RequestStats):
-                if f.name in self._totals:
-                    self._totals[f.name] += getattr(stats, f.name)
+            self._free_lanes.put(lane)
+            with self._lock:
+                self._totals["requests"] += 1
+                for f in fields(RequestStats):
+                    if f.name in self._totals:
+                        self._totals[f.name] += getattr(stats, f.name)
 
-    def _generate(self, prompt_ids, params, cancelled, stats) -> Iterator[GenerationChunk]:
+    def _generate(self, prompt_ids, params, cancelled, stats, backend: Backend) -> Iterator[GenerationChunk]:
         max_tokens = min(params.max_tokens, self.max_context - len(prompt_ids))
         if max_tokens <= 0:
             yield GenerationChunk([], "", "length", stats)
             return
-        backend = self.backend
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
         text = TextStream(self.tokenizer, tuple(params.stop_strings), prompt_ids[-4:])
         context = np.zeros(len(prompt_ids) + max_tokens, dtype=np.int32)
@@ -331,7 +364,10 @@ class Engine:
         length = len(prompt_ids)
         sampler = Sampler(params.sampling, prompt_ids)
         grammar = params.constraint.start(stop_ids) if params.constraint is not None else None
-        session = self._drafter.session() if (self._drafter is not None and params.draft) else None
+        drafter = self._drafter
+        session = None
+        if drafter is not None and params.draft:
+            session = drafter.session() if self.parallel == 1 else _LockedSession(drafter.session(), self._draft_lock)
         tracker = AcceptanceTracker()
         clean = False  # the backend's cache is consistent at every yield, and only there
         try:
@@ -443,6 +479,30 @@ def _choose(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tens
     if grammar is not None:
         logits = grammar.mask_logits(logits)
     return sampler.pick(logits, position, pending)
+
+
+class _LockedSession:
+    """A drafter session whose calls hold the drafter's lock: requests running at once share the
+    drafter's memo dicts, overlay and context-index cache."""
+
+    def __init__(self, session, lock: threading.Lock):
+        self._session, self._lock = session, lock
+
+    def prepare(self, context_ids) -> None:
+        with self._lock:
+            self._session.prepare(context_ids)
+
+    def propose(self, context_ids, max_tokens: int) -> Draft:
+        with self._lock:
+            return self._session.propose(context_ids, max_tokens)
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self._session.feedback(drafted, accepted)
+
+    def finish(self, context_ids=None) -> None:
+        with self._lock:
+            self._session.finish(context_ids)
 
 
 def _chain_length(draft: Draft) -> int:

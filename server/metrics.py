@@ -67,6 +67,17 @@ HISTOGRAMS = (
 )
 
 
+# Requests sharing forwards (server/batcher.py): name, type, help, key of StepBatcher.summary().
+BATCH_SERIES = [
+    ("sailfish_batch_forwards_total", "counter", "Forwards run for running requests together.", "forwards"),
+    ("sailfish_batch_sequences_total", "counter", "Requests' steps those forwards carried (sum over forwards).",
+     "sequences"),
+    ("sailfish_batch_rows_total", "counter", "Token rows those forwards carried (sum over forwards).", "rows"),
+    ("sailfish_batch_size_last", "gauge", "Requests in the last forward.", "last_sequences"),
+    ("sailfish_batch_size_peak", "gauge", "Most requests in one forward so far.", "peak_sequences"),
+]
+
+
 class Metrics:
     def __init__(self) -> None:
         self.counters = {name: 0 for name, _ in COUNTERS}
@@ -75,7 +86,7 @@ class Metrics:
 
     def record(self, endpoint: str, outcome: str, stats=None, latency: float | None = None,
                ttft: float | None = None, queue_wait: float | None = None) -> None:
-        """outcome: "ok", "cancelled" or "error". `stats` is the engine's RequestStats, if it ran."""
+        """outcome: "ok", "cancelled", "error" or "rejected" (a 429). `stats` is the engine's RequestStats, if it ran."""
         self.requests[(endpoint, outcome)] += 1
         if stats is not None:
             c = self.counters
@@ -98,7 +109,7 @@ class Metrics:
     def internal_error(self) -> None:
         self.counters["sailfish_internal_errors_total"] += 1
 
-    def render(self, waiting: int, running: int, prefix: dict | None = None) -> str:
+    def render(self, waiting: int, running: int, prefix: dict | None = None, batching: dict | None = None) -> str:
         out = ["# HELP sailfish_requests_total Requests finished, by endpoint and outcome.",
                "# TYPE sailfish_requests_total counter"]
         for (endpoint, outcome), n in sorted(self.requests.items()):
@@ -111,6 +122,8 @@ class Metrics:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
         for name, help_text, key in PREFIX_GAUGES if prefix is not None else ():
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {prefix.get(key, 0)}"]
+        for name, kind, help_text, key in BATCH_SERIES if batching is not None else ():
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {batching.get(key, 0)}"]
         for name, help_text in HISTOGRAMS:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"] + self.histograms[name].lines(name)
         return "\n".join(out) + "\n"

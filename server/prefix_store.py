@@ -15,6 +15,7 @@ point is still exact and reused.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,6 +58,9 @@ class PrefixStore:
         self._entries: OrderedDict[int, KeptSequence] = OrderedDict()  # oldest first
         self._next = 0
         self.stats = PrefixStats()
+        # Lanes serving requests at once share one store (server/cpu_backend.py): reuse, keep and
+        # summary hold this lock, so a kept sequence is taken over by one request only.
+        self.lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -114,6 +118,10 @@ class PrefixStore:
         taken over with no copy (`take_over(kv, reused)` trims it and returns it: that sequence's
         continuation is dead); otherwise `copy_prefix(kv, reused)` copies the shared part and the
         kept sequence stays for its own continuation."""
+        with self.lock:
+            return self._reuse(prompt, take_over, copy_prefix)
+
+    def _reuse(self, prompt: np.ndarray, take_over, copy_prefix) -> tuple[object | None, int]:
         entry, shared = self.best(prompt)
         reused = min(shared, len(prompt) - 1)
         kv = None
@@ -134,7 +142,8 @@ class PrefixStore:
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) != held:
             raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {held}")
-        self.put(KeptSequence(tokens.copy(), kv, nbytes, generated))
+        with self.lock:
+            self.put(KeptSequence(tokens.copy(), kv, nbytes, generated))
 
     def record(self, reused: int, computed: int) -> None:
         s = self.stats
@@ -145,6 +154,6 @@ class PrefixStore:
 
     def summary(self) -> dict:
         """What /health shows: budget, use, peak, entries, counters."""
-        return {"budget_bytes": self.budget, "bytes": self.bytes, "entries": len(self),
-                **self.stats.as_dict()}
+        with self.lock:
+            return {"budget_bytes": self.budget, "bytes": self.bytes, "entries": len(self), **self.stats.as_dict()}
 

@@ -36,9 +36,10 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}  # sent with the error response (a 429's Retry-After)
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

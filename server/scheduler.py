@@ -1,12 +1,15 @@
-"""A fair FIFO queue in front of the synchronous engine.
+"""A fair FIFO queue in front of the engine, with as many workers as the engine runs requests at once.
 
-Contract: one worker thread runs jobs one at a time in arrival order, so each request sees the
-engine exactly as it would alone (its output is identical to a solo run). `Scheduler.submit(work)`
-returns a `Job`; `work(cancelled)` is a synchronous callable returning an iterator (the engine's
-`generate`), run on the worker thread; `async for item in job` receives what it yields, in order,
+Contract: `Scheduler(workers=1, max_waiting=64)`: `workers` threads each run one job at a time,
+taking jobs in arrival order (the engine's `parallel` lanes: server/engine.py; each request's
+output is the one it gets alone, server/batcher.py says why). `Scheduler.submit(work)` returns a
+`Job`, or raises `QueueFull` when `max_waiting` jobs already wait (the server answers 429 with
+Retry-After); `work(cancelled)` is a synchronous callable returning an iterator (the engine's
+`generate`), run on a worker thread; `async for item in job` receives what it yields, in order,
 and re-raises what it raises. `job.cancel()` (a client disconnected) drops a job still waiting and
 stops a running one at its next step: the worker checks the flag between items and also hands it
-to the engine as its `cancelled` callback.
+to the engine as its `cancelled` callback; the other jobs never notice. `running` and `waiting`
+count the jobs of each kind.
 """
 from __future__ import annotations
 
@@ -54,40 +57,59 @@ class Job:
         raise StopAsyncIteration
 
 
+class QueueFull(Exception):
+    """More requests wait than the scheduler admits."""
+
+
 class Scheduler:
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 1, max_waiting: int = 64) -> None:
+        self.workers, self.max_waiting = max(1, int(workers)), int(max_waiting)
         self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
         self.waiting = 0
         self.running = 0
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sailfish-engine", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=f"sailfish-engine-{i}", daemon=True)
+                             for i in range(self.workers)]
+            for t in self._threads:
+                t.start()
 
     def stop(self) -> None:
-        if self._thread is not None:
+        for _ in self._threads:
             self._queue.put(None)
-            self._thread.join(timeout=30)
-            self._thread = None
+        for t in self._threads:
+            t.join(timeout=30)
+        self._threads = []
 
     def submit(self, work: Callable[[Callable[[], bool]], Iterator[Any]]) -> Job:
         job = Job(work, asyncio.get_running_loop())
-        self.waiting += 1
+        with self._lock:
+            if self.waiting >= self.max_waiting:
+                raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting}) and "
+                                f"{self.running} running")
+            self.waiting += 1
         self._queue.put(job)
         return job
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: about one request's turn per waiting batch."""
+        return max(1, -(-self.waiting // self.workers))
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
-            self.waiting -= 1
+            with self._lock:
+                self.waiting -= 1
             if job.cancelled:
                 job._put(_END, None)
                 continue
-            self.running = 1
+            with self._lock:
+                self.running += 1
             job.started = time.perf_counter()
             error = None
             try:
@@ -104,5 +126,6 @@ class Scheduler:
             except BaseException as e:  # handed to the request; the worker keeps serving
                 error = e
             finally:
-                self.running = 0
+                with self._lock:
+                    self.running -= 1
             job._put(_END, error)

@@ -50,7 +50,7 @@ from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              completion, error_body, new_call_id, new_id, usage_body)
 from server.sampling import describe_defaults, sampling_defaults
 from server.reload import IndexReloader, ReloadResult, ReloadStatus
-from server.scheduler import Scheduler
+from server.scheduler import QueueFull, Scheduler
 from server.settings import Settings
 from server.trace_log import TraceLog
 
@@ -189,7 +189,7 @@ class Service:
                  describe_defaults(self.sampling_defaults),
                  "" if settings.generation_defaults else " (--no-generation-defaults)")
         self.stop_token_ids = frozenset(self.chat_format.stop_token_ids(engine.tokenizer))
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(getattr(engine, "parallel", 1), settings.max_waiting)
         self.metrics = Metrics()
         self.trace_log = None
         if settings.trace_log:
@@ -349,8 +349,20 @@ class Service:
 
     # ------------------------------------------------------------ the one generation path
 
-    async def _generate(self, endpoint: str, prep: _Prepared, receive,
-                        capture: ChatCompletionRequest | None = None) -> AsyncIterator[Event]:
+    def _generate(self, endpoint: str, prep: _Prepared, receive,
+                  capture: ChatCompletionRequest | None = None) -> AsyncIterator[Event]:
+        """The request's generation, queued now: a 429 with Retry-After (an APIError, before any
+        stream begins) when the scheduler's queue is full; else its events (`_events`)."""
+        try:
+            job = self.scheduler.submit(lambda cancelled: self.engine.generate(prep.prompt_ids, prep.params, cancelled))
+        except QueueFull as e:
+            self.metrics.record(endpoint, "rejected")
+            raise APIError(429, f"the server is busy: {e}; retry later", None, "rate_limit_exceeded",
+                           type="rate_limit_error", headers={"Retry-After": str(self.scheduler.retry_after())}) from e
+        return self._events(endpoint, prep, receive, capture, job)
+
+    async def _events(self, endpoint: str, prep: _Prepared, receive, capture: ChatCompletionRequest | None,
+                      job) -> AsyncIterator[Event]:
         """One generation through the scheduler as `Event`s, for both endpoints, streamed or not; its
         metrics are recorded. With `prep.separate_reasoning` the thinking channel is split off first, as
         Reasoning events (the tool-call parser sees content only). When the model saw tools, their calls
@@ -402,7 +414,6 @@ class Service:
                     out += events(parser.feed(text) if parser else [text])
             return out
 
-        job = self.scheduler.submit(lambda cancelled: self.engine.generate(prep.prompt_ids, prep.params, cancelled))
         watcher = asyncio.ensure_future(_watch_disconnect(receive, job)) if receive else None
         outcome = "error"
         try:
@@ -494,7 +505,8 @@ class Service:
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,
                 "context_length": self.engine.max_context, "prefix_cache": self.engine.prefix_summary(),
-                "waiting": self.scheduler.waiting, "running": self.scheduler.running}
+                "waiting": self.scheduler.waiting, "running": self.scheduler.running,
+                "parallel": self.scheduler.workers, "batching": self.engine.batch_summary()}
 
 
 def _usage(prep: _Prepared, stats, queue_s: float) -> dict:

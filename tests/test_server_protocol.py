@@ -82,6 +82,9 @@ class ScriptedEngine:
     def prefix_summary(self):
         return None  # no KV cache to keep
 
+    def batch_summary(self):
+        return None  # one request at a time: nothing shares a forward
+
     def generate(self, prompt_ids, params, cancelled=None):
         prompt = self.tokenizer.decode(prompt_ids)
         with self.lock:

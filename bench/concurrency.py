@@ -1,0 +1,135 @@
+"""Several streams at once against a real server: aggregate tokens/s, per-stream latency, identity.
+
+    python -m bench.concurrency [--streams 1 2 4 8] [--requests 8] [--max-tokens 64]
+                                [--workload tool_calls|agentic] [--out bench/results]
+
+For each setting (drafting on and off; `--parallel 1`, the one-at-a-time baseline, and the default
+`--parallel`) a real server (`python -m server`) is started on the bundled model and the workload's
+requests are sent, first one by one (solo: each request's reference answer), then by N concurrent
+client streams for every N in `--streams`: every stream sends requests one after another until
+`--requests` requests are done. Reported per N: aggregate completion tokens/s (all streams' tokens over
+the wall time), that over one stream's, per-request latency p50 / p90 and that over solo's p50, and
+how many answers equal their solo answer (they must all: batching changes no output).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.results import write_results
+
+
+def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path) -> dict:
+    import httpx
+
+    from bench.server_bench import start_server
+
+    proc, base = start_server(extra, log_path)
+    try:
+        client = httpx.Client(base_url=base, timeout=600)
+
+        def ask(req: dict) -> tuple[dict, int, float]:
+            body = {"model": "bench", "messages": req["messages"], "tools": req["tools"] or None,
+                    "max_tokens": max_tokens}
+            t0 = time.perf_counter()
+            r = client.post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            data = r.json()
+            return data["choices"][0]["message"], data["usage"]["completion_tokens"], time.perf_counter() - t0
+
+        ask(requests[0])  # warm-up (first-request costs are not a stream's)
+        solo = [ask(r) for r in requests]
+        out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "streams": {}}
+        for n in streams:
+            answers: dict = {}
+            next_request = iter(range(len(requests)))
+            lock = threading.Lock()
+
+            def stream():
+                while True:
+                    with lock:
+                        i = next(next_request, None)
+                    if i is None:
+                        return
+                    answers[i] = ask(requests[i])
+
+            threads = [threading.Thread(target=stream) for _ in range(n)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            latencies = [answers[i][2] for i in answers]
+            out["streams"][str(n)] = {
+                "tokens_per_s": sum(a[1] for a in answers.values()) / wall, "wall_s": wall,
+                "latency_p50": float(np.median(latencies)), "latency_p90": float(np.percentile(latencies, 90)),
+                "identical": sum(answers[i][0] == solo[i][0] for i in answers), "requests": len(answers)}
+            s = out["streams"][str(n)]
+            print(f"    {n} streams: {s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50']:.2f} s, "
+                  f"identical {s['identical']}/{s['requests']}", file=sys.stderr)
+        health = httpx.get(base + "/health").json()
+        out["batching"] = health.get("batching")
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def markdown(r: dict) -> str:
+    lines = ["# Several streams at once, bundled model, CPU\n",
+             f"{r['when']}, {r['machine']}. Command: `{r['command']}`.\n",
+             f"{r['requests']} {r['workload']} requests, {r['max_tokens']} tokens each, the bundled model on the CPU "
+             "int8 path; every stream sends requests one after another until all are done. Speed-up = aggregate "
+             "tokens/s over the same setting's 1 stream; latency ratio = p50 per-request latency over solo's.\n",
+             "| setting | streams | aggregate tokens/s | speed-up | latency p50 / p90 (s) | latency / solo | identical to solo |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in r["settings"].items():
+        one = s["streams"].get("1", {}).get("tokens_per_s")
+        for n, x in s["streams"].items():
+            speed = f"{x['tokens_per_s'] / one:.2f}x" if one else "-"
+            lines.append(f"| {name} | {n} | {x['tokens_per_s']:.1f} | {speed} | {x['latency_p50']:.2f} / "
+                         f"{x['latency_p90']:.2f} | {x['latency_p50'] / s['solo_latency_p50']:.2f}x | "
+                         f"{x['identical']}/{x['requests']} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload", choices=["tool_calls", "agentic"], default="tool_calls")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args(argv)
+    from bench.workloads import agentic_requests, tool_call_requests
+
+    requests = (tool_call_requests if args.workload == "tool_calls" else agentic_requests)(args.requests)
+    settings = {"drafted, --parallel 4": ["--parallel", "4"], "plain, --parallel 4": ["--parallel", "4", "--no-draft"],
+                "drafted, --parallel 1 (one at a time)": ["--parallel", "1"]}
+    results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+               "command": "python -m bench.concurrency" + (" " + " ".join(argv) if argv else ""),
+               "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens, "settings": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in settings.items():
+            print(f"  {name}", file=sys.stderr)
+            results["settings"][name] = run_setting(extra, requests, args.streams, args.max_tokens,
+                                                    Path(tmp) / "server.log")
+    md = markdown(results)
+    write_results(args.out, "concurrency", results, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Steps of several requests in one forward, on the CPU int8 path: continuous batching by rendezvous.
+
+Contract: `StepBatcher(model)` is shared by the lanes (server/cpu_backend.py `CpuBackend`s, one per
+running request) of one CpuGemma. A lane `join()`s when its request starts and `leave()`s when it
+ends; `run(rows)` (a server.cpu_model.Rows: a prefill chunk, a step or a token tree) blocks until
+a forward carrying it has run, and returns its logits. The forward carries every lane's pending
+rows: it runs as soon as every joined lane is waiting in `run`, or when the oldest waiting rows
+have waited `linger_s` (a lane busy elsewhere, drafting or detokenizing, does not hold the others
+up for longer). The thread whose arrival completes the batch, or whose wait ran out, runs it; the
+others sleep until their rows are done. Requests join and leave between forwards, and a long
+prompt's prefill goes chunk by chunk, each chunk batched with the other lanes' steps.
+
+Why outputs do not change: CpuGemma.forward_batch computes each row with the arithmetic it gets
+alone (batch-invariant kernels; each sequence attends to its own cache), so which lanes share a
+forward changes no bit of any lane's logits. tests/test_batching.py checks 1, 2, 4 and 8
+concurrent streams against solo runs, greedy and seeded sampling, drafted and plain.
+
+Counters (for /metrics and /health): `forwards`, `rows` and `sequences` summed over forwards, and
+`last_sequences`, `peak_sequences` (sequences in one forward).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+LINGER_S = 0.002  # the longest a lane's rows wait for busy lanes before their forward runs
+
+
+class _Pending:
+    __slots__ = ("rows", "arrived", "logits", "error", "done")
+
+    def __init__(self, rows):
+        self.rows, self.arrived = rows, time.perf_counter()
+        self.logits, self.error, self.done = None, None, False
+
+
+class StepBatcher:
+    def __init__(self, model, linger_s: float = LINGER_S):
+        self.model, self.linger_s = model, linger_s
+        self._cv = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._members = 0
+        self._running = False  # a forward is in flight (its lanes are not pending)
+        self.forwards = self.rows = self.sequences = 0
+        self.last_sequences = self.peak_sequences = 0
+
+    def join(self) -> None:
+        with self._cv:
+            self._members += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self._members -= 1
+            self._cv.notify_all()  # a lane that left may have been the one the others waited for
+
+    def run(self, rows) -> np.ndarray:
+        me = _Pending(rows)
+        with self._cv:
+            self._pending.append(me)
+            self._cv.notify_all()
+            while not me.done:
+                batch = self._take_batch()
+                if batch is None:
+                    oldest = self._pending[0].arrived if self._pending else me.arrived
+                    self._cv.wait(timeout=max(1e-4, oldest + self.linger_s - time.perf_counter()))
+                    continue
+                self._running = True
+                self._cv.release()
+                try:
+                    self._forward(batch)
+                finally:
+                    self._cv.acquire()
+                    self._running = False
+                    self._cv.notify_all()
+        if me.error is not None:
+            raise me.error
+        return me.logits
+
+    def _take_batch(self) -> list[_Pending] | None:
+        """The pending rows, when their forward should run now (see the module docstring)."""
+        if self._running or not self._pending:
+            return None
+        waited = time.perf_counter() - self._pending[0].arrived
+        if len(self._pending) < self._members and waited < self.linger_s:
+            return None
+        batch, self._pending = self._pending, []
+        return batch
+
+    def _forward(self, batch: list[_Pending]) -> None:
+        try:
+            outs = self.model.forward_batch([p.rows for p in batch])
+        except BaseException as e:  # every lane of the forward hears of it; the batcher keeps serving
+            for p in batch:
+                p.error, p.done = e, True
+            return
+        for p, logits in zip(batch, outs):
+            p.logits, p.done = logits, True
+        self.forwards += 1
+        self.sequences += len(batch)
+        self.rows += sum(p.rows.ids.shape[0] for p in batch)
+        self.last_sequences = len(batch)
+        self.peak_sequences = max(self.peak_sequences, len(batch))
+
+    def summary(self) -> dict:
+        return {"forwards": self.forwards, "rows": self.rows, "sequences": self.sequences,
+                "last_sequences": self.last_sequences, "peak_sequences": self.peak_sequences,
+                "members": self._members}

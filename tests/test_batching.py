@@ -1,0 +1,178 @@
+"""Several requests at once (server/batcher.py, the engine's lanes, the scheduler's workers): every
+request's output equals its output served alone, at 1, 2, 4 and 8 concurrent streams, greedy and
+seeded sampling, drafted (chains and token trees) and plain, with the prefix cache on; their steps
+really share forwards; cancelling one disturbs no other; a full queue answers 429 with Retry-After
+in each API's error shape while the server keeps serving."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from server.cpu_backend import CpuBackend
+from server.cpu_model import CpuGemma
+from tests.test_cpu_model import tiny_gemma3
+from tests.test_engine_lossless import (OracleWithErrors, PromptLookup, RandomDrafter, TreeOracle, engine_for,
+                                        first_divergence, prompts_for, run)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_gemma3(seed=3)
+
+
+def _requests(n_requests: int):
+    """(prompt, generation kwargs, drafter factory given the solo output) for each request."""
+    prompts = prompts_for(512, [5, 12, 40, 9, 30, 17, 3, 25], seed=31)
+    samplings = [{}, dict(temperature=1.0, top_k=64, top_p=0.95, seed=7), dict(temperature=0.7, seed=11),
+                 dict(temperature=0.9, repetition_penalty=1.3, seed=5)]
+    drafters = [lambda p, ref: OracleWithErrors(len(p), ref, 512, 0.3, seed=1),
+                lambda p, ref: TreeOracle(len(p), ref, 512, 0.4, seed=2),
+                lambda p, ref: RandomDrafter(512, seed=3), lambda p, ref: PromptLookup(), None]
+    return [(prompts[i % len(prompts)], samplings[i % len(samplings)], drafters[i % len(drafters)])
+            for i in range(n_requests)]
+
+
+def _concurrently(engine, jobs) -> list:
+    """Run engine.generate for every (prompt, kwargs) at once, one thread each; their token lists."""
+    out: list = [None] * len(jobs)
+    start = threading.Barrier(len(jobs))
+
+    def go(i, prompt, kw):
+        start.wait()
+        out[i] = run(engine, prompt, **kw)[0]
+
+    threads = [threading.Thread(target=go, args=(i, p, kw)) for i, (p, kw) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+class _PerRequestDrafter:
+    """The drafter of the request whose prompt a session serves (each request drafts its own way)."""
+
+    def __init__(self, by_prompt: dict):
+        self.by_prompt = by_prompt
+
+    def session(self):
+        return _DispatchSession(self.by_prompt)
+
+
+class _DispatchSession:
+    def __init__(self, by_prompt):
+        self.by_prompt, self.inner = by_prompt, None
+
+    def prepare(self, context_ids) -> None:
+        drafter = self.by_prompt.get(tuple(int(t) for t in context_ids))
+        self.inner = drafter.session() if drafter is not None else None
+
+    def propose(self, context_ids, max_tokens):
+        from ngram.draft import EMPTY_DRAFT
+
+        return self.inner.propose(context_ids, max_tokens) if self.inner is not None else EMPTY_DRAFT
+
+    def feedback(self, drafted, accepted) -> None:
+        if self.inner is not None:
+            self.inner.feedback(drafted, accepted)
+
+    def finish(self, context_ids=None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4, 8])
+def test_concurrent_streams_equal_solo_runs(model, streams):
+    cpu = CpuGemma.from_hf(model)
+    engine = engine_for(model, backend=CpuBackend(cpu, 4096, 64 * 2**20, max_step=17), parallel=streams)
+    assert engine.parallel == streams
+    requests = _requests(streams)
+    # Solo: each request alone, plain (its reference) and drafted its own way.
+    by_prompt, jobs, solo = {}, [], []
+    for prompt, kw, make in requests:
+        reference, *_ = run(engine, prompt, max_tokens=32, draft=False, **kw)
+        if make is not None:
+            by_prompt[tuple(prompt)] = make(prompt, reference)
+        solo.append(reference)
+        jobs.append((prompt, dict(max_tokens=32, draft=make is not None, **kw)))
+    engine.set_drafter(_PerRequestDrafter(by_prompt))
+    before = engine.batch_summary() or {"forwards": 0, "sequences": 0}
+    got = _concurrently(engine, jobs)
+    for i, (tokens, reference) in enumerate(zip(got, solo)):
+        assert tokens == reference, (i, requests[i][1], first_divergence(tokens, reference))
+    if streams > 1:
+        after = engine.batch_summary()
+        assert after["peak_sequences"] > 1  # steps of different requests did share forwards
+        assert after["sequences"] - before["sequences"] > after["forwards"] - before["forwards"]
+
+
+def test_cancelling_one_request_disturbs_no_other(model):
+    cpu = CpuGemma.from_hf(model)
+    engine = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=4)
+    prompts = prompts_for(512, [7, 15, 22], seed=41)
+    solo = [run(engine, p, max_tokens=40, draft=False)[0] for p in prompts]
+    cancel = threading.Event()
+    got: dict = {}
+
+    def victim():
+        from server.engine import GenerationParams
+
+        for n, _ in enumerate(engine.generate(prompts_for(512, [11], seed=42)[0], GenerationParams(max_tokens=200),
+                                              cancelled=cancel.is_set)):
+            if n == 5:
+                cancel.set()
+        got["victim"] = True
+
+    def other(i):
+        got[i] = run(engine, prompts[i], max_tokens=40, draft=False)[0]
+
+    threads = [threading.Thread(target=victim)] + [threading.Thread(target=other, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got["victim"] and [got[i] for i in range(3)] == solo
+    assert engine.batch_summary()["members"] == 0  # every lane left the batcher
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving():
+    from tests.test_server_protocol import ScriptedEngine, _serve
+
+    engine = ScriptedEngine(delay=0.05)  # one request at a time, each about a second
+    service, thread = _serve(engine, max_waiting=1)
+    with thread as url:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        results: list = []
+
+        def ask():
+            results.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) == 2 and codes.count(429) == 2, codes  # one running, one waiting
+        refused = next(r for r in results if r.status_code == 429)
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        held = [threading.Thread(target=ask) for _ in range(2)]
+        for t in held:
+            t.start()
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/messages", json=messages, timeout=60)
+        for t in held:
+            t.join()
+        assert r.status_code == 429 and r.json()["type"] == "error" and "retry-after" in r.headers
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.chat.completions.create(**body).choices[0].message.content  # still serving
+        health = httpx.get(url + "/health").json()
+        assert health["waiting"] == 0 and health["running"] == 0 and health["parallel"] == 1
+        assert 'sailfish_requests_total{endpoint="chat",outcome="rejected"}' in httpx.get(url + "/metrics").text
