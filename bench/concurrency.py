@@ -27,6 +27,13 @@ import numpy as np
 from bench.results import write_results
 
 
+def _answer(message: dict) -> tuple:
+    """What must equal the solo answer: the content and each call's name and arguments (a call's
+    id is new in every response)."""
+    calls = tuple((c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or [])
+    return message.get("content"), calls
+
+
 def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path) -> dict:
     import httpx
 
@@ -43,7 +50,7 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
             r = client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
             data = r.json()
-            return data["choices"][0]["message"], data["usage"]["completion_tokens"], time.perf_counter() - t0
+            return _answer(data["choices"][0]["message"]), data["usage"]["completion_tokens"], time.perf_counter() - t0
 
         ask(requests[0])  # warm-up (first-request costs are not a stream's)
         solo = [ask(r) for r in requests]

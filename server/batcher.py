@@ -3,7 +3,8 @@
 Contract: `StepBatcher(model)` is shared by the lanes (server/cpu_backend.py `CpuBackend`s, one per
 running request) of one CpuGemma. A lane `join()`s when its request starts and `leave()`s when it
 ends; `run(rows)` (a server.cpu_model.Rows: a prefill chunk, a step or a token tree) blocks until
-a forward carrying it has run, and returns its logits. The forward carries every lane's pending
+a forward carrying it has run, and returns its logits and the load the other lanes put on that
+forward (the cost model weighs a draft against it: server/cost_model.py). The forward carries every lane's pending
 rows: it runs as soon as every joined lane is waiting in `run`, or when the oldest waiting rows
 have waited `linger_s` (a lane busy elsewhere, drafting or detokenizing, does not hold the others
 up for longer). The thread whose arrival completes the batch, or whose wait ran out, runs it; the
@@ -29,11 +30,12 @@ LINGER_S = 0.002  # the longest a lane's rows wait for busy lanes before their f
 
 
 class _Pending:
-    __slots__ = ("rows", "arrived", "logits", "error", "done")
+    __slots__ = ("rows", "arrived", "logits", "error", "done", "others")
 
     def __init__(self, rows):
         self.rows, self.arrived = rows, time.perf_counter()
         self.logits, self.error, self.done = None, None, False
+        self.others = (0, 0)  # (sequences, rows) that shared its forward besides it
 
 
 class StepBatcher:
@@ -55,7 +57,8 @@ class StepBatcher:
             self._members -= 1
             self._cv.notify_all()  # a lane that left may have been the one the others waited for
 
-    def run(self, rows) -> np.ndarray:
+    def run(self, rows) -> tuple[np.ndarray, tuple[int, int]]:
+        """(the rows' logits, (sequences, rows) of the others that shared their forward)."""
         me = _Pending(rows)
         with self._cv:
             self._pending.append(me)
@@ -76,7 +79,7 @@ class StepBatcher:
                     self._cv.notify_all()
         if me.error is not None:
             raise me.error
-        return me.logits
+        return me.logits, me.others
 
     def _take_batch(self) -> list[_Pending] | None:
         """The pending rows, when their forward should run now (see the module docstring)."""
@@ -95,11 +98,12 @@ class StepBatcher:
             for p in batch:
                 p.error, p.done = e, True
             return
+        total = sum(p.rows.ids.shape[0] for p in batch)
         for p, logits in zip(batch, outs):
-            p.logits, p.done = logits, True
+            p.logits, p.others, p.done = logits, (len(batch) - 1, total - p.rows.ids.shape[0]), True
         self.forwards += 1
         self.sequences += len(batch)
-        self.rows += sum(p.rows.ids.shape[0] for p in batch)
+        self.rows += total
         self.last_sequences = len(batch)
         self.peak_sequences = max(self.peak_sequences, len(batch))
 

@@ -17,6 +17,15 @@ ALPHA_PRIOR_ACCEPTED : ALPHA_PRIOR_REJECTED pseudo-tokens). A plain step yields 
 Draft the n that maximises expected_tokens(n) / cost[n + 1], and only when that ratio exceeds
 1 + MARGIN; otherwise decode plainly.
 
+Sharing a forward (several requests batched, server/batcher.py): with k other requests carrying R
+rows in the same forward, the step's time is cost[R + n + 1] and it yields k + expected_tokens(n)
+tokens (the others' at least one each), against (k + 1) / cost[R + 1] for a plain step; so the rule
+drafts the n that maximises (k + expected_tokens(n)) / cost[R + n + 1], and only when that beats the
+plain step's rate by MARGIN. Alone (k = R = 0) this is the rule above. Past the measured curve the
+cost grows linearly, at the mean slope of its last four points (a compute-bound forward's rows cost
+alike). A long draft from every request of a batch would make each forward slower than the tokens
+it adds: on a CPU whose 16-token verify already costs 2.5 steps, the rule drafts less there.
+
 Probing: once the rule has refused drafts, alpha no longer updates. After `probe_interval` plain
 steps that refused a non-empty draft, one probe verifies up to PROBE_TOKENS drafted tokens anyway;
 each failed probe doubles the interval (up to PROBE_INTERVAL_MAX) and any accepted token resets it.
@@ -73,12 +82,14 @@ class DraftPolicy:
     def max_draft(self) -> int:
         return len(self.cost) - 2
 
-    def choose(self, confidence: np.ndarray, match_length: int, tracker: AcceptanceTracker) -> tuple[int, bool]:
-        """(number of drafted tokens to verify, whether this is a probe); 0 means decode plainly."""
+    def choose(self, confidence: np.ndarray, match_length: int, tracker: AcceptanceTracker,
+               others: tuple[int, int] = (0, 0)) -> tuple[int, bool]:
+        """(number of drafted tokens to verify, whether this is a probe); 0 means decode plainly.
+        `others`: (requests, rows) sharing the forward besides this one (see the module docstring)."""
         m = min(len(confidence), self.max_draft)
         if m == 0:
             return 0, False
-        n, gain = self.best_length(confidence[:m], tracker.alpha)
+        n, gain = self.best_length(confidence[:m], tracker.alpha, others)
         if gain > 1.0 + self.margin:
             return n, False
         tracker.refused_since_probe += 1
@@ -86,13 +97,26 @@ class DraftPolicy:
             return min(m, PROBE_TOKENS), True
         return 0, False
 
-    def best_length(self, confidence: np.ndarray, alpha: float) -> tuple[int, float]:
-        """argmax_n expected_tokens(n) / cost[n+1] over n = 1..len(confidence), and that ratio."""
+    def best_length(self, confidence: np.ndarray, alpha: float, others: tuple[int, int] = (0, 0)) -> tuple[int, float]:
+        """argmax_n of the draft's tokens per cost over n = 1..len(confidence), and its ratio to a
+        plain step's (alone: expected_tokens(n) / cost[n+1]; shared: see the module docstring)."""
+        k, rows = others
         n = np.arange(1, len(confidence) + 1)
         p = np.minimum(np.clip(confidence, 0.0, 1.0), alpha ** n)
-        ratio = (1.0 + np.cumsum(p)) / self.cost[n + 1]
+        ratio = (k + 1.0 + np.cumsum(p)) / self.cost_of(rows + n + 1)
         best = int(np.argmax(ratio))
-        return best + 1, float(ratio[best])
+        return best + 1, float(ratio[best] * self.cost_of(np.array([rows + 1]))[0] / (k + 1.0))
+
+    def cost_of(self, rows: np.ndarray) -> np.ndarray:
+        """cost[rows], extended linearly past the measured curve (the mean slope of its last 4 points)."""
+        rows = np.asarray(rows)
+        last = len(self.cost) - 1
+        inside = self.cost[np.minimum(rows, last)]
+        if rows.max(initial=0) <= last:
+            return inside
+        tail = self.cost[max(1, last - 4) :]
+        slope = max(0.0, float(tail[-1] - tail[0]) / max(1, len(tail) - 1))
+        return np.where(rows > last, self.cost[last] + slope * (rows - last), inside)
 
 
 def flat_policy(max_draft: int) -> DraftPolicy:

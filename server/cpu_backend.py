@@ -40,6 +40,7 @@ class CpuBackend:
         self.position = 0
         self._keep = False
         self._joined = False  # a member of the batcher's forwards (between start and finish/discard)
+        self._others = (0, 0)  # the other lanes' load on the last forward (shared_load)
         self._tree_start = -1  # where the last step began, when it was a tree
 
     def lanes(self, n: int) -> list["CpuBackend"]:
@@ -73,10 +74,17 @@ class CpuBackend:
         n = len(ids)
         self._reserve(self.position + n)
         rows = Rows(ids, self.position, self.cache, last_only, parents)
-        logits = self.batcher.run(rows) if self._joined else self.model.forward_batch([rows])[0]
+        if self._joined:
+            logits, self._others = self.batcher.run(rows)
+        else:
+            logits = self.model.forward_batch([rows])[0]
         self.position += n
         self._tree_start = self.position - n if parents is not None else -1
         return torch.from_numpy(logits)
+
+    def shared_load(self) -> tuple[int, int]:
+        """(requests, rows) that shared this lane's last forward besides it (0, 0 when alone)."""
+        return self._others if self._joined else (0, 0)
 
     def keep_path(self, path: list[int]) -> None:
         """After a tree step (server/backend.py): keep its rows `path`, a root path, at the positions

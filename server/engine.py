@@ -428,7 +428,8 @@ class Engine:
                         if len(draft):
                             stats.drafts += 1
                             chain = min(room, _chain_length(draft))
-                            n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, tracker)
+                            n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, tracker,
+                                                          shared_load(backend))
                         stats.draft_s += time.perf_counter() - t
                     t = time.perf_counter()
                     branches = (_tree_branches(draft, n, self.policy, tracker, backend.max_step - 1, room)
@@ -479,6 +480,12 @@ def _choose(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tens
     if grammar is not None:
         logits = grammar.mask_logits(logits)
     return sampler.pick(logits, position, pending)
+
+
+def shared_load(backend) -> tuple[int, int]:
+    """(requests, rows) of the other requests sharing the backend's forwards (server/batcher.py)."""
+    load = getattr(backend, "shared_load", None)
+    return load() if load is not None else (0, 0)
 
 
 class _LockedSession:
