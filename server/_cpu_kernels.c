@@ -21,17 +21,27 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
       Per 32-value block: d = max|x| / 127 (fp32 division), q = rint(x / d) (round half to even)
       clamped to [-127, 127], all zeros when d == 0 (llama.cpp's Q8_0 rule, d kept in fp32).
       x must be finite.
-  matmul_q8(xq, xs, wq, ws, out, threads=None) -> out: xq int8 [M, K], xs float32 [M, K/32],
-      wq int8 [N, K], ws float32 [N, K/32], out float32 [M, N]:
-          p(b, j) = sum over i = 0..3 of xq[m, 32b + 4j + i] * wq[n, 32b + 4j + i]   (exact int32)
-          acc[b % 2][j] = fmaf(xs[m,b] * ws[n,b], (float)p(b, j), acc[b % 2][j])      j = 0..7
-      for b = 0, 1, ..., K/32 - 1 in order, the 16 fp32 accumulators starting at +0 (the product of the
-      scales rounded to fp32 first, then one fused multiply-add), and then
-          out[m, n] = tree8(u),  u[j] = acc[0][j] + acc[1][j],
-          tree8(u) = ((u0 + u1) + (u2 + u3)) + ((u4 + u5) + (u6 + u7)).
-      (llama.cpp's ggml_vec_dot_q8_0_q8_0 arithmetic: no horizontal add per block, one reduction per
-      output.) wq codes must lie in [-127, 127] (AVX2 applies x's sign to w: a -128 there wraps); xq
-      may be any int8.
+  matmul_q8(xq, xs, wq, ws, out, threads=None, packed=None) -> out: xq int8 [M, K], xs float32
+      [M, K/32], wq int8 [N, K], ws float32 [N, K/32], out float32 [M, N]; packed None or uint8
+      [packed_size(N, K)] holding pack_q8(wq, ws) (of these very arrays: the SIMD paths read W from
+      it, the scalar path from wq / ws; without it a SIMD call packs W itself, every call). Per output:
+          d(b) = sum over i = 0..31 of xq[m, 32b + i] * wq[n, 32b + i]      (exact int32, one per block)
+          s(b) = xs[m, b] * ws[n, b]                                         (rounded to fp32)
+          acc[b % 4] = fmaf(s(b), (float)d(b), acc[b % 4])                   (one rounding)
+      for b = 0, 1, ..., K/32 - 1 in order, the 4 fp32 accumulators starting at +0, and then
+          out[m, n] = (acc[0] + acc[1]) + (acc[2] + acc[3]).
+      K/32 need not be a multiple of 4: the SIMD paths pad the last group of 4 blocks with zero codes
+      and zero scales, and a padded block's fmaf(+0, 0, acc) returns acc exactly (acc is never -0:
+      it starts at +0 and a round-to-nearest sum is -0 only if both terms are), so a row's operations
+      are the definition's whatever K, M, the tile or the thread. wq codes must lie in [-127, 127]
+      (AVX2 applies x's sign to w: a -128 there wraps); xq may be any int8.
+  pack_q8(wq, ws, out, threads=None) -> out: W in the SIMD paths' layout, out uint8 [packed_size(N, K)].
+      W rows in tiles of 4 (the last padded with zero rows), blocks in groups of 4 (the last padded
+      with zero blocks); tile T's groups are consecutive records of 576 bytes, group g's record:
+      8 steps t of 64 bytes, byte 16 r + 4 q + i = wq[4T + r, 32 (4g + q) + 4t + i] + 128 (as unsigned,
+      i.e. the code's bits ^ 0x80), then 16 fp32 scales, lane 4 r + q = ws[4T + r, 4g + q] (0 when padded).
+      So a 16-lane int32 vector of a step holds, lane 4 r + q, 4 consecutive codes of W row r's block q.
+  packed_size(N, K) -> ceil(N / 4) * ceil(K / 128) * 576.
   attention(q, k_cache, v_cache, positions, window, scale, out, threads=None) -> out:
       q float32 [M, H, D], k_cache / v_cache float32 [T, D] (one KV head shared by the H query heads),
       positions int64 [M] (each in 0..T-1), window int, scale float, out float32 [M, H, D]. Row m
@@ -51,18 +61,23 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
   get_threads(); paths() -> matmul_q8's paths this CPU runs ("scalar", "avx2", "avxvnni", "avx512",
   best last); _force_path(name or None) -> the previous forced name or None (ValueError for a path
   this CPU lacks); _force_scalar(flag) -> previous flag (False: unforced); simd() -> the path matmul_q8
-  runs now for M >= 2 (unforced, M = 1 calls run the AVX2 code: see matmul_q8).
+  runs now for M >= 2 (unforced, an M = 1 call runs at most M1_PATH's code: see matmul_q8).
   A call's threads= overrides the module count for that call. out must not overlap an input.
 The GIL is released around all compute. Threads are a small pool of pthreads started on first use
 (they spin about 0.2 ms after a call for the next one, then sleep); a fork()ed child starts its own.
 
-Why these loops: at M = 1 a matmul is a stream of the weights (the LM head: 262144 x 640 int8, 168 MB
-a call), so W is read once per call whatever M: a tile of 4 W rows stays in L1 and meets every x row
-(of an m_block whose codes and helper arrays stay in L2) before the next tile is read. Within a tile,
-micro-tiles apply each loaded W block to up to 4 x rows (AVX-512: 4 x rows by 4 W rows, 16 zmm
-accumulators, two blocks a zmm; AVX2 and AVX-VNNI, with 16 ymm registers: 2 by 2, a block a ymm).
-The per-block p(b, 0..7) is one vpdpbusd (W as w + 128 unsigned against x signed, starting from
--128 * the sum of x's 4 codes) or maddubs + madd (|x| against w with x's sign); both are exact.
+Why these loops: at M = 1 a matmul is a stream of the weights (the LM head: 262144 x 640 int8, 189 MB
+packed a call), so W is read once per call whatever M: a stride of W tiles stays in L1 and meets every
+x row (of an m_block whose records stay in L2) before the next is read. Each block's dot product is
+completed in one int32 lane before any float operation: a step's vpdpbusd adds 4 codes of each lane's
+block (W as w + 128 unsigned against x signed, the lane starting from -128 * the block's x codes' sum;
+exact), 8 steps finish the 16 (W row, block) lanes of a tile's group, and then one convert, one scale
+multiply and one fma per lane cover 4 blocks of 4 outputs (the previous definition spent those three
+float operations per 8 lanes of partial sums, per block pair). x rows are re-laid out per call to match
+(a step's 4 blocks' 4 codes broadcast to the 4 W rows' lanes). AVX-512: micro-tiles of 4 x rows by
+2 tiles (8 int32 + 8 fp32 accumulators); AVX-VNNI and AVX2 (16 ymm registers): 2 x rows by one tile
+as two 8-lane halves (AVX2 forms the exact dot from maddubs + madd on |x| and w with x's sign, adding
+int32 lanes). Outputs are reduced from the accumulator lanes once, at the end.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -85,7 +100,13 @@ The per-block p(b, 0..7) is one vpdpbusd (W as w + 128 unsigned against x signed
 
 #define QBLOCK 32         /* values per quantization block */
 #define MAX_THREADS 64
-#define PREFETCH_TILES 4   /* how many W tiles ahead matmul_q8 prefetches */
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 4   /* how many W tile strides ahead matmul_q8 prefetches */
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
+#define M1_PATH PATH_AVX512 /* the path an unforced M = 1 matmul_q8 call takes at most (see matmul_q8) */
 #define SPIN_NS 200000    /* how long an idle worker (or a waiting caller) spins before sleeping */
 
 static int n_threads = 1;     /* set at import: the CPUs this process may run on */
@@ -238,8 +259,8 @@ static int parts_for(Py_ssize_t units, int threads) {
 /* ---------------------------------------------------------------------------------------------
    Argument checks. */
 
-typedef enum { F32, I8, I64 } dtype;
-static const char *dtype_names[] = {"float32", "int8", "int64"};
+typedef enum { F32, I8, I64, U8 } dtype;
+static const char *dtype_names[] = {"float32", "int8", "int64", "uint8"};
 
 static int format_is(const Py_buffer *v, dtype dt) {
     const char *f = v->format ? v->format : "B";
@@ -249,6 +270,7 @@ static int format_is(const Py_buffer *v, dtype dt) {
     case F32: return *f == 'f' && v->itemsize == 4;
     case I8: return *f == 'b' && v->itemsize == 1;
     case I64: return (*f == 'l' || *f == 'q') && v->itemsize == 8;
+    case U8: return *f == 'B' && v->itemsize == 1;
     }
     return 0;
 }
@@ -446,250 +468,397 @@ done:
 /* ---------------------------------------------------------------------------------------------
    matmul_q8 */
 
+#define GROUP 4                      /* blocks per group: the 4 accumulators of an output */
+#define TILE 4                       /* W rows per packed tile */
+#define WREC (8 * 64 + 16 * 4)       /* bytes of one packed (tile, group) record: codes, then 16 scales */
+#define XREC (8 * 16 * 2 + 16 * 2)   /* bytes of one (x row, group) record: codes, |codes|, xc, xs */
+
+static inline Py_ssize_t groups_of(Py_ssize_t K) { return (K / QBLOCK + GROUP - 1) / GROUP; }
+static inline Py_ssize_t packed_bytes(Py_ssize_t N, Py_ssize_t K) {
+    return (N + TILE - 1) / TILE * groups_of(K) * WREC;
+}
+
+/* pack_q8's layout (see the header): tiles t_lo..t_hi-1 of W into `out`. */
+static void pack_tiles(const int8_t *wq, const float *ws, Py_ssize_t N, Py_ssize_t K, uint8_t *out, Py_ssize_t t_lo,
+                       Py_ssize_t t_hi) {
+    const Py_ssize_t nb = K / QBLOCK, ng = groups_of(K);
+    for (Py_ssize_t T = t_lo; T < t_hi; T++)
+        for (Py_ssize_t g = 0; g < ng; g++) {
+            uint8_t *rec = out + (T * ng + g) * WREC;
+            float *sc = (float *)(rec + 8 * 64);
+            for (int r = 0; r < TILE; r++)
+                for (int q = 0; q < GROUP; q++) {
+                    const Py_ssize_t n = T * TILE + r, b = g * GROUP + q;
+                    const int real = n < N && b < nb;
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++)
+                            rec[64 * t + 16 * r + 4 * q + i] =
+                                (uint8_t)((real ? wq[n * K + b * QBLOCK + 4 * t + i] : 0) ^ 0x80);
+                    sc[4 * r + q] = real ? ws[n * nb + b] : 0.0f;
+                }
+        }
+}
+
 typedef struct {
-    const int8_t *xq;
-    const uint8_t *xa;    /* |xq| as unsigned bytes (the AVX2 path's maddubs operand) */
-    const int32_t *xc;    /* -128 * (sum of each 4 consecutive codes of xq), [M, K/4] (the VNNI paths) */
-    const float *xse;     /* xs with each value repeated 8 times, [M, K/32, 8] (the AVX-512 path) */
-    const float *xs;
-    const int8_t *wq;
-    const float *ws;
+    const int8_t *xq, *wq;
+    const float *xs, *ws;
+    const uint8_t *xr;    /* the x records, [M][groups][XREC] (SIMD paths) */
+    const uint8_t *wp;    /* W packed (SIMD paths) */
     float *out;
-    Py_ssize_t M, N, K, m_block;
+    Py_ssize_t M, N, K, ng, m_block;
     int path;
 } MatmulCtx;
 
-static inline float tree8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+typedef struct {
+    const int8_t *wq;
+    const float *ws;
+    uint8_t *out;
+    Py_ssize_t N, K;
+} PackCtx;
 
-/* out[m, n] by the contract's definition; every SIMD path performs these same float operations on
-   the same exact integers p(b, j). */
-static float dot_q8_scalar(const int8_t *x, const float *xs, const int8_t *w, const float *ws, Py_ssize_t nb) {
-    float acc[2][8] = {{0}};
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        const float s = xs[b] * ws[b];
-        const int8_t *xb = x + b * QBLOCK, *wb = w + b * QBLOCK;
-        for (int j = 0; j < 8; j++) {
-            int32_t p = 0;
-            for (int i = 0; i < 4; i++) p += (int32_t)xb[4 * j + i] * (int32_t)wb[4 * j + i];
-            acc[b & 1][j] = fmaf(s, (float)p, acc[b & 1][j]);
-        }
-    }
-    float u[8];
-    for (int j = 0; j < 8; j++) u[j] = acc[0][j] + acc[1][j];
-    return tree8(u);
+static void pack_part(void *ctx, int part, int nparts) {
+    const PackCtx *c = ctx;
+    Py_ssize_t lo, hi;
+    part_range((c->N + TILE - 1) / TILE, 1, part, nparts, &lo, &hi);
+    pack_tiles(c->wq, c->ws, c->N, c->K, c->out, lo, hi);
 }
 
-static void matmul_rows_scalar(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
+/* x rows' records: per (m, group g), codes[8][16] (step t, lane q: x[m, 32 (4g + q) + 4t .. + 3]),
+   their absolute values as unsigned bytes [8][16], xc[4] = -128 * (block 4g + q's 32 codes' sum), xs[4];
+   a block past K/32 is all zeros. */
+static void x_records(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_t K, uint8_t *xr) {
+    const Py_ssize_t nb = K / QBLOCK, ng = groups_of(K);
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t g = 0; g < ng; g++) {
+            uint8_t *rec = xr + (m * ng + g) * XREC;
+            int8_t *codes = (int8_t *)rec;
+            uint8_t *absx = rec + 128;
+            int32_t *xc = (int32_t *)(rec + 256);
+            float *sc = (float *)(rec + 272);
+            for (int q = 0; q < GROUP; q++) {
+                const Py_ssize_t b = g * GROUP + q;
+                const int8_t *x = xq + m * K + b * QBLOCK;
+                int32_t sum = 0;
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < 4; i++) {
+                        int8_t v = b < nb ? x[4 * t + i] : 0;
+                        codes[16 * t + 4 * q + i] = v;
+                        absx[16 * t + 4 * q + i] = (uint8_t)abs((int)v);
+                        sum += v;
+                    }
+                xc[q] = -128 * sum;
+                sc[q] = b < nb ? xs[m * nb + b] : 0.0f;
+            }
+        }
+}
+
+static inline float tree8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+/* out[m, n] by the contract's definition, from the plain layout; every SIMD path performs these
+   same float operations on the same exact integers. */
+static float dot_q8_scalar(const int8_t *x, const float *xs, const int8_t *w, const float *ws, Py_ssize_t nb) {
+    float acc[GROUP] = {0};
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const int8_t *xb = x + b * QBLOCK, *wb = w + b * QBLOCK;
+        int32_t p = 0;
+        for (int i = 0; i < QBLOCK; i++) p += (int32_t)xb[i] * (int32_t)wb[i];
+        const float s = xs[b] * ws[b];
+        acc[b % GROUP] = fmaf(s, (float)p, acc[b % GROUP]);
+    }
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+static void matmul_tiles_scalar(const MatmulCtx *c, Py_ssize_t t_lo, Py_ssize_t t_hi) {
     const Py_ssize_t K = c->K, nb = K / QBLOCK;
-    for (Py_ssize_t n = n_lo; n < n_hi; n++)
+    const Py_ssize_t n_hi = t_hi * TILE < c->N ? t_hi * TILE : c->N;
+    for (Py_ssize_t n = t_lo * TILE; n < n_hi; n++)
         for (Py_ssize_t m = 0; m < c->M; m++)
             c->out[m * c->N + n] = dot_q8_scalar(c->xq + m * K, c->xs + m * nb, c->wq + n * K, c->ws + n * nb, nb);
 }
 
 #if HAVE_X86
-/* The SIMD paths share one loop over W tiles (4 rows, the tile PREFETCH_TILES ahead prefetched: the
-   hardware prefetcher alone falls behind once each tile takes a while) that meets every x row of an
-   m_block in micro-tiles of up to 4 x rows; N % 4 leftover rows run the scalar code (same arithmetic). */
-#define TILE_LOOP(TILE, MR_MAX)                                                                             \
-    Py_ssize_t n4 = n_lo + (n_hi - n_lo) / 4 * 4;                                                         \
+/* The SIMD paths share one loop: per m_block of x rows (their records stay in L2), W tiles in
+   strides of NT_MAX tiles (the stride PREFETCH_TILES ahead prefetched: the hardware prefetcher alone
+   falls behind once each tile takes a while), each meeting the block's x rows in micro-tiles of up
+   to MR_MAX rows. KERNEL(c, m, T, MR, NT) computes x rows m..m+MR-1 against tiles T..T+NT-1. */
+#define TILE_LOOP(KERNEL, MR_MAX, NT_MAX)                                                                 \
+    const Py_ssize_t tile_bytes = c->ng * WREC;                                                           \
     for (Py_ssize_t m0 = 0; m0 < c->M; m0 += c->m_block) {                                                \
         Py_ssize_t m1 = m0 + c->m_block < c->M ? m0 + c->m_block : c->M;                                   \
-        for (Py_ssize_t n = n_lo; n < n4; n += 4) {                                                       \
-            if (n + 4 * PREFETCH_TILES + 4 <= n4) {                                                       \
-                const char *pw = (const char *)(c->wq + (n + 4 * PREFETCH_TILES) * c->K);                  \
-                for (Py_ssize_t i = 0; i < 4 * c->K; i += 64) _mm_prefetch(pw + i, _MM_HINT_T0);            \
-                const char *ps = (const char *)(c->ws + (n + 4 * PREFETCH_TILES) * (c->K / QBLOCK));       \
-                for (Py_ssize_t i = 0; i < 4 * c->K / 8; i += 64) _mm_prefetch(ps + i, _MM_HINT_T0);        \
+        for (Py_ssize_t T = t_lo; T < t_hi; T += NT_MAX) {                                                \
+            const int nt = t_hi - T < NT_MAX ? (int)(t_hi - T) : NT_MAX;                                  \
+            if (T + NT_MAX * (PREFETCH_TILES + 1) <= t_hi) {                                              \
+                const char *pw = (const char *)(c->wp + (T + NT_MAX * PREFETCH_TILES) * tile_bytes);       \
+                for (Py_ssize_t i = 0; i < NT_MAX * tile_bytes; i += 64) _mm_prefetch(pw + i, PREFETCH_HINT); \
             }                                                                                             \
             Py_ssize_t m = m0;                                                                            \
-            for (; m + MR_MAX <= m1; m += MR_MAX) TILE(c, m, n, MR_MAX);                                  \
-            switch (m1 - m) {                                                                             \
-            case 3: TILE(c, m, n, 3); break;                                                              \
-            case 2: TILE(c, m, n, 2); break;                                                              \
-            case 1: TILE(c, m, n, 1); break;                                                              \
-            default: break;                                                                               \
+            if (nt == NT_MAX) {                                                                           \
+                for (; m + MR_MAX <= m1; m += MR_MAX) KERNEL(c, m, T, MR_MAX, NT_MAX);                    \
+                switch (m1 - m) {                                                                         \
+                case 3: KERNEL(c, m, T, 3, NT_MAX); break;                                                \
+                case 2: KERNEL(c, m, T, 2, NT_MAX); break;                                                \
+                case 1: KERNEL(c, m, T, 1, NT_MAX); break;                                                \
+                default: break;                                                                           \
+                }                                                                                         \
+            } else {                                                                                      \
+                for (int j = 0; j < nt; j++) {                                                            \
+                    for (m = m0; m + MR_MAX <= m1; m += MR_MAX) KERNEL(c, m, T + j, MR_MAX, 1);           \
+                    switch (m1 - m) {                                                                     \
+                    case 3: KERNEL(c, m, T + j, 3, 1); break;                                             \
+                    case 2: KERNEL(c, m, T + j, 2, 1); break;                                             \
+                    case 1: KERNEL(c, m, T + j, 1, 1); break;                                             \
+                    default: break;                                                                       \
+                    }                                                                                     \
+                }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-    }                                                                                                     \
-    if (n4 < n_hi) matmul_rows_scalar(c, n4, n_hi);
+    }
 
-/* tree8 of u0..u3 (8 lanes each), all four at once: hadd pairs (0+1, 2+3 | 4+5, 6+7), then
-   (01+23 | 45+67), then low half + high half. */
-AVX2 static inline __m128 tree8_x4(__m256 u0, __m256 u1, __m256 u2, __m256 u3) {
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+/* The 4 outputs of a row's tile from its accumulators (4 lanes a W row, lane q = acc[q]), by the
+   contract's (acc0 + acc1) + (acc2 + acc3): swap neighbours and add (lane q: acc[q] + acc[q ^ 1],
+   the same value either way round), swap pairs and add; lane 4r is then W row r's output. */
+AVX2 static inline __m128 sum4_ymm(__m256 a) {  /* a: 2 W rows; returns (row 0, row 1) in lanes 0, 1 */
+    a = _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    a = _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
-/* AVX2 and AVX-VNNI: a micro-tile of MR (<= 2) x rows and 2 W rows; acc[i][r][b % 2] are the
-   definition's acc[b % 2][0..7] of (m + i, n + r). PDOT(i, r) is p(b, 0..7) of x row m + i and W row
-   n + r for block b. */
-#define YMM_TILE_BODY(PDOT, PREP_W)                                                                       \
-    const Py_ssize_t K = c->K, nb = K / QBLOCK;                                                           \
-    __m256 acc[2][2][2];                                                                                  \
-    for (int i = 0; i < 2; i++)                                                                           \
-        for (int r = 0; r < 2; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();                    \
-    for (Py_ssize_t b = 0; b < nb; b++) {                                                                 \
-        const int par = (int)(b & 1);                                                                     \
-        __m256i wv[2];                                                                                    \
-        __m256 wsv[2];                                                                                    \
-        for (int r = 0; r < 2; r++) {                                                                     \
-            wv[r] = PREP_W(_mm256_loadu_si256((const __m256i *)(c->wq + (n + r) * K + b * QBLOCK)));      \
-            wsv[r] = _mm256_broadcast_ss(c->ws + (n + r) * nb + b);                                       \
-        }                                                                                                 \
+/* Store the first (N - n) of 4 values (all 4 when n + 4 <= N). */
+static inline void store_tile(float *dst, const float *v, Py_ssize_t n, Py_ssize_t N) {
+    Py_ssize_t k = N - n < 4 ? N - n : 4;
+    for (Py_ssize_t i = 0; i < k; i++) dst[i] = v[i];
+}
+
+/* The ymm paths (AVX2, AVX-VNNI): a tile is two ymm, W rows 0-1 and 2-3 (8 lanes: 2 rows x 4
+   blocks); micro-tiles of MR <= 2 x rows by one tile. STEP(i, h) adds step t's exact products of x
+   row m + i and half h to p[i][h] (the x record `xr[i]` and W `wv[h]` in scope). */
+#define YMM_KERNEL_BODY(STEP, PREP_W)                                                                     \
+    const Py_ssize_t ng = c->ng;                                                                          \
+    __m256 acc[4][2]; /* [4]: the tile loop names MR = 3 too, never reached with MR_MAX 2 */            \
+    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                              \
+    for (Py_ssize_t g = 0; g < ng; g++) {                                                                 \
+        const uint8_t *w = c->wp + (T * ng + g) * WREC;                                                   \
+        const uint8_t *xr[4];                                                                             \
+        __m256i p[4][2];                                                                                  \
         for (int i = 0; i < MR; i++) {                                                                    \
-            const Py_ssize_t mi = m + i;                                                                  \
-            const __m256 xsv = _mm256_broadcast_ss(c->xs + mi * nb + b);                                  \
-            for (int r = 0; r < 2; r++) {                                                                 \
-                __m256i p = PDOT(mi, r);                                                                  \
-                if (par) acc[i][r][1] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, wsv[r]), _mm256_cvtepi32_ps(p), acc[i][r][1]); \
-                else acc[i][r][0] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, wsv[r]), _mm256_cvtepi32_ps(p), acc[i][r][0]); \
-            }                                                                                             \
+            xr[i] = c->xr + ((m + i) * ng + g) * XREC;                                                    \
+            p[i][0] = p[i][1] = YMM_INIT(xr[i]);                                                          \
+        }                                                                                                 \
+        for (int t = 0; t < 8; t++) {                                                                     \
+            __m256i wv[2] = {PREP_W(_mm256_loadu_si256((const __m256i *)(w + 64 * t))),                   \
+                             PREP_W(_mm256_loadu_si256((const __m256i *)(w + 64 * t + 32)))};             \
+            for (int i = 0; i < MR; i++) { STEP(i, 0); STEP(i, 1); }                                       \
+        }                                                                                                 \
+        const __m256 ws0 = _mm256_loadu_ps((const float *)(w + 512)), ws1 = _mm256_loadu_ps((const float *)(w + 544)); \
+        for (int i = 0; i < MR; i++) {                                                                    \
+            const __m256 xsv = _mm256_broadcast_ps((const __m128 *)(xr[i] + 272));                        \
+            acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, ws0), _mm256_cvtepi32_ps(p[i][0]), acc[i][0]);  \
+            acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, ws1), _mm256_cvtepi32_ps(p[i][1]), acc[i][1]);  \
         }                                                                                                 \
     }                                                                                                     \
     for (int i = 0; i < MR; i++) {                                                                        \
-        __m256 u0 = _mm256_add_ps(acc[i][0][0], acc[i][0][1]), u1 = _mm256_add_ps(acc[i][1][0], acc[i][1][1]); \
-        _mm_storel_pi((__m64 *)(c->out + (m + i) * c->N + n), tree8_x4(u0, u1, u0, u1));                   \
+        float v[4];                                                                                       \
+        _mm_storel_pi((__m64 *)v, sum4_ymm(acc[i][0]));                                                   \
+        _mm_storel_pi((__m64 *)(v + 2), sum4_ymm(acc[i][1]));                                             \
+        store_tile(c->out + (m + i) * c->N + T * TILE, v, T * TILE, c->N);                                \
     }
 
-/* AVX2: x's sign moved onto w so maddubs gets |x| unsigned (pairs stay within int16: 2 * 127 * 127),
-   then madd by 1 sums each 4 products exactly. */
-#define AVX2_PDOT(mi, r)                                                                                  \
-    _mm256_madd_epi16(_mm256_maddubs_epi16(                                                               \
-        _mm256_loadu_si256((const __m256i *)(c->xa + (mi) * K + b * QBLOCK)),                             \
-        _mm256_sign_epi8(wv[r], _mm256_loadu_si256((const __m256i *)(c->xq + (mi) * K + b * QBLOCK)))),  \
-        _mm256_set1_epi16(1))
+#define BCAST128(ptr) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(ptr)))
+
+/* AVX2: W back to signed (w = stored ^ 0x80), x's sign moved onto it so maddubs gets |x| unsigned
+   (pairs stay within int16: 2 * 128 * 127), madd by 1 sums each 4 exactly, and the int32 lane sums
+   a block's 32 products over the 8 steps (no -128 correction: p starts at 0). */
+#define YMM_INIT(xr) _mm256_setzero_si256()
+#define FLIP256(v) _mm256_xor_si256((v), _mm256_set1_epi8((char)0x80))
+#define AVX2_STEP(i, h)                                                                                   \
+    p[i][h] = _mm256_add_epi32(p[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(BCAST128(xr[i] + 128 + 16 * t), \
+                                   _mm256_sign_epi8(wv[h], BCAST128(xr[i] + 16 * t))), _mm256_set1_epi16(1)))
+
+AVX2 static inline __attribute__((always_inline)) void kernel_avx2(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t T,
+                                                                 const int MR, const int NT) {
+    (void)NT;
+    YMM_KERNEL_BODY(AVX2_STEP, FLIP256)
+}
+#undef YMM_INIT
+
+AVX2 static void matmul_tiles_avx2(const MatmulCtx *c, Py_ssize_t t_lo, Py_ssize_t t_hi) { TILE_LOOP(kernel_avx2, 2, 1) }
+
+/* The VNNI paths: vpdpbusd multiplies W unsigned (stored: w + 128) by x signed, the lane starting
+   from xc = -128 * (the block's x codes' sum): after 8 steps exactly the block's dot product
+   (|intermediate| <= 32 * 255 * 128, no wrap). */
+#define VNNI256 __attribute__((target("avx2,fma,avxvnni")))
+#define YMM_INIT(xr) BCAST128((xr) + 256)
+#define VNNI256_STEP(i, h) p[i][h] = _mm256_dpbusd_avx_epi32(p[i][h], wv[h], BCAST128(xr[i] + 16 * t))
 #define NO_PREP(v) (v)
 
-AVX2 static inline __attribute__((always_inline)) void tile2_avx2(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t n,
-                                                                const int MR) {
-    YMM_TILE_BODY(AVX2_PDOT, NO_PREP)
+VNNI256 static inline __attribute__((always_inline)) void kernel_avxvnni(const MatmulCtx *c, Py_ssize_t m,
+                                                                       Py_ssize_t T, const int MR, const int NT) {
+    (void)NT;
+    YMM_KERNEL_BODY(VNNI256_STEP, NO_PREP)
+}
+#undef YMM_INIT
+
+VNNI256 static void matmul_tiles_avxvnni(const MatmulCtx *c, Py_ssize_t t_lo, Py_ssize_t t_hi) {
+    TILE_LOOP(kernel_avxvnni, 2, 1)
 }
 
-/* Two 2-row halves of a 4-row W tile. */
-#define TILE_AVX2(c, m, n, MR) (tile2_avx2(c, m, n, (MR) > 2 ? 2 : (MR)), tile2_avx2(c, m, n + 2, (MR) > 2 ? 2 : (MR)), \
-                                (MR) > 2 ? (tile2_avx2(c, m + 2, n, (MR) - 2), tile2_avx2(c, m + 2, n + 2, (MR) - 2)) : (void)0)
-
-AVX2 static void matmul_rows_avx2(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) { TILE_LOOP(TILE_AVX2, 4) }
-
-/* The VNNI paths: vpdpbusd multiplies unsigned by signed bytes, so W goes in as w + 128 (w ^ 0x80,
-   unsigned) against x signed, and the accumulator starts at -128 * (x's 4 codes' sum): the result is
-   exactly p(b, j) (|intermediate| <= 4 * 255 * 128, no wrap). */
-#define VNNI256 __attribute__((target("avx2,fma,avxvnni")))
-#define VNNI256_PDOT(mi, r)                                                                               \
-    _mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i *)(c->xc + (mi) * (K / 4) + b * 8)), wv[r],  \
-                            _mm256_loadu_si256((const __m256i *)(c->xq + (mi) * K + b * QBLOCK)))
-#define FLIP256(v) _mm256_xor_si256((v), _mm256_set1_epi8((char)0x80))
-
-VNNI256 static inline __attribute__((always_inline)) void tile2_avxvnni(const MatmulCtx *c, Py_ssize_t m,
-                                                                      Py_ssize_t n, const int MR) {
-    YMM_TILE_BODY(VNNI256_PDOT, FLIP256)
-}
-
-#define TILE_AVXVNNI(c, m, n, MR) (tile2_avxvnni(c, m, n, (MR) > 2 ? 2 : (MR)), tile2_avxvnni(c, m, n + 2, (MR) > 2 ? 2 : (MR)), \
-                                   (MR) > 2 ? (tile2_avxvnni(c, m + 2, n, (MR) - 2), tile2_avxvnni(c, m + 2, n + 2, (MR) - 2)) : (void)0)
-
-VNNI256 static void matmul_rows_avxvnni(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
-    TILE_LOOP(TILE_AVXVNNI, 4)
-}
-
-/* AVX-512 VNNI: one zmm holds blocks b and b + 1 of one (m, n), lanes 0-7 acc[0][0..7] and 8-15
-   acc[1][0..7] of the definition (b even); a micro-tile is MR (<= 4) x rows by 4 W rows, 16 zmm
-   accumulators. An odd last block runs in lanes 0-7 only (masked loads, masked fma). */
+/* AVX-512 VNNI: a tile is one zmm (16 lanes: 4 W rows x 4 blocks); micro-tiles of MR <= 4 x rows by
+   NT <= 2 tiles: 8 int32 and 8 fp32 accumulators. */
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+#define AVX512_NT 2
 
-AVX512 static inline __attribute__((always_inline)) void tile4_avx512(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t n,
-                                                                    const int MR) {
-    const Py_ssize_t K = c->K, nb = K / QBLOCK;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512 acc[4][4];
+AVX512 static inline __attribute__((always_inline)) void kernel_avx512(const MatmulCtx *c, Py_ssize_t m, Py_ssize_t T,
+                                                                     const int MR, const int NT) {
+    const Py_ssize_t ng = c->ng;
+    __m512 acc[4][AVX512_NT];
     for (int i = 0; i < 4; i++)
-        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
-    Py_ssize_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        __m512i wv[4];
-        __m512 wsv[4];
-        for (int r = 0; r < 4; r++) {
-            wv[r] = _mm512_xor_si512(_mm512_loadu_si512(c->wq + (n + r) * K + b * QBLOCK), flip);
-            wsv[r] = _mm512_permutexvar_ps(pair, _mm512_castpd_ps(_mm512_castpd128_pd512(
-                                                     _mm_load_sd((const double *)(c->ws + (n + r) * nb + b)))));
-        }
+        for (int j = 0; j < AVX512_NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        const uint8_t *w[AVX512_NT];
+        for (int j = 0; j < NT; j++) w[j] = c->wp + ((T + j) * ng + g) * WREC;
+        const uint8_t *xr[4];
+        __m512i p[4][AVX512_NT];
         for (int i = 0; i < MR; i++) {
-            const Py_ssize_t mi = m + i;
-            const __m512i xv = _mm512_loadu_si512(c->xq + mi * K + b * QBLOCK);
-            const __m512 xsv = _mm512_loadu_ps(c->xse + (mi * nb + b) * 8);
-            const int32_t *xc = c->xc + mi * (K / 4) + b * 8;
-            for (int r = 0; r < 4; r++) {
-                __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc), wv[r], xv);
-                acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(xsv, wsv[r]), _mm512_cvtepi32_ps(p), acc[i][r]);
+            xr[i] = c->xr + ((m + i) * ng + g) * XREC;
+            const __m512i xc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xr[i] + 256)));
+            for (int j = 0; j < NT; j++) p[i][j] = xc;
+        }
+        for (int t = 0; t < 8; t++) {
+            __m512i wv[AVX512_NT];
+            for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_si512(w[j] + 64 * t);
+            for (int i = 0; i < MR; i++) {
+                const __m512i xv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xr[i] + 16 * t)));
+                for (int j = 0; j < NT; j++) p[i][j] = _mm512_dpbusd_epi32(p[i][j], wv[j], xv);
             }
         }
-    }
-    if (b < nb) {
-        const __mmask64 k8 = 0xffffffffull;
-        const __mmask16 k32 = 0x00ff;
-        __m512i wv[4];
-        __m512 wsv[4];
-        for (int r = 0; r < 4; r++) {
-            wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k8, c->wq + (n + r) * K + b * QBLOCK), flip);
-            wsv[r] = _mm512_set1_ps(c->ws[(n + r) * nb + b]);
-        }
+        __m512 wsv[AVX512_NT];
+        for (int j = 0; j < NT; j++) wsv[j] = _mm512_loadu_ps((const float *)(w[j] + 512));
         for (int i = 0; i < MR; i++) {
-            const Py_ssize_t mi = m + i;
-            const __m512i xv = _mm512_maskz_loadu_epi8(k8, c->xq + mi * K + b * QBLOCK);
-            const __m512 xsv = _mm512_maskz_loadu_ps(k32, c->xse + (mi * nb + b) * 8);
-            const __m512i xc = _mm512_maskz_loadu_epi32(k32, c->xc + mi * (K / 4) + b * 8);
-            for (int r = 0; r < 4; r++) {
-                __m512i p = _mm512_dpbusd_epi32(xc, wv[r], xv);
-                acc[i][r] = _mm512_mask3_fmadd_ps(_mm512_mul_ps(xsv, wsv[r]), _mm512_cvtepi32_ps(p), acc[i][r], k32);
+            const __m512 xsv = _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)(xr[i] + 272)));
+            for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(xsv, wsv[j]), _mm512_cvtepi32_ps(p[i][j]), acc[i][j]);
+        }
+    }
+    const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NT; j++) {
+            __m512 a = acc[i][j];
+            a = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+            a = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+            const Py_ssize_t n = (T + j) * TILE;
+            float *dst = c->out + (m + i) * c->N + n;
+            const __m128 v = _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, a));
+            if (n + 4 <= c->N) _mm_storeu_ps(dst, v);
+            else {
+                float tmp[4];
+                _mm_storeu_ps(tmp, v);
+                store_tile(dst, tmp, n, c->N);
             }
         }
-    }
-    for (int i = 0; i < MR; i++) {
-        __m256 u[4];
-        for (int r = 0; r < 4; r++)  /* acc[0][j] + acc[1][j] */
-            u[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][r]),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][r]), 1)));
-        _mm_storeu_ps(c->out + (m + i) * c->N + n, tree8_x4(u[0], u[1], u[2], u[3]));
-    }
 }
 
-AVX512 static void matmul_rows_avx512(const MatmulCtx *c, Py_ssize_t n_lo, Py_ssize_t n_hi) {
-    TILE_LOOP(tile4_avx512, 4)
+AVX512 static void matmul_tiles_avx512(const MatmulCtx *c, Py_ssize_t t_lo, Py_ssize_t t_hi) {
+    TILE_LOOP(kernel_avx512, 4, AVX512_NT)
 }
 #endif
 
 static void matmul_part(void *ctx, int part, int nparts) {
     const MatmulCtx *c = ctx;
     Py_ssize_t lo, hi;
-    part_range(c->N, 4, part, nparts, &lo, &hi);  /* parts start on a multiple of 4: whole tiles */
+    part_range((c->N + TILE - 1) / TILE, 1, part, nparts, &lo, &hi);  /* whole tiles */
     switch (c->path) {
 #if HAVE_X86
-    case PATH_AVX512: matmul_rows_avx512(c, lo, hi); return;
-    case PATH_AVXVNNI: matmul_rows_avxvnni(c, lo, hi); return;
-    case PATH_AVX2: matmul_rows_avx2(c, lo, hi); return;
+    case PATH_AVX512: matmul_tiles_avx512(c, lo, hi); return;
+    case PATH_AVXVNNI: matmul_tiles_avxvnni(c, lo, hi); return;
+    case PATH_AVX2: matmul_tiles_avx2(c, lo, hi); return;
 #endif
-    default: matmul_rows_scalar(c, lo, hi); return;
+    default: matmul_tiles_scalar(c, lo, hi); return;
     }
 }
 
-/* matmul_q8(xq, xs, wq, ws, out, threads=None) -> out */
+static void *alloc64(size_t n) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, n ? n : 64) == 0 ? p : NULL;
+}
+
+/* Checks wq [N, K] and ws [N, K/32] (K % 32 == 0); 0, or -1 with ValueError set. */
+static int check_w(const char *fn, const Py_buffer *wq, const Py_buffer *ws) {
+    char msg[200];
+    Py_ssize_t N = wq->shape[0], K = wq->shape[1];
+    if (K % QBLOCK) {
+        snprintf(msg, sizeof msg, "K (wq.shape[1] = %zd) must be a multiple of %d", K, QBLOCK);
+        return shape_error(fn, msg);
+    }
+    if (ws->shape[0] != N || ws->shape[1] != K / QBLOCK) {
+        snprintf(msg, sizeof msg, "ws must be [N, K/32] = [%zd, %zd], not [%zd, %zd]", N, K / QBLOCK, ws->shape[0],
+                 ws->shape[1]);
+        return shape_error(fn, msg);
+    }
+    return 0;
+}
+
+/* pack_q8(wq, ws, out, threads=None) -> out */
+static PyObject *pack_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"wq", "ws", "out", "threads", NULL};
+    static const char *fn = "pack_q8";
+    PyObject *wq_o, *ws_o, *out_o, *threads_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O", kwlist, &wq_o, &ws_o, &out_o, &threads_o)) return NULL;
+    int threads = threads_arg(threads_o, fn);
+    if (threads < 0) return NULL;
+    static const ArraySpec spec[3] = {{"wq", I8, 2, 0}, {"ws", F32, 2, 0}, {"out", U8, 1, 1}};
+    PyObject *const objs[3] = {wq_o, ws_o, out_o};
+    Py_buffer v[3];
+    PyObject *result = NULL;
+    char msg[200];
+    int got = get_arrays(fn, 3, spec, objs, v);
+    if (got < 3 || check_w(fn, &v[0], &v[1]) < 0) goto done;
+    Py_ssize_t N = v[0].shape[0], K = v[0].shape[1];
+    if (v[2].shape[0] != packed_bytes(N, K)) {
+        snprintf(msg, sizeof msg, "out must hold packed_size(%zd, %zd) = %zd bytes, not %zd", N, K, packed_bytes(N, K),
+                 v[2].shape[0]);
+        shape_error(fn, msg);
+        goto done;
+    }
+    PackCtx pc = {v[0].buf, v[1].buf, v[2].buf, N, K};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(pack_part, &pc, parts_for((N + TILE - 1) / TILE, threads));
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(out_o);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+/* packed_size(N, K) -> bytes of pack_q8's layout */
+static PyObject *packed_size(PyObject *self, PyObject *args) {
+    Py_ssize_t N, K;
+    if (!PyArg_ParseTuple(args, "nn", &N, &K)) return NULL;
+    if (N < 0 || K < 0 || K % QBLOCK) {
+        PyErr_Format(PyExc_ValueError, "packed_size: N >= 0 and K >= 0 a multiple of %d, not (%zd, %zd)", QBLOCK, N, K);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(packed_bytes(N, K));
+}
+
+/* matmul_q8(xq, xs, wq, ws, out, threads=None, packed=None) -> out */
 static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"xq", "xs", "wq", "ws", "out", "threads", NULL};
+    static char *kwlist[] = {"xq", "xs", "wq", "ws", "out", "threads", "packed", NULL};
     static const char *fn = "matmul_q8";
-    PyObject *xq_o, *xs_o, *wq_o, *ws_o, *out_o, *threads_o = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|O", kwlist, &xq_o, &xs_o, &wq_o, &ws_o, &out_o, &threads_o))
+    PyObject *xq_o, *xs_o, *wq_o, *ws_o, *out_o, *threads_o = Py_None, *packed_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|OO", kwlist, &xq_o, &xs_o, &wq_o, &ws_o, &out_o, &threads_o,
+                                     &packed_o))
         return NULL;
     int threads = threads_arg(threads_o, fn);
     if (threads < 0) return NULL;
-    static const ArraySpec spec[5] = {{"xq", I8, 2, 0}, {"xs", F32, 2, 0}, {"wq", I8, 2, 0}, {"ws", F32, 2, 0},
-                                      {"out", F32, 2, 1}};
-    PyObject *const objs[5] = {xq_o, xs_o, wq_o, ws_o, out_o};
-    Py_buffer v[5];
+    const int n_arrays = packed_o != Py_None ? 6 : 5;
+    static const ArraySpec spec[6] = {{"xq", I8, 2, 0}, {"xs", F32, 2, 0}, {"wq", I8, 2, 0}, {"ws", F32, 2, 0},
+                                      {"out", F32, 2, 1}, {"packed", U8, 1, 0}};
+    PyObject *const objs[6] = {xq_o, xs_o, wq_o, ws_o, out_o, packed_o};
+    Py_buffer v[6];
     PyObject *result = NULL;
     char msg[200];
-    int got = get_arrays(fn, 5, spec, objs, v);
-    if (got < 5) goto done;
+    int got = get_arrays(fn, n_arrays, spec, objs, v);
+    if (got < n_arrays) goto done;
     Py_ssize_t M = v[0].shape[0], K = v[0].shape[1], N = v[2].shape[0];
     if (K % QBLOCK) {
         snprintf(msg, sizeof msg, "K (xq.shape[1] = %zd) must be a multiple of %d", K, QBLOCK);
@@ -706,47 +875,53 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
         shape_error(fn, msg);
         goto done;
     }
-    /* M = 1 streams W from memory: there the AVX2 code (same results) keeps up with memory better than
-       the VNNI ones on the Zen 5 this was measured on, so an unforced call takes it. */
+    if (n_arrays == 6 && v[5].shape[0] != packed_bytes(N, K)) {
+        snprintf(msg, sizeof msg, "packed must be pack_q8(wq, ws)'s %zd bytes, not %zd", packed_bytes(N, K),
+                 v[5].shape[0]);
+        shape_error(fn, msg);
+        goto done;
+    }
+    /* M = 1 streams W from memory: there an unforced call runs at most M1_PATH (same results). With the
+       previous arithmetic the AVX2 code kept up with memory better on Zen 5; with this one AVX-512
+       VNNI does no worse, so M1_PATH is the best path. */
     int path = matmul_path();
-    if (forced_path < 0 && M == 1 && path > PATH_AVX2) path = PATH_AVX2;
-    MatmulCtx c = {v[0].buf, NULL, NULL, NULL, v[1].buf, v[2].buf, v[3].buf, v[4].buf, M, N, K, 4, path};
-    /* x rows per m_block: their codes, xc and xse (3 K bytes a row) stay in L2 while W tiles pass */
-    c.m_block = K > 0 ? (512 * 1024 / (3 * K)) / 4 * 4 : 4;
+    if (forced_path < 0 && M == 1 && path > M1_PATH) path = M1_PATH;
+    if (M == 0 || N == 0 || K == 0) path = PATH_SCALAR;  /* nothing to pack for (same results) */
+    const Py_ssize_t ng = groups_of(K);
+    MatmulCtx c = {v[0].buf, v[2].buf, v[1].buf, v[3].buf, NULL, NULL, v[4].buf, M, N, K, ng, 4, path};
+    /* x rows per m_block: their records (XREC bytes per 128 values) stay in L2 while W tiles pass */
+    c.m_block = (512 * 1024 / (ng * XREC)) / 4 * 4;
     if (c.m_block < 4) c.m_block = 4;
-    const Py_ssize_t nb = K / QBLOCK;
-    void *scratch = NULL;
-    if (c.path != PATH_SCALAR && M * K > 0) {
-        scratch = PyMem_Malloc((size_t)(c.path == PATH_AVX2 ? M * K : 2 * M * K));
-        if (!scratch) {
+    uint8_t *xr = NULL, *wp = NULL;
+    if (path != PATH_SCALAR) {
+        xr = alloc64((size_t)(M * ng * XREC));
+        wp = n_arrays == 6 ? NULL : alloc64((size_t)packed_bytes(N, K));
+        if (!xr || (n_arrays == 5 && !wp)) {
+            free(xr);
+            free(wp);
             PyErr_NoMemory();
             goto done;
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    if (scratch && c.path == PATH_AVX2) {
-        uint8_t *xa = scratch;
-        for (Py_ssize_t i = 0; i < M * K; i++) xa[i] = (uint8_t)abs((int)c.xq[i]);
-        c.xa = xa;
-    } else if (scratch) {
-        int32_t *xc = scratch;
-        float *xse = (float *)(xc + M * K / 4);
-        for (Py_ssize_t i = 0; i < M * K / 4; i++)
-            xc[i] = -128 * ((int32_t)c.xq[4 * i] + c.xq[4 * i + 1] + c.xq[4 * i + 2] + c.xq[4 * i + 3]);
-        for (Py_ssize_t i = 0; i < M * nb; i++)
-            for (int j = 0; j < 8; j++) xse[8 * i + j] = c.xs[i];
-        c.xc = xc;
-        c.xse = xse;
+    if (path != PATH_SCALAR) {
+        x_records(c.xq, c.xs, M, K, xr);
+        c.xr = xr;
+        if (wp) {
+            PackCtx pc = {c.wq, c.ws, wp, N, K};
+            pool_run(pack_part, &pc, parts_for((N + TILE - 1) / TILE, threads));
+        }
+        c.wp = wp ? wp : v[5].buf;
     }
-    pool_run(matmul_part, &c, parts_for((N + 3) / 4, threads));
+    pool_run(matmul_part, &c, parts_for((N + TILE - 1) / TILE, threads));
     Py_END_ALLOW_THREADS
-    PyMem_Free(scratch);
+    free(xr);
+    free(wp);
     result = Py_NewRef(out_o);
 done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
     return result;
 }
-
 /* ---------------------------------------------------------------------------------------------
    attention */
 
@@ -1068,6 +1243,10 @@ static PyMethodDef methods[] = {
      "quantize_rows(x) -> (xq, xs): float32 [M, K] rows to Q8_0 int8 codes [M, K] and float32 block scales [M, K/32]"},
     {"matmul_q8", (PyCFunction)(void (*)(void))matmul_q8, METH_VARARGS | METH_KEYWORDS,
      "matmul_q8(xq, xs, wq, ws, out, threads=None) -> out: out[m, n] = sum over blocks of xs*ws*idot (see the source)"},
+    {"pack_q8", (PyCFunction)(void (*)(void))pack_q8, METH_VARARGS | METH_KEYWORDS,
+     "pack_q8(wq, ws, out, threads=None) -> out: W's codes and scales in the SIMD paths' layout (uint8 "
+     "[packed_size(N, K)]; see the source)"},
+    {"packed_size", packed_size, METH_VARARGS, "packed_size(N, K) -> the bytes pack_q8 writes for W [N, K]"},
     {"attention", (PyCFunction)(void (*)(void))attention, METH_VARARGS | METH_KEYWORDS,
      "attention(q, k_cache, v_cache, positions, window, scale, out, threads=None, tree_start=-1, ancestors=None) -> out "
      "(see the source)"},

@@ -35,13 +35,28 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _C.quantize_rows(x) if _C is not None else quantize_rows_numpy(x)
 
 
+def pack_weight(codes: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+    """W's codes [N, K] and scales [N, K/32] in the C kernels' SIMD layout (uint8, 64-byte aligned;
+    see pack_q8 in server/_cpu_kernels.c), or None without the C kernels. Computed once per weight:
+    `linear` hands it to matmul_q8, which otherwise packs W on every call."""
+    if _C is None or codes.dtype != np.int8:  # not int8 codes (a test's float stand-ins): nothing to pack
+        return None
+    codes, scales = np.ascontiguousarray(codes), np.ascontiguousarray(scales, dtype=np.float32)
+    size = _C.packed_size(*codes.shape)
+    buf = np.empty(size + 64, dtype=np.uint8)
+    at = -buf.ctypes.data % 64
+    return _C.pack_q8(codes, scales, buf[at : at + size])
+
+
 def linear(x: np.ndarray, lin) -> np.ndarray:
+    """x [M, K] times lin's W^T: lin.codes / lin.scales (Q8_0), and lin.packed (pack_weight of them,
+    or None: matmul_q8 packs per call)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if _C is None:
         return _linear_numpy(x, lin.codes, lin.scales)
     xq, xs = _C.quantize_rows(x)
     out = np.empty((x.shape[0], lin.codes.shape[0]), dtype=np.float32)
-    _C.matmul_q8(xq, xs, lin.codes, lin.scales, out)
+    _C.matmul_q8(xq, xs, lin.codes, lin.scales, out, packed=getattr(lin, "packed", None))
     return out
 
 
@@ -70,15 +85,41 @@ def quantize_rows_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(m, k), scale
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fmaf(a, b, c) elementwise on float32 arrays, correctly rounded (C's fmaf), for products exact
+    in float64 (a's and b's significands together within 53 bits: true of matmul_q8's scale product
+    times an int32 dot below 2**24). The sum is taken in float64 round-to-odd (TwoSum gives the
+    rounding error; an inexact sum keeps its truncation with the last bit set), which rounds to
+    float32 exactly as one rounding of the exact a * b + c would (53 >= 24 + 2)."""
+    p = a.astype(np.float64) * b.astype(np.float64)  # exact
+    q = c.astype(np.float64)
+    s = p + q
+    v = s - p
+    err = (p - (s - v)) + (q - v)  # exact: s + err == p + q
+    inexact = err != 0
+    if inexact.any():
+        # truncation toward zero: s itself when err points away from zero, else one step toward zero
+        trunc = np.where((err > 0) == (s > 0), s, np.nextafter(s, 0.0))
+        odd = (trunc.view(np.int64) | 1).view(np.float64)
+        s = np.where(inexact, odd, s)
+    return s.astype(np.float32)
+
+
 def _linear_numpy(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """matmul_q8's definition (server/_cpu_kernels.c), bit for bit: per block b an exact int32 dot,
+    acc[b % 4] = fmaf(xs * ws, dot, acc[b % 4]) in block order, out = (acc0 + acc1) + (acc2 + acc3)."""
     xq, xs = quantize_rows_numpy(x)
     m, k = xq.shape
     nb = k // 32
     out = np.empty((m, codes.shape[0]), dtype=np.float32)
     w = codes.reshape(codes.shape[0], nb, 32).astype(np.int32)
     for i in range(m):  # a row at a time: nothing depends on M
-        dots = np.einsum("bk,nbk->nb", xq[i].reshape(nb, 32).astype(np.int32), w)  # exact int32 per block
-        out[i] = ((xs[i][None, :] * scales) * dots.astype(np.float32)).sum(axis=1, dtype=np.float32)
+        dots = np.einsum("bk,nbk->nb", xq[i].reshape(nb, 32).astype(np.int32), w).astype(np.float32)  # exact
+        s = xs[i][None, :] * scales  # the scale products, rounded to float32
+        acc = np.zeros((4, codes.shape[0]), dtype=np.float32)
+        for b in range(nb):
+            acc[b % 4] = fma32(s[:, b], dots[:, b], acc[b % 4])
+        out[i] = (acc[0] + acc[1]) + (acc[2] + acc[3])
     return out
 
 

@@ -43,21 +43,29 @@ def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class Int8Linear:
+    """codes and scales are the weight (Q8_0; embedding row lookups read them); packed is the same
+    weight re-laid out once for the C kernels' SIMD matmul (cpu_kernels.pack_weight), None for a
+    table only ever looked up (or without the C kernels): matmul_q8 then packs per call."""
     codes: np.ndarray   # int8 [N, K]
     scales: np.ndarray  # fp32 [N, K / 32]
+    packed: np.ndarray | None = None  # uint8, pack_q8's layout of codes and scales
 
     @classmethod
-    def of(cls, *weights: np.ndarray) -> "Int8Linear":
-        """One linear computing the given weights' outputs side by side (fused)."""
+    def of(cls, *weights: np.ndarray, pack: bool = True) -> "Int8Linear":
+        """One linear computing the given weights' outputs side by side (fused); pack=False for a
+        table that is only looked up by row (no packed copy)."""
+        from server import cpu_kernels
+
         codes, scales = quantize_weight(np.concatenate(weights, axis=0))
-        return cls(np.ascontiguousarray(codes), np.ascontiguousarray(scales))
+        codes, scales = np.ascontiguousarray(codes), np.ascontiguousarray(scales)
+        return cls(codes, scales, cpu_kernels.pack_weight(codes, scales) if pack else None)
 
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
 
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        return self.codes.nbytes + self.scales.nbytes + (0 if self.packed is None else self.packed.nbytes)
 
 
 def unsupported_reason(model) -> str | None:
@@ -209,14 +217,14 @@ class CpuGemma:
         ple = None
         if ple_dim:
             table = m.embed_tokens_per_layer
-            ple = {"dim": ple_dim, "table": Int8Linear.of(arr(table.weight)),
+            ple = {"dim": ple_dim, "table": Int8Linear.of(arr(table.weight), pack=False),  # rows only
                    "table_scale": np.float32(arr(table.embed_scale).reshape(-1)[0]),
                    "proj": Int8Linear.of(arr(m.per_layer_model_projection.weight)),
                    "proj_scale": np.float32(m.per_layer_model_projection_scale),
                    "norm": norm(m.per_layer_projection_norm), "input_scale": np.float32(m.per_layer_input_scale)}
-        embed = Int8Linear.of(arr(m.embed_tokens.weight))
         head = getattr(model, "lm_head", None)
         tied = head is None or head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
+        embed = Int8Linear.of(arr(m.embed_tokens.weight), pack=tied)  # packed when it is the LM head too
         cfg = {"eps": c.rms_norm_eps, "window": c.sliding_window,
                "embed_scale": float(arr(m.embed_tokens.embed_scale).reshape(-1)[0]),
                "softcap": getattr(c, "final_logit_softcapping", None) or None}

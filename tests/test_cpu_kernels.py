@@ -75,26 +75,31 @@ def test_matmul_q8_is_the_block_scaled_dot_product(m, n, k):
 
 
 def _matmul_def(xq, xs, wq, ws) -> np.ndarray:
-    """The module's definition of out[m, n] in numpy float32, operation for operation: p(b, j) exact,
-    acc[b % 2][j] = fma(xs * ws, p, acc) (fma through float64: the product of two float32 values is
-    exact there and the sum is rounded once, except on a double-rounding tie, absent here), then
-    u = acc[0] + acc[1] and tree8(u)."""
+    """The module's definition of out[m, n] in numpy float32, operation for operation: d(b) exact,
+    acc[b % 4] = fmaf(xs * ws, d, acc) (fma through float64: the product of a float32 scale and a
+    dot below 2**24 is exact there and the sum is rounded once, except on a double-rounding tie,
+    absent here), then (acc0 + acc1) + (acc2 + acc3)."""
     m, k = xq.shape
     n, nb = wq.shape[0], k // 32
-    p = np.einsum("mbji,nbji->mnbj", xq.reshape(m, nb, 8, 4).astype(np.int64),
-                  wq.reshape(n, nb, 8, 4).astype(np.int64)).astype(np.float32)
+    d = np.einsum("mbi,nbi->mnb", xq.reshape(m, nb, 32).astype(np.int64),
+                  wq.reshape(n, nb, 32).astype(np.int64)).astype(np.float32)
     s = xs[:, None, :] * ws[None, :, :]  # float32 products, rounded
-    acc = np.zeros((2, m, n, 8), np.float32)
+    acc = np.zeros((4, m, n), np.float32)
     for b in range(nb):
-        acc[b % 2] = (s[:, :, b, None].astype(np.float64) * p[:, :, b].astype(np.float64)
-                      + acc[b % 2].astype(np.float64)).astype(np.float32)
-    u = acc[0] + acc[1]
-    return ((u[..., 0] + u[..., 1]) + (u[..., 2] + u[..., 3])) + ((u[..., 4] + u[..., 5]) + (u[..., 6] + u[..., 7]))
+        acc[b % 4] = (s[:, :, b].astype(np.float64) * d[:, :, b].astype(np.float64)
+                      + acc[b % 4].astype(np.float64)).astype(np.float32)
+    return (acc[0] + acc[1]) + (acc[2] + acc[3])
+
+
+def _packed(wq, ws) -> np.ndarray:
+    out = np.empty(ck.packed_size(*wq.shape), np.uint8)
+    assert ck.pack_q8(wq, ws, out) is out
+    return out
 
 
 def test_matmul_q8_is_its_stated_arithmetic_on_every_path():
     rng = np.random.default_rng(7)
-    for m, n, k in [(5, 12, 640), (3, 9, 96)]:
+    for m, n, k in [(5, 12, 640), (3, 9, 96), (17, 7, 32), (2, 5, 2048)]:  # K/32 = 20, 3, 1, 64
         xq, xs = ck.quantize_rows(rng.standard_normal((m, k)).astype(np.float32))
         wq, ws = _weights(rng, n, k)
         want = _matmul_def(xq, xs, wq, ws)
@@ -102,8 +107,84 @@ def test_matmul_q8_is_its_stated_arithmetic_on_every_path():
             prev = ck._force_path(path)
             try:
                 assert np.array_equal(_matmul(xq, xs, wq, ws), want), path
+                assert np.array_equal(_matmul(xq, xs, wq, ws, packed=_packed(wq, ws)), want), path
             finally:
                 ck._force_path(prev)
+
+
+@pytest.mark.parametrize("k", [32, 64, 96, 640, 2048])
+@pytest.mark.parametrize("n", [1, 6, 37, 64])  # N % 4 != 0 and N below one tile stride
+def test_every_path_gives_the_same_bits_for_every_m_and_thread_count(n, k):
+    """M = 1..17, threads 1, 2, 3, all four paths, packed and not: one set of bits (the scalar
+    code's on all 17 rows), which the numpy twin gives too; and close to a float64 reference."""
+    from server import cpu_kernels
+
+    rng = np.random.default_rng(n * 1000 + k)
+    xq, xs = ck.quantize_rows((rng.standard_normal((17, k)) * rng.uniform(0.1, 10, (17, 1))).astype(np.float32))
+    wq, ws = _weights(rng, n, k)
+    packed = _packed(wq, ws)
+    prev = ck._force_path("scalar")
+    try:
+        want = _matmul(xq, xs, wq, ws, threads=1)
+    finally:
+        ck._force_path(prev)
+    for path in ck.paths():
+        prev = ck._force_path(path)
+        try:
+            for m in range(1, 18):
+                for threads in (1, 2, 3):
+                    got = _matmul(xq[:m], xs[:m], wq, ws, threads=threads, packed=packed)
+                    assert np.array_equal(got, want[:m]), (path, m, threads)
+                assert np.array_equal(_matmul(xq[17 - m:], xs[17 - m:], wq, ws), want[17 - m:]), (path, m)
+        finally:
+            ck._force_path(prev)
+    assert np.array_equal(_matmul(xq, xs, wq, ws, packed=packed), want)  # unforced (M = 1 may pick its own path)
+    assert np.array_equal(_matmul(xq[4:5], xs[4:5], wq, ws, packed=packed), want[4:5])
+    # the numpy twin's definition, the same bits (it quantizes x itself: give it x that quantizes to xq, xs)
+    x = (xq.reshape(17, -1, 32).astype(np.float32) * xs[:, :, None]).reshape(17, k)
+    xq2, xs2 = ck.quantize_rows(x)
+    twin = cpu_kernels._linear_numpy(x, wq, ws)
+    assert np.array_equal(twin, _matmul(xq2, xs2, wq, ws, packed=packed))
+    ref = _matmul_ref(xq, xs, wq, ws)
+    np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_fma32_rounds_once():
+    """The numpy twin's fmaf: exactly one rounding of a * b + c, including where float64's own
+    rounding of the sum lands on a float32 tie (double rounding would then round wrong)."""
+    from server.cpu_kernels import fma32
+
+    # 1 + 2^-30 -> 1; 15 - 15 -> +0; (1 + 2^-23) + (2^-24 - 2^-54): just below the tie between
+    # 1 + 2^-23 and 1 + 2^-22, which float64 rounds onto (and then to even, 1 + 2^-22: wrong)
+    a = np.array([1.0, 3.0, 1.0 + 2.0**-15], np.float32)
+    b = np.array([1.0, 5.0, (1.0 - 2.0**-15) * 2.0**-24], np.float32)
+    c = np.array([2.0**-30, -15.0, 1.0 + 2.0**-23], np.float32)
+    want = np.array([1.0, 0.0, 1.0 + 2.0**-23], np.float32)
+    naive = (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+    assert naive[2] == np.float32(1.0 + 2.0**-22)  # the double rounding this guards against
+    got = fma32(a, b, c)
+    assert np.array_equal(got, want) and not np.signbit(got[1]), got
+    assert fma32(-a, b, -c)[2] == -want[2]
+
+
+def test_pack_q8_layout_and_checks():
+    rng = np.random.default_rng(9)
+    wq, ws = _weights(rng, 5, 160)  # 2 tiles (the second padded), 2 groups (the second padded)
+    p = _packed(wq, ws)
+    assert p.shape == (ck.packed_size(5, 160),) == (2 * 2 * 576,)
+    rec = p[:576]  # tile 0, group 0
+    for r, q, t, i in [(0, 0, 0, 0), (3, 2, 7, 3), (1, 3, 4, 1)]:
+        assert rec[64 * t + 16 * r + 4 * q + i] == (int(wq[r, 32 * q + 4 * t + i]) + 128)
+    assert np.array_equal(rec[512:].view(np.float32).reshape(4, 4), ws[:4, :4])
+    last = p[3 * 576:]  # tile 1, group 1: row 4's block 4, the rest padding
+    assert last[512:].view(np.float32)[0] == ws[4, 4] and not last[512:].view(np.float32)[1:].any()
+    with pytest.raises(ValueError, match="packed_size"):
+        ck.pack_q8(wq, ws, np.empty(10, np.uint8))
+    with pytest.raises(ValueError, match="packed must be"):
+        xq, xs = ck.quantize_rows(np.ones((1, 160), np.float32))
+        ck.matmul_q8(xq, xs, wq, ws, np.empty((1, 5), np.float32), packed=p[:-1])
+    with pytest.raises(TypeError, match="packed must be uint8"):
+        ck.matmul_q8(xq, xs, wq, ws, np.empty((1, 5), np.float32), packed=p.view(np.int8))
 
 
 @pytest.mark.parametrize("n,k", [(260, 640), (1030, 352), (37, 96)])  # K/32 = 20, 11 (odd), 3
