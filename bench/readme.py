@@ -38,6 +38,8 @@ SECTIONS = [
      "gpu_e4b.md", []),
     ("The step kernels against tinygemm/cuBLAS, per E4B layer shape (H200)",
      "python -m bench.small_m_bench (on the GPU machine)", "small_m.md", []),
+    ("The GPU verify cost curve to 64 tokens (E4B shape, int4, H200)",
+     "python -m bench.gpu_cost_curve (on the GPU machine)", "gpu_cost_curve.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
      "gpu_projection.md", []),
 ]

@@ -15,11 +15,12 @@ weights and norms, because transformers' own forward cannot be captured (`Static
 lazily inside `update`) and torch.compile cannot trace quanto's int4 tensor subclass. Prefill calls
 `aten._weight_int4pack_mm` (tinygemm, what quanto itself calls) on quanto's packed int4 tensors.
 
-Steps (decode and verify, 2..16 rows) on CUDA with bf16 activations run on Sailfish's Triton step
+Steps (decode and verify, 2..64 rows) on CUDA with bf16 activations run on Sailfish's Triton step
 kernels (`step_kernels`, on by default where they apply; `step_kernel_note` says which and why):
 server/small_m_matmul.py (int4 re-laid out once, bf16 LM head) and server/step_attention.py. They
-cost about the same for 2 and 16 rows (tinygemm's cost grows with rows) and are batch-invariant: a
-token's logits are bit-identical in a 16-token verify and in a one-token step, so drafted decoding
+cost about the same for 2 and 16 rows (tinygemm's cost grows with rows; bench/results/gpu_cost_curve.md
+has the curve to 64) and are batch-invariant: a token's logits are bit-identical in a 64-token
+verify and in a one-token step, so drafted decoding
 equals plain decoding on this path, near-tied argmaxes included. 1-token steps run as 2-token
 steps (see `__init__`). Without them (CPU, fp32, other shapes) steps use tinygemm/cuBLAS.
 
@@ -31,7 +32,7 @@ Cache layout, per layer that owns keys (KV-shared layers read their source layer
   is still in the ring, because nothing written is ever more than `chunk` ahead of the committed
   position (prefill writes at most `chunk` tokens a forward; steps at most `max_bucket <= chunk`).
 
-Steps of 1..max_bucket tokens are padded to a bucket (1, 2, 4, 8, 16 by default); on CUDA each
+Steps of 1..max_bucket tokens are padded to a bucket (1, 2, 4, 8, 16, 32, 64 by default); on CUDA each
 (bucket, kv_len) pair is captured once as a CUDA graph (`capture=True`), so a step is two small
 host-to-device copies, one graph replay and one device-to-host copy. The padding tokens' keys land
 past the committed position, where masks hide them until they are overwritten.
@@ -49,7 +50,7 @@ from server.backend import Prefill
 from server.fast_prefill import _w, prefill_layers
 from server.small_m_matmul import MAX_ROWS
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 15
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
 
 
 # ---------------------------------------------------------------- linear layers
@@ -369,6 +370,13 @@ class FastTarget:
             layer.step = replace(layer, **small, step=None)
         self.lm_head_step = as_small_m(self.lm_head)
         self.ple_model_proj_step = as_small_m(self.ple_model_proj) if self.ple_dim else None
+        # One split-K scratch for all of them (they run one after another on one stream): sized for
+        # 64 rows, per-linear scratch would be ~1.2 GB on E4B; shared it is the largest one's.
+        from server.small_m_matmul import SmallMLinear, share_partials
+        every = [self.lm_head_step] + ([self.ple_model_proj_step] if self.ple_dim else [])
+        for layer in self.layers:
+            every += [v for v in vars(layer.step).values() if isinstance(v, SmallMLinear)]
+        self.step_scratch_bytes = share_partials(every)
         self.step_attention = {}
         for layer in self.layers:
             d = layer.head_dim
@@ -610,7 +618,9 @@ class FastTarget:
                 out = self._forward(ids, pos, kv_len, step=True)
             torch.cuda.synchronize()
             self._graphs[key] = (graph, out)
-            self.timings.capture_s += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.timings.extra.setdefault("capture_s", {})[key] = seconds  # per (bucket, kv_len), for reports
+            self.timings.capture_s += seconds
             self.timings.graphs += 1
         return self._graphs[key]
 

@@ -5,17 +5,54 @@ import triton.language as tl
 
 
 @triton.jit
+def _x_tile(x_ptr, stride_xm, M, tile, ks, BLOCK_M: tl.constexpr):
+    """Rows tile*BLOCK_M.. of x at columns ks (rows past M read as 0)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    return tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows < M)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_partial(partial_ptr, acc, tile, pid_k, N, cols, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, tile, M, N, cols, BLOCK_M: tl.constexpr):
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None])
+
+
+@triton.jit
+def _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row tile's output: its K slices' partials summed in slice order (a fixed order)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offsets = rows[:, None] * N + cols[None, :]
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT):  # fixed order: the sum does not depend on arrival order
+        total += tl.load(partial_ptr + s * ROWS * N + offsets, cache_modifier=".cg")
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None])
+
+
+@triton.jit
 def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
                     M, N, K, stride_xm, k_per_split,
-                    INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[:M] = x @ W^T for one (N tile, K slice). Rows come in TILES tiles of BLOCK_M (16) rows, each
+    with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
+    BLOCK_M is the partials' rows per K slice. A weight tile is loaded (and its int4 codes decoded)
+    once for all row tiles. Invariant: row i's sums are the same instructions in the same order
+    whatever TILES is, so per-row bits do not depend on the bucket. Up to 4 tiles (64 rows)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     sub = tl.arange(0, 16)
-    row_ok = rows < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     for i in range(0, k_per_split // BLOCK_K):
         k0 = k_begin + i * BLOCK_K
@@ -31,25 +68,46 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     code = (nibble.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
                 else:
                     code = nibble.to(scale_ptr.dtype.element_ty)
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + 16 * j + sub)[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                acc += tl.dot(x, (code * scale + offset).to(x.dtype))
+                ks = k0 + 16 * j + sub
+                w = (code * scale + offset).to(x_ptr.dtype.element_ty)
+                acc0 += tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w)
+                if TILES > 1:
+                    acc1 += tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w)
+                if TILES > 2:
+                    acc2 += tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w)
+                if TILES > 3:
+                    acc3 += tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w)
         else:  # dense bf16 W [N, K]: the tile W[cols, ks] transposed
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
-            acc += tl.dot(x, tl.load(w_ptr + cols[None, :] * K + ks[:, None]))
-    out_offsets = rows[:, None] * N + cols[None, :]
+            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None])
+            acc0 += tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w)
+            if TILES > 1:
+                acc1 += tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w)
+            if TILES > 2:
+                acc2 += tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w)
+            if TILES > 3:
+                acc3 += tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w)
     if SPLIT == 1:
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _store_out(out_ptr, acc0, 0, M, N, cols, BLOCK_M)
+        if TILES > 1:
+            _store_out(out_ptr, acc1, 1, M, N, cols, BLOCK_M)
+        if TILES > 2:
+            _store_out(out_ptr, acc2, 2, M, N, cols, BLOCK_M)
+        if TILES > 3:
+            _store_out(out_ptr, acc3, 3, M, N, cols, BLOCK_M)
     else:
-        tl.store(partial_ptr + pid_k * BLOCK_M * N + out_offsets, acc)
-        # acq_rel: this slice's partial is visible to whoever sees the counter move past it.
+        _store_partial(partial_ptr, acc0, 0, pid_k, N, cols, ROWS, BLOCK_M)
+        if TILES > 1:
+            _store_partial(partial_ptr, acc1, 1, pid_k, N, cols, ROWS, BLOCK_M)
+        if TILES > 2:
+            _store_partial(partial_ptr, acc2, 2, pid_k, N, cols, ROWS, BLOCK_M)
+        if TILES > 3:
+            _store_partial(partial_ptr, acc3, 3, pid_k, N, cols, ROWS, BLOCK_M)
+        # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT):  # fixed order: the sum does not depend on arrival order
-                total += tl.load(partial_ptr + s * BLOCK_M * N + out_offsets, cache_modifier=".cg")
-            tl.store(out_ptr + out_offsets, total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            for tile in tl.static_range(TILES):
+                _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT, ROWS, BLOCK_M, BLOCK_N)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 

@@ -1,4 +1,4 @@
-"""Batch-invariant matmuls for decode and verify steps (1..16 rows) on the GPU, in Triton.
+"""Batch-invariant matmuls for decode and verify steps (1..64 rows) on the GPU, in Triton.
 
 Contract: `SmallMLinear.from_int4(packed, scale_shift, group_size, out_features)` (quanto's
 tinygemm-packed int4 weight, read once and re-laid out) or `SmallMLinear.from_dense(weight)`
@@ -11,10 +11,15 @@ tinygemm pick different kernels (different summation orders) for different row c
 token's logits in a 16-token verify differ in the last bits from the same token's logits in a
 1-token step, and near-tied argmaxes flip.
 
-Here one kernel serves every row count: rows are padded to one 16-row tile, the K axis is cut into
-the same fixed chunks whatever the rows, and the chunks' partial sums are added in a fixed order.
-Invariant: row i of the output is bit-identical whatever the other rows hold and however many
-there are (a tensor-core product's row i reads only row i of its left operand). That makes a
+Here one kernel serves every row count: rows are padded to tiles of TILE_M = 16 rows (1 to 4
+tiles), the K axis is cut into the same fixed chunks whatever the rows, and the chunks' partial
+sums are added in a fixed order. Each row tile has its own accumulator and its own product of the
+one shape a single tile uses, against the same decoded weight tile (read once for all row tiles):
+the tile size never grows with the rows, because a larger tensor-core tile (wgmma on Hopper) is a
+different instruction whose rounding need not match. Invariant: row i of the output is
+bit-identical whatever the other rows hold and however many there are (a tensor-core product's
+row i reads only row i of its left operand, and the instructions and their order do not depend on
+the row count). That makes a
 verify step's logits equal the one-token steps', so drafted decoding is exactly plain decoding on
 this path, near-ties included.
 
@@ -29,13 +34,16 @@ is the floor: the kernel is bound by memory bandwidth at these row counts.
 Split-K: each (N tile, K slice) program writes its fp32 partial; the last program of an N tile to
 arrive (an atomic counter per tile) sums the slices in slice order and writes the output, then
 resets its counter, so one launch does the whole product and the order of the sum never depends on
-which program finished first.
+which program finished first. The partials' scratch (split x 64 rows x N fp32) may be shared by
+linears that run one after another on one stream (`share_partials`): a launch reads only what it
+wrote, and the next one starts after it ends.
 """
 from __future__ import annotations
 
 import torch
 
-MAX_ROWS = 16
+MAX_ROWS = 64       # rows one call takes: up to 4 tiles of TILE_M
+TILE_M = 16         # rows per tensor-core tile, whatever the row count (see the module docstring)
 BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's default)
 TARGET_PROGRAMS = 528  # ~4 per SM on an H100/H200: enough bytes in flight to approach the memory's rate
 NUM_STAGES = 4
@@ -110,7 +118,8 @@ class SmallMLinear:
         self.num_stages = num_stages
         self.split = _plan(n, k, block_n, target_programs)
         dev = weight.device
-        self.partial = torch.empty((self.split, MAX_ROWS, n), dtype=torch.float32, device=dev)
+        self.partial = torch.empty((max(1, self.partial_numel()),),
+                                   dtype=torch.float32, device=dev)
         self.count = torch.zeros(-(-n // block_n), dtype=torch.int32, device=dev)
 
     @property
@@ -143,13 +152,19 @@ class SmallMLinear:
             x2 = x2.contiguous()
         out = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
         from server.gpu_kernels import _small_m_kernel
+        tiles = max(1, -(-m // TILE_M))
         grid = (self.n // self.block_n, self.split)
         _small_m_kernel[grid](
             x2, self.weight, self.scale if self.int4 else self.weight, self.offset if self.int4 else self.weight,
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
-            INT4=self.int4, SPLIT=self.split, MAGIC=self.magic, BLOCK_M=MAX_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
+            INT4=self.int4, SPLIT=self.split, MAGIC=self.magic, TILES=tiles, ROWS=tiles * TILE_M,
+            BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
             num_warps=self.num_warps, num_stages=self.num_stages)
         return out.reshape(*lead, self.n)
+
+    def partial_numel(self) -> int:
+        """fp32 scratch this linear needs for MAX_ROWS rows (0 without split-K)."""
+        return self.split * MAX_ROWS * self.n if self.split > 1 else 0
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] as the kernel sees it (bf16): for tests and reference products."""
@@ -162,6 +177,20 @@ class SmallMLinear:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.offset) if t is not None)
+
+
+def share_partials(linears: list) -> int:
+    """Point every linear's split-K scratch at one buffer, the size of the largest need; returns its
+    bytes. Only for linears that run one at a time on one stream (one model's step forward): each
+    launch writes its partials before reading them back, and the next launch starts after it ends.
+    Call before any CUDA graph captures the linears (a graph keeps the pointers it saw)."""
+    need = max((lin.partial_numel() for lin in linears), default=0)
+    if not linears or not need:
+        return 0
+    shared = torch.empty(need, dtype=torch.float32, device=linears[0].weight.device)
+    for lin in linears:
+        lin.partial = shared
+    return need * 4
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:

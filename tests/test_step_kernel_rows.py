@@ -1,0 +1,93 @@
+"""The step kernels alone (server/small_m_matmul.py, server/step_attention.py) at every row count up
+to 64: row i of a many-row call is bit-identical to the same row computed alone, and the results
+are close to a float32 reference. CUDA only (skipped without a GPU); the fast path's whole-step
+versions of these checks are in tests/test_fast_path.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.small_m_matmul import BLOCK_K, MAX_ROWS, SmallMLinear, pack_codes
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+ROW_COUNTS = (1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64)
+
+
+def int4_linear(n: int, k: int, seed: int) -> SmallMLinear:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = (torch.rand(k // BLOCK_K, n, generator=g) * 0.02).to(torch.bfloat16)
+    offset = (-8 * scale.float()).to(torch.bfloat16)
+    return SmallMLinear(pack_codes(codes).cuda(), scale.cuda(), offset.cuda(), n, k)
+
+
+def dense_linear(n: int, k: int, seed: int) -> SmallMLinear:
+    g = torch.Generator().manual_seed(seed)
+    return SmallMLinear.from_dense((torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).cuda())
+
+
+@pytest.mark.parametrize("kind,n,k", [("int4", 3072, 2560), ("int4", 2560, 10240), ("int4", 256, 2560),
+                                      ("dense", 4096, 256), ("dense", 8192, 2560)])
+def test_small_m_rows_are_batch_invariant(kind, n, k):
+    """Split-K and not, int4 and dense: every row count gives each row the bits it has alone."""
+    lin = (int4_linear if kind == "int4" else dense_linear)(n, k, seed=n + k)
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(MAX_ROWS)])
+    for m in ROW_COUNTS:
+        got = lin(x[:m])
+        assert torch.equal(got, alone[:m]), f"{kind} N={n} K={k}: {m} rows differ from one row at a time"
+    want = x.float() @ lin.dequantize().float().t()
+    rel = (alone.float() - want).norm() / want.norm()
+    assert rel < 1e-2, rel  # bf16 output rounding (~4e-3); a wrong tile gives ~1
+    with pytest.raises(ValueError):
+        lin(torch.zeros(MAX_ROWS + 1, k, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_shared_scratch_changes_nothing():
+    """share_partials points split-K linears at one buffer: same outputs, back to back."""
+    from server.small_m_matmul import share_partials
+
+    a, b = int4_linear(3072, 2560, 1), int4_linear(2560, 10240, 2)
+    x1 = torch.randn(40, 2560, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    x2 = torch.randn(40, 10240, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    want = (a(x1), b(x2))
+    assert a.split > 1 and b.split > 1
+    share_partials([a, b])
+    assert a.partial.data_ptr() == b.partial.data_ptr()
+    for _ in range(3):
+        assert torch.equal(a(x1), want[0]) and torch.equal(b(x2), want[1])
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_step_attention_rows_are_batch_invariant(sliding):
+    """T queries at consecutive positions over a cache: each query's output equals the same query
+    alone (T = 1), for T up to 64, across chunk boundaries and the sliding window."""
+    from server.step_attention import StepAttention
+
+    kv_heads, group, d, slots, window = 2, 4, 256, 1024, 96
+    g = torch.Generator().manual_seed(5)
+    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
+    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
+    start = 300
+    slot_pos = torch.arange(slots, device="cuda") if sliding else None
+    qpos = torch.arange(start, start + MAX_ROWS, device="cuda")
+    alone = torch.cat([attn(q[i:i + 1], k, v, slots, qpos[i:i + 1], slot_pos, window, d ** -0.5)
+                       for i in range(MAX_ROWS)])
+    for t in ROW_COUNTS:
+        got = attn(q[:t], k, v, slots, qpos[:t], slot_pos, window, d ** -0.5)
+        assert torch.equal(got, alone[:t]), f"{t} queries differ from one at a time"
+    # reference: fp32 softmax attention over the visible keys
+    kf, vf = k.float().repeat_interleave(group, 0), v.float().repeat_interleave(group, 0)
+    kpos = torch.arange(slots, device="cuda")
+    vis = kpos[None, :] <= qpos[:, None]
+    if sliding:
+        vis &= kpos[None, :] > qpos[:, None] - window
+    scores = torch.einsum("thd,hsd->ths", q.float(), kf) * d ** -0.5
+    p = torch.softmax(scores.masked_fill(~vis[:, None, :], float("-inf")), -1)
+    want = torch.einsum("ths,hsd->thd", p, vf).reshape(MAX_ROWS, -1)
+    rel = (alone.float() - want).norm() / want.norm()
+    assert rel < 1e-2, rel
