@@ -263,28 +263,30 @@ class CpuGemma:
         k = self.k
         x = _rows(self.embed, ids) * self.embed_scale
         ple = self._per_layer_inputs(ids, x) if self.ple else None
-        rope = {}  # layer kind -> each sequence's cos, sin [n, 1, D]
+        positions = np.concatenate([r.positions for r in batch]) if len(batch) > 1 else batch[0].positions
+        rope = {}  # layer kind -> every row's cos, sin [M, 1, D]
         for i, L in enumerate(self.layers):
             D, kvh, heads = L["head_dim"], L["kv_heads"], L["heads"]
             qkv = k.linear(self._norm(x, L["in_norm"]), L["qkv"])
             if L["kind"] not in rope:
-                cos, sin = self._cos_sin(L["kind"], max(r.start + r.ids.shape[0] for r in batch))
-                rope[L["kind"]] = [(cos[r.positions][:, None, :], sin[r.positions][:, None, :]) for r in batch]
-            q_all = self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"])
+                cos, sin = self._cos_sin(L["kind"], int(positions.max()) + 1)
+                rope[L["kind"]] = (cos[positions][:, None, :], sin[positions][:, None, :])
+            cos, sin = rope[L["kind"]]
+            q_all = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
+            if L["source"] == i:
+                at = heads * D
+                key_all = _rope(self._norm(qkv[:, at : at + kvh * D].reshape(m, kvh, D), L["k_norm"]), cos, sin)
+                value_all = qkv[:, at + kvh * D :].reshape(m, kvh, D)
+                if L["v_norm"]:
+                    value_all = self._norm(value_all, L["v_norm_w"])
             window = self.window if L["sliding"] else 0
             group = heads // kvh
             attn = np.empty((m, heads, D), dtype=np.float32)
-            for r, (lo, hi), (cos, sin) in zip(batch, spans, rope[L["kind"]]):
-                n, cache = hi - lo, r.cache
-                q = _rope(q_all[lo:hi], cos, sin)
+            for r, (lo, hi) in zip(batch, spans):
+                cache, q = r.cache, q_all[lo:hi]
                 if L["source"] == i:
-                    at = heads * D
-                    key = self._norm(qkv[lo:hi, at : at + kvh * D].reshape(n, kvh, D), L["k_norm"])
-                    value = qkv[lo:hi, at + kvh * D :].reshape(n, kvh, D)
-                    if L["v_norm"]:
-                        value = self._norm(value, L["v_norm_w"])
-                    cache.k[i][:, r.start : r.start + n] = _rope(key, cos, sin).transpose(1, 0, 2)
-                    cache.v[i][:, r.start : r.start + n] = value.transpose(1, 0, 2)
+                    cache.k[i][:, r.start : r.start + hi - lo] = key_all[lo:hi].transpose(1, 0, 2)
+                    cache.v[i][:, r.start : r.start + hi - lo] = value_all[lo:hi].transpose(1, 0, 2)
                 kc, vc = cache.k[L["source"]], cache.v[L["source"]]
                 for g in range(kvh):  # each KV head with the query heads that read it
                     attn[lo:hi, g * group : (g + 1) * group] = k.attention(
