@@ -1,6 +1,6 @@
 """Several streams at once against a real server: aggregate tokens/s, per-stream latency, identity.
 
-    python -m bench.concurrency [--streams 1 2 4 8] [--requests 8] [--max-tokens 64]
+    python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64]
                                 [--workload tool_calls|agentic] [--out bench/results]
 
 For each setting (drafting on and off; `--parallel 1`, the one-at-a-time baseline, and the default
@@ -113,7 +113,7 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--workload", choices=["tool_calls", "agentic"], default="tool_calls")
     p.add_argument("--out", type=Path, default=Path("bench/results"))

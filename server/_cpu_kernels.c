@@ -10,7 +10,7 @@ verifies a 16-token draft in one call and must get exactly the logits 16 one-tok
   - the scalar code performs that same sequence: every fused multiply-add is explicit (_mm256_fmadd_ps
     there, fmaf here), the code has no a * b + c expression a compiler could contract differently, and
     integer dot products are exact, so their order is free;
-  - expf is libm's in both paths (called one value at a time).
+  - the softmax's exponential is exp_sf, a fixed sequence of IEEE operations in both paths.
 The scalar path also serves CPUs without AVX2/FMA (picked at run time, __builtin_cpu_supports) and
 any D not a multiple of 16 in attention; _force_scalar(True) selects it for tests, _force_path(name)
 any of matmul_q8's paths.
@@ -49,7 +49,7 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
       window + 1) when window > 0, else 0. Per (m, h):
           s_p = dot16(q[m, h], k[p]) * scale,  dot16: lane i = fma chain over d = i, i + 16, ... in
                 order from +0, then u_i = l_i + l_{i+8} (i < 8) and tree8(u);
-          mx = max_p s_p; e_p = expf(s_p - mx); sum = e_start + ... in position order;
+          mx = max_p s_p; e_p = exp_sf(s_p - mx) (see exp_sf); sum = e_start + ... in position order;
           out[m, h, d] = acc_d / sum,  acc_d = fma chain of (e_p, v[p, d]) in position order from +0.
       A token tree (ancestors int64 [M], tree_start >= 0): the step's rows sit in slots tree_start..;
       row m is at position positions[m] = tree_start + depth and bit j of ancestors[m] marks step
@@ -965,15 +965,48 @@ static inline Py_ssize_t key_slot(const KeyList *keys, Py_ssize_t p) {
     return p < keys->n_run ? keys->start + p : keys->extra[p - keys->n_run];
 }
 
-/* In place: s[p * stride] -> expf(s - max) for p < n; returns their sum in position order. One
-   function (not inlined) for both paths, so both make the same libm calls. */
-__attribute__((noinline)) static float softmax_weights(float *s, Py_ssize_t n, Py_ssize_t stride) {
+/* exp_sf(x), the softmax's exponential (contract: exp_sf): Cephes' expf as a fixed sequence of IEEE
+   operations, x clamped to [EXP_LO, 0] (softmax inputs are s - max <= 0):
+       n = rint(x * LOG2E);  r = fmaf(n, -LN2_HI, x);  r = fmaf(n, -LN2_LO, r);
+       p = P0;  p = fmaf(p, r, P_i) for P1..P5;  y = fmaf(p, r * r, r) + 1;  exp_sf = y * 2^n
+   exp_sf_avx2 performs the same operations lane by lane, so both paths give the same bits (within
+   about 2 ulp of expf). libm's expf, one call per score, was most of a verify's attention time. */
+#define EXP_LO -87.33654f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+static inline float exp_sf(float x) {
+    x = x < EXP_LO ? EXP_LO : (x > 0.0f ? 0.0f : x);
+    const float n = rintf(x * EXP_LOG2E);
+    float r = fmaf(n, -EXP_LN2_HI, x);
+    r = fmaf(n, -EXP_LN2_LO, r);
+    float p = EXP_P0;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
+    const float z = r * r;
+    const float y = fmaf(p, z, r) + 1.0f;
+    union { uint32_t u; float f; } two_n = {(uint32_t)((int32_t)n + 127) << 23};
+    return y * two_n.f;
+}
+
+/* In place: s[p * stride] -> exp_sf(s - max) for p < n; returns their sum in position order. */
+static float softmax_weights(float *s, Py_ssize_t n, Py_ssize_t stride) {
     float mx = s[0];
     for (Py_ssize_t p = 1; p < n; p++)
         if (s[p * stride] > mx) mx = s[p * stride];
     float sum = 0.0f;
     for (Py_ssize_t p = 0; p < n; p++) {
-        float e = expf(s[p * stride] - mx);
+        float e = exp_sf(s[p * stride] - mx);
         s[p * stride] = e;
         sum += e;
     }
@@ -1017,6 +1050,49 @@ AVX2 static inline __m256 dot16_halves(const float *q, const float *k, Py_ssize_
     return _mm256_add_ps(a0, a1);
 }
 
+/* exp_sf on 8 lanes: the scalar function's operations, lane by lane. */
+AVX2 static inline __m256 exp_sf_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_setzero_ps());
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    const __m256 z = _mm256_mul_ps(r, r);
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, z, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+/* softmax_weights for 4 heads at once, scores laid out [p][head] (4 * n floats): each head's max,
+   then exp_sf(s - max) in place, and each head's sum in position order (lane j of the sums adds
+   head j's weights p = 0, 1, ... in turn), as softmax_weights(s + j, n, 4) gives for head j. */
+AVX2 static void softmax4_weights_avx2(float *s, Py_ssize_t n, float sum[4]) {
+    __m128 mx = _mm_loadu_ps(s);
+    for (Py_ssize_t p = 1; p < n; p++) mx = _mm_max_ps(mx, _mm_loadu_ps(s + 4 * p));
+    /* max is exact whatever the order; _mm_max_ps(a, b) returns b on a tie of +0/-0 only, and
+       s - max is then 0 either way */
+    const __m256 mx8 = _mm256_set_m128(mx, mx);
+    __m128 acc = _mm_setzero_ps();
+    Py_ssize_t p = 0;
+    for (; p + 2 <= n; p += 2) {
+        const __m256 e = exp_sf_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + 4 * p), mx8));
+        _mm256_storeu_ps(s + 4 * p, e);
+        acc = _mm_add_ps(acc, _mm256_castps256_ps128(e));
+        acc = _mm_add_ps(acc, _mm256_extractf128_ps(e, 1));
+    }
+    if (p < n) {
+        const __m256 e = exp_sf_avx2(_mm256_sub_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * p)), mx8));
+        _mm_storeu_ps(s + 4 * p, _mm256_castps256_ps128(e));
+        acc = _mm_add_ps(acc, _mm256_castps256_ps128(e));
+    }
+    _mm_storeu_ps(sum, acc);
+}
+
 /* Heads h..h+G-1 (G <= 4) of row m, which share each K and V row read: four heads are always
    computed (a short group repeats its last head) and only the G real ones stored. Each head's
    arithmetic is attend_scalar's. scratch holds 4 * n floats, scores laid out [p][head]. */
@@ -1037,7 +1113,7 @@ AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int 
         _mm_storeu_ps(s + 4 * p, _mm_mul_ps(r, scale));
     }
     float sum[4];
-    for (int j = 0; j < 4; j++) sum[j] = j < G ? softmax_weights(s + j, n, 4) : 1.0f;
+    softmax4_weights_avx2(s, n, sum);  /* a short group's repeated head is computed too, and not stored */
     for (Py_ssize_t d = 0; d < D; d += 16) {
         __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
                a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
@@ -1068,6 +1144,96 @@ AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int 
 }
 #endif
 
+#if HAVE_X86
+#define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
+
+/* Rows m..m+R-1 (R <= 4) of a chain (no tree), all H <= 4 heads of each: for every (row, head) the
+   very arithmetic of attend4_avx2 (the same dot16 and score code, softmax4_weights_avx2, and per
+   output element the same fma chain over the row's keys in position order from +0; a chain is only
+   paused at block ends, its accumulator stored and reloaded exactly). Keys are taken in blocks of
+   ATTN_BLOCK, and every row works through a block before the next block is read: a verify's rows
+   share nearly all their keys, so the cache is read from memory once for R rows instead of R
+   times. scratch: 16 * T floats of scores and 16 * D of accumulators. */
+AVX2 static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
+    const Py_ssize_t D = c->D, H = c->H, T = c->T;
+    Py_ssize_t first[4], last[4], lo = T, hi = -1;  /* row r attends to keys first[r]..last[r] */
+    const float *q[4][4];
+    float *s[4], *acc = scratch + 16 * T;  /* acc[(r * 4 + j) * D + d] */
+    for (int r = 0; r < R; r++) {
+        KeyList keys;
+        attn_keys(c, m + r, &keys);
+        first[r] = keys.start;
+        last[r] = keys.start + keys.n - 1;
+        if (first[r] < lo) lo = first[r];
+        if (last[r] > hi) hi = last[r];
+        for (int j = 0; j < 4; j++) q[r][j] = c->q + ((m + r) * H + (j < H ? j : H - 1)) * D;
+        s[r] = scratch + r * 4 * T;
+    }
+    const __m128 scale = _mm_set1_ps(c->scale);
+    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
+        for (int r = 0; r < R; r++) {
+            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
+            for (Py_ssize_t p = pa; p <= pb; p++) {
+                const float *kp = c->k + p * D;
+                __m256 u0 = dot16_halves(q[r][0], kp, D), u1 = dot16_halves(q[r][1], kp, D);
+                __m256 u2 = dot16_halves(q[r][2], kp, D), u3 = dot16_halves(q[r][3], kp, D);
+                __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));  /* as attend4_avx2 */
+                __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+                _mm_storeu_ps(s[r] + 4 * (p - first[r]), _mm_mul_ps(r4, scale));
+            }
+        }
+    }
+    float sum[4][4];
+    for (int r = 0; r < R; r++) softmax4_weights_avx2(s[r], last[r] - first[r] + 1, sum[r]);
+    for (Py_ssize_t i = 0; i < 16 * D; i++) acc[i] = 0.0f;
+    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
+        for (int r = 0; r < R; r++) {
+            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
+            if (pa > pb) continue;
+            float *ar = acc + r * 4 * D;
+            for (Py_ssize_t d = 0; d < D; d += 16) {
+                __m256 a00 = _mm256_loadu_ps(ar + d), a01 = _mm256_loadu_ps(ar + d + 8);
+                __m256 a10 = _mm256_loadu_ps(ar + D + d), a11 = _mm256_loadu_ps(ar + D + d + 8);
+                __m256 a20 = _mm256_loadu_ps(ar + 2 * D + d), a21 = _mm256_loadu_ps(ar + 2 * D + d + 8);
+                __m256 a30 = _mm256_loadu_ps(ar + 3 * D + d), a31 = _mm256_loadu_ps(ar + 3 * D + d + 8);
+                for (Py_ssize_t p = pa; p <= pb; p++) {
+                    const float *vp = c->v + p * D + d;
+                    const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+                    const float *e = s[r] + 4 * (p - first[r]);
+                    __m256 e0 = _mm256_broadcast_ss(e), e1 = _mm256_broadcast_ss(e + 1);
+                    __m256 e2 = _mm256_broadcast_ss(e + 2), e3 = _mm256_broadcast_ss(e + 3);
+                    a00 = _mm256_fmadd_ps(e0, v0, a00);
+                    a01 = _mm256_fmadd_ps(e0, v1, a01);
+                    a10 = _mm256_fmadd_ps(e1, v0, a10);
+                    a11 = _mm256_fmadd_ps(e1, v1, a11);
+                    a20 = _mm256_fmadd_ps(e2, v0, a20);
+                    a21 = _mm256_fmadd_ps(e2, v1, a21);
+                    a30 = _mm256_fmadd_ps(e3, v0, a30);
+                    a31 = _mm256_fmadd_ps(e3, v1, a31);
+                }
+                _mm256_storeu_ps(ar + d, a00);
+                _mm256_storeu_ps(ar + d + 8, a01);
+                _mm256_storeu_ps(ar + D + d, a10);
+                _mm256_storeu_ps(ar + D + d + 8, a11);
+                _mm256_storeu_ps(ar + 2 * D + d, a20);
+                _mm256_storeu_ps(ar + 2 * D + d + 8, a21);
+                _mm256_storeu_ps(ar + 3 * D + d, a30);
+                _mm256_storeu_ps(ar + 3 * D + d + 8, a31);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < H; j++) {
+            const float *ar = acc + (r * 4 + j) * D;
+            float *out = c->out + ((m + r) * H + j) * D;
+            const __m256 vs = _mm256_set1_ps(sum[r][j]);
+            for (Py_ssize_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(ar + d), vs));
+        }
+}
+#endif
+
 static void attn_part(void *ctx, int part, int nparts) {
     const AttnCtx *c = ctx;
     float *scratch = c->scratch + part * c->scratch_per_part;
@@ -1076,6 +1242,13 @@ static void attn_part(void *ctx, int part, int nparts) {
     for (Py_ssize_t i = lo; i < hi;) {
         Py_ssize_t m = i / c->H, h = i % c->H;
 #if HAVE_X86
+        if (c->simd && h == 0 && c->H <= 4 && c->ancestors == NULL && m + 1 < c->M && i + 2 * c->H <= hi) {
+            Py_ssize_t rows = (hi - i) / c->H;  /* whole rows of this part, from m on */
+            if (rows > 4) rows = 4;
+            attend_rows_avx2(c, m, (int)rows, scratch);
+            i += rows * c->H;
+            continue;
+        }
         if (c->simd) {
             Py_ssize_t g = c->H - h;  /* this row's heads left in the part, at most 4 */
             if (g > hi - i) g = hi - i;
@@ -1156,7 +1329,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     int simd = use_simd() && D % 16 == 0;
     int nparts = parts_for(M * H, threads);
-    Py_ssize_t per_part = simd ? 4 * T : T + D;
+    Py_ssize_t per_part = simd ? 16 * T + 16 * D : T + D;  /* attend_rows_avx2: 4 rows' scores and sums */
     float *scratch = PyMem_Malloc(sizeof(float) * (size_t)(per_part * nparts));
     if (!scratch) {
         PyErr_NoMemory();
