@@ -28,7 +28,7 @@ def _valid_layout(draft) -> bool:
 
 
 def test_the_drafter_branches_to_another_sources_continuation():
-    drafter = NgramDrafter(None, DrafterConfig(max_draft=16))
+    drafter = NgramDrafter(None, DrafterConfig(max_draft=16, tree=True))
     first = drafter.session()
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     first.propose(prompt, 4)
