@@ -26,6 +26,7 @@ SECTIONS = [
      "python -m bench.long_context --split test --max-draft 32", "long_context-32-test.md", []),
     ("The CPU int8 path against llama.cpp, bundled model, 2 threads",
      "python -m bench.cpu_path --requests 10 --llama-server PATH", "cpu_path.md", []),
+    ("A CPU int8 forward, by part: a step and a verify", "python -m bench.cpu_step", "cpu_step.md", []),
     ("Several streams at once, bundled model, CPU", "python -m bench.concurrency", "concurrency.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
      ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),

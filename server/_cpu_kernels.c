@@ -1093,6 +1093,26 @@ AVX2 static void softmax4_weights_avx2(float *s, Py_ssize_t n, float sum[4]) {
     _mm_storeu_ps(sum, acc);
 }
 
+/* The scores of 4 query heads q[0..3] against key row kp, times scale, into out[0..3] (dot16 each:
+   its two 8-lane halves added, then tree8 through the hadds, as in tile4_avx2). */
+AVX2 static inline void score4(const float *const q[4], const float *kp, Py_ssize_t D, __m128 scale, float *out) {
+    __m256 u0 = dot16_halves(q[0], kp, D), u1 = dot16_halves(q[1], kp, D);
+    __m256 u2 = dot16_halves(q[2], kp, D), u3 = dot16_halves(q[3], kp, D);
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(r, scale));
+}
+
+/* One key's step of 4 heads' output chains over 16 values: a[2j], a[2j + 1] = fma(e[j], v[0..15], .). */
+AVX2 static inline void accumulate4(__m256 a[8], const float *e, const float *vp) {
+    const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+    for (int j = 0; j < 4; j++) {
+        const __m256 ej = _mm256_broadcast_ss(e + j);
+        a[2 * j] = _mm256_fmadd_ps(ej, v0, a[2 * j]);
+        a[2 * j + 1] = _mm256_fmadd_ps(ej, v1, a[2 * j + 1]);
+    }
+}
+
 /* Heads h..h+G-1 (G <= 4) of row m, which share each K and V row read: four heads are always
    computed (a short group repeats its last head) and only the G real ones stored. Each head's
    arithmetic is attend_scalar's. scratch holds 4 * n floats, scores laid out [p][head]. */
@@ -1104,41 +1124,18 @@ AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int 
     for (int j = 0; j < 4; j++) q[j] = c->q + (m * c->H + h + (j < G ? j : G - 1)) * D;
     float *s = scratch;
     const __m128 scale = _mm_set1_ps(c->scale);
-    for (Py_ssize_t p = 0; p < n; p++) {
-        const float *kp = c->k + key_slot(&keys, p) * D;
-        __m256 u0 = dot16_halves(q[0], kp, D), u1 = dot16_halves(q[1], kp, D);
-        __m256 u2 = dot16_halves(q[2], kp, D), u3 = dot16_halves(q[3], kp, D);
-        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));  /* tree8, as in tile4_avx2 */
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        _mm_storeu_ps(s + 4 * p, _mm_mul_ps(r, scale));
-    }
+    for (Py_ssize_t p = 0; p < n; p++) score4(q, c->k + key_slot(&keys, p) * D, D, scale, s + 4 * p);
     float sum[4];
     softmax4_weights_avx2(s, n, sum);  /* a short group's repeated head is computed too, and not stored */
     for (Py_ssize_t d = 0; d < D; d += 16) {
-        __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-               a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-               a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
-        for (Py_ssize_t p = 0; p < n; p++) {
-            const float *vp = c->v + key_slot(&keys, p) * D + d;
-            const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
-            const float *e = s + 4 * p;
-            __m256 e0 = _mm256_broadcast_ss(e), e1 = _mm256_broadcast_ss(e + 1);
-            __m256 e2 = _mm256_broadcast_ss(e + 2), e3 = _mm256_broadcast_ss(e + 3);
-            a00 = _mm256_fmadd_ps(e0, v0, a00);
-            a01 = _mm256_fmadd_ps(e0, v1, a01);
-            a10 = _mm256_fmadd_ps(e1, v0, a10);
-            a11 = _mm256_fmadd_ps(e1, v1, a11);
-            a20 = _mm256_fmadd_ps(e2, v0, a20);
-            a21 = _mm256_fmadd_ps(e2, v1, a21);
-            a30 = _mm256_fmadd_ps(e3, v0, a30);
-            a31 = _mm256_fmadd_ps(e3, v1, a31);
-        }
-        __m256 acc[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (Py_ssize_t p = 0; p < n; p++) accumulate4(a, s + 4 * p, c->v + key_slot(&keys, p) * D + d);
         for (int j = 0; j < G; j++) {
             float *out = c->out + (m * c->H + h + j) * D + d;
             const __m256 vs = _mm256_set1_ps(sum[j]);
-            _mm256_storeu_ps(out, _mm256_div_ps(acc[j][0], vs));
-            _mm256_storeu_ps(out + 8, _mm256_div_ps(acc[j][1], vs));
+            _mm256_storeu_ps(out, _mm256_div_ps(a[2 * j], vs));
+            _mm256_storeu_ps(out + 8, _mm256_div_ps(a[2 * j + 1], vs));
         }
     }
 }
@@ -1174,14 +1171,7 @@ AVX2 static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
         for (int r = 0; r < R; r++) {
             const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
-            for (Py_ssize_t p = pa; p <= pb; p++) {
-                const float *kp = c->k + p * D;
-                __m256 u0 = dot16_halves(q[r][0], kp, D), u1 = dot16_halves(q[r][1], kp, D);
-                __m256 u2 = dot16_halves(q[r][2], kp, D), u3 = dot16_halves(q[r][3], kp, D);
-                __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));  /* as attend4_avx2 */
-                __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-                _mm_storeu_ps(s[r] + 4 * (p - first[r]), _mm_mul_ps(r4, scale));
-            }
+            for (Py_ssize_t p = pa; p <= pb; p++) score4(q[r], c->k + p * D, D, scale, s[r] + 4 * (p - first[r]));
         }
     }
     float sum[4][4];
@@ -1194,33 +1184,16 @@ AVX2 static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *
             if (pa > pb) continue;
             float *ar = acc + r * 4 * D;
             for (Py_ssize_t d = 0; d < D; d += 16) {
-                __m256 a00 = _mm256_loadu_ps(ar + d), a01 = _mm256_loadu_ps(ar + d + 8);
-                __m256 a10 = _mm256_loadu_ps(ar + D + d), a11 = _mm256_loadu_ps(ar + D + d + 8);
-                __m256 a20 = _mm256_loadu_ps(ar + 2 * D + d), a21 = _mm256_loadu_ps(ar + 2 * D + d + 8);
-                __m256 a30 = _mm256_loadu_ps(ar + 3 * D + d), a31 = _mm256_loadu_ps(ar + 3 * D + d + 8);
-                for (Py_ssize_t p = pa; p <= pb; p++) {
-                    const float *vp = c->v + p * D + d;
-                    const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
-                    const float *e = s[r] + 4 * (p - first[r]);
-                    __m256 e0 = _mm256_broadcast_ss(e), e1 = _mm256_broadcast_ss(e + 1);
-                    __m256 e2 = _mm256_broadcast_ss(e + 2), e3 = _mm256_broadcast_ss(e + 3);
-                    a00 = _mm256_fmadd_ps(e0, v0, a00);
-                    a01 = _mm256_fmadd_ps(e0, v1, a01);
-                    a10 = _mm256_fmadd_ps(e1, v0, a10);
-                    a11 = _mm256_fmadd_ps(e1, v1, a11);
-                    a20 = _mm256_fmadd_ps(e2, v0, a20);
-                    a21 = _mm256_fmadd_ps(e2, v1, a21);
-                    a30 = _mm256_fmadd_ps(e3, v0, a30);
-                    a31 = _mm256_fmadd_ps(e3, v1, a31);
+                __m256 a[8];
+                for (int j = 0; j < 4; j++) {
+                    a[2 * j] = _mm256_loadu_ps(ar + j * D + d);
+                    a[2 * j + 1] = _mm256_loadu_ps(ar + j * D + d + 8);
                 }
-                _mm256_storeu_ps(ar + d, a00);
-                _mm256_storeu_ps(ar + d + 8, a01);
-                _mm256_storeu_ps(ar + D + d, a10);
-                _mm256_storeu_ps(ar + D + d + 8, a11);
-                _mm256_storeu_ps(ar + 2 * D + d, a20);
-                _mm256_storeu_ps(ar + 2 * D + d + 8, a21);
-                _mm256_storeu_ps(ar + 3 * D + d, a30);
-                _mm256_storeu_ps(ar + 3 * D + d + 8, a31);
+                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4(a, s[r] + 4 * (p - first[r]), c->v + p * D + d);
+                for (int j = 0; j < 4; j++) {
+                    _mm256_storeu_ps(ar + j * D + d, a[2 * j]);
+                    _mm256_storeu_ps(ar + j * D + d + 8, a[2 * j + 1]);
+                }
             }
         }
     }

@@ -1,11 +1,14 @@
-"""The target engine: greedy decoding of one request at a time, with drafts verified losslessly.
+"""The target engine: decoding of requests, with drafts (chains or token trees) verified losslessly.
 
 Contract: `Engine.generate(prompt_ids, params)` yields `GenerationChunk`s whose tokens are exactly
-what plain greedy decoding of the target yields (same stop tokens, stop strings and max_tokens),
-whether or not drafts are used and whether or not the prompt's prefix came from the prefix cache;
-drafting only changes how many forward passes it takes, and the cache how many prompt tokens are
-computed. The engine works on token ids; the tokenizer is used only to detokenize for stop strings
-and text deltas. It is synchronous and not thread-safe: the server serializes calls.
+what plain decoding of the target yields (same stop tokens, stop strings and max_tokens; greedy,
+or sampled with the same seed), whether or not drafts are used, whether or not the prompt's prefix
+came from the prefix cache, and whatever other requests run beside it; drafting only changes how
+many forward passes it takes, and the cache how many prompt tokens are computed. The engine works
+on token ids; the tokenizer is used only to detokenize for stop strings and text deltas. Up to
+`engine.parallel` threads may call `generate` at once (the server's scheduler runs that many
+workers): each request takes a backend lane of its own (the CPU int8 path's lanes share forwards,
+server/batcher.py; other backends have one lane, and a second call waits for it).
 
 The engine talks to the model only through a `server.backend.Backend`: the GPU fast path
 (`server.fast_path.FastTarget`: static KV cache, CUDA graphs) where it applies, else transformers
@@ -15,7 +18,10 @@ sized from free memory; `prefix_cache=False` is the old behaviour, every prompt 
 
 One step of the loop: the last committed token is "pending" (not yet in the KV cache). A plain step
 feeds it alone; a verify step feeds it followed by n drafted tokens and rolls the cache back past
-the first rejected token (`server.backend.accept` is the rule). When the request ends (finished,
+the first rejected token (`server.backend.accept` is the rule). A token tree (where the backend
+takes trees and no grammar applies) feeds the pending token, its main chain's first n tokens and
+the branches the cost model keeps; each row's token is chosen as plain decoding would choose it
+after that row's path, the child drafting it is followed, and the backend keeps that root path. When the request ends (finished,
 cancelled or disconnected) the KV of the committed tokens is handed back to the backend for reuse;
 after an error inside a forward it is discarded.
 
