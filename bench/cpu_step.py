@@ -1,6 +1,6 @@
 """Where a CPU int8 forward's time goes: matmuls, attention and the rest, for a step and a verify.
 
-    python -m bench.cpu_step [--context 1024] [--rows 1 16] [--rounds 30] [--out bench/results]
+    python -m bench.cpu_step [--context 1024] [--rows 1 4 16] [--rounds 30] [--out bench/results]
 
 The bundled model on the CPU int8 path (server/cpu_model.py), a cache of `--context` random
 tokens; each forward of n rows (1: a decode step, 16: a 16-token verify) is timed `--rounds` times,
@@ -87,7 +87,7 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_step", description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
