@@ -94,11 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+ABOUT = """Steps take up to 64 tokens (buckets 2, 4, 8, 16, 32, 64). The step kernels keep their 16-row
+tensor-core tile at every bucket: a 32- or 64-token step runs 2 or 4 row tiles against each weight
+tile it reads once, so a row's arithmetic is the same instructions in the same order in every bucket
+and drafted output stays bit-for-bit plain output (tests/test_step_kernel_rows.py,
+tests/test_fast_path.py). The engine's cost model weighs a longer draft against this curve."""
+
+
 def markdown(r: dict) -> str:
     c = r["curve_s"]
     pts = sorted(int(n) for n in next(iter(c.values())))
     lines = [
         "# GPU verify cost curve to 64 tokens (Gemma 4 E4B shape, int4, fast path)",
+        "",
+        ABOUT,
         "",
         f"{r['device']}, torch {r['torch']}, transformers {r['transformers']}. Random-init E4B text config, quanto "
         "int4 weights (group 128), lm_head bf16, per-layer embeddings on the host; steps on the batch-invariant "

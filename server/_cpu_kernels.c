@@ -43,7 +43,8 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
       So a 16-lane int32 vector of a step holds, lane 4 r + q, 4 consecutive codes of W row r's block q.
   packed_size(N, K) -> ceil(N / 4) * ceil(K / 128) * 576.
   attention(q, k_cache, v_cache, positions, window, scale, out, threads=None) -> out:
-      q float32 [M, H, D], k_cache / v_cache float32 [T, D] (one KV head shared by the H query heads),
+      q float32 [M, H, D], k_cache / v_cache float16 [T, D] (one KV head shared by the H query heads;
+      each value read as its exact float),
       positions int64 [M] (each in 0..T-1), window int, scale float, out float32 [M, H, D]. Row m
       attends to cache positions p with start <= p <= positions[m], start = max(0, positions[m] -
       window + 1) when window > 0, else 0. Per (m, h):
@@ -120,6 +121,7 @@ static int forced_path = -1;                   /* _force_path / _force_scalar: t
 
 static int matmul_path(void) { return forced_path >= 0 ? forced_path : best_path; }
 static int use_simd(void) { return matmul_path() != PATH_SCALAR; }
+static int have_f16c = 0;  /* set at import: the attention's AVX2 code reads the float16 cache through F16C */
 
 /* ---------------------------------------------------------------------------------------------
    Thread pool. Workers 1..size run parts of one call at a time (the caller runs part 0 and any
@@ -259,8 +261,8 @@ static int parts_for(Py_ssize_t units, int threads) {
 /* ---------------------------------------------------------------------------------------------
    Argument checks. */
 
-typedef enum { F32, I8, I64, U8 } dtype;
-static const char *dtype_names[] = {"float32", "int8", "int64", "uint8"};
+typedef enum { F32, I8, I64, U8, F16 } dtype;
+static const char *dtype_names[] = {"float32", "int8", "int64", "uint8", "float16"};
 
 static int format_is(const Py_buffer *v, dtype dt) {
     const char *f = v->format ? v->format : "B";
@@ -271,6 +273,7 @@ static int format_is(const Py_buffer *v, dtype dt) {
     case I8: return *f == 'b' && v->itemsize == 1;
     case I64: return (*f == 'l' || *f == 'q') && v->itemsize == 8;
     case U8: return *f == 'B' && v->itemsize == 1;
+    case F16: return *f == 'e' && v->itemsize == 2;
     }
     return 0;
 }
@@ -926,7 +929,8 @@ done:
    attention */
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const uint16_t *k, *v;  /* float16 */
     const int64_t *pos;
     const uint64_t *ancestors;  /* NULL: a chain; else each row's ancestor bits over the step's slots */
     float *out, *scratch;
@@ -1013,10 +1017,23 @@ static float softmax_weights(float *s, Py_ssize_t n, Py_ssize_t stride) {
     return sum;
 }
 
+/* A float16's exact value as a float (the K/V cache is float16; F16C's vcvtph2ps gives the same). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0x1f) v.u = sign | 0x7f800000u | (man << 13);      /* inf, nan */
+    else if (exp) v.u = sign | ((exp + 112) << 23) | (man << 13);  /* normal */
+    else {                                                          /* zero, subnormal: man * 2^-24, exact */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+
 /* dot16 of the contract: 16 lanes (lane d % 16) of fma chains, then u_i = l_i + l_{i+8}, tree8(u). */
-static float dot16_scalar(const float *a, const float *b, Py_ssize_t D) {
+static float dot16_scalar(const float *a, const uint16_t *b, Py_ssize_t D) {
     float l[16] = {0};
-    for (Py_ssize_t d = 0; d < D; d++) l[d % 16] = fmaf(a[d], b[d], l[d % 16]);
+    for (Py_ssize_t d = 0; d < D; d++) l[d % 16] = fmaf(a[d], half_to_float(b[d]), l[d % 16]);
     float u[8];
     for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
     return tree8(u);
@@ -1033,19 +1050,25 @@ static void attend_scalar(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, float *s
     float sum = softmax_weights(s, n, 1);
     for (Py_ssize_t d = 0; d < D; d++) acc[d] = 0.0f;
     for (Py_ssize_t p = 0; p < n; p++) {
-        const float *vp = c->v + key_slot(&keys, p) * D;
-        for (Py_ssize_t d = 0; d < D; d++) acc[d] = fmaf(s[p], vp[d], acc[d]);
+        const uint16_t *vp = c->v + key_slot(&keys, p) * D;
+        for (Py_ssize_t d = 0; d < D; d++) acc[d] = fmaf(s[p], half_to_float(vp[d]), acc[d]);
     }
     for (Py_ssize_t d = 0; d < D; d++) out[d] = acc[d] / sum;
 }
 
 #if HAVE_X86
+/* The attention's AVX2 code also converts the float16 cache (F16C, which every AVX2 CPU has). */
+#define AVX2H __attribute__((target("avx2,fma,f16c")))
+
+/* 8 float16 values as floats. */
+AVX2H static inline __m256 load8h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
 /* dot16's two 8-lane halves for query row q against key row k (D % 16 == 0): returns l[0..7] + l[8..15]. */
-AVX2 static inline __m256 dot16_halves(const float *q, const float *k, Py_ssize_t D) {
+AVX2H static inline __m256 dot16_halves(const float *q, const uint16_t *k, Py_ssize_t D) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (Py_ssize_t d = 0; d < D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8h(k + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8h(k + d + 8), a1);
     }
     return _mm256_add_ps(a0, a1);
 }
@@ -1095,7 +1118,7 @@ AVX2 static void softmax4_weights_avx2(float *s, Py_ssize_t n, float sum[4]) {
 
 /* The scores of 4 query heads q[0..3] against key row kp, times scale, into out[0..3] (dot16 each:
    its two 8-lane halves added, then tree8 through the hadds, as in tile4_avx2). */
-AVX2 static inline void score4(const float *const q[4], const float *kp, Py_ssize_t D, __m128 scale, float *out) {
+AVX2H static inline void score4(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
     __m256 u0 = dot16_halves(q[0], kp, D), u1 = dot16_halves(q[1], kp, D);
     __m256 u2 = dot16_halves(q[2], kp, D), u3 = dot16_halves(q[3], kp, D);
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));
@@ -1104,8 +1127,8 @@ AVX2 static inline void score4(const float *const q[4], const float *kp, Py_ssiz
 }
 
 /* One key's step of 4 heads' output chains over 16 values: a[2j], a[2j + 1] = fma(e[j], v[0..15], .). */
-AVX2 static inline void accumulate4(__m256 a[8], const float *e, const float *vp) {
-    const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+AVX2H static inline void accumulate4(__m256 a[8], const float *e, const uint16_t *vp) {
+    const __m256 v0 = load8h(vp), v1 = load8h(vp + 8);
     for (int j = 0; j < 4; j++) {
         const __m256 ej = _mm256_broadcast_ss(e + j);
         a[2 * j] = _mm256_fmadd_ps(ej, v0, a[2 * j]);
@@ -1116,7 +1139,7 @@ AVX2 static inline void accumulate4(__m256 a[8], const float *e, const float *vp
 /* Heads h..h+G-1 (G <= 4) of row m, which share each K and V row read: four heads are always
    computed (a short group repeats its last head) and only the G real ones stored. Each head's
    arithmetic is attend_scalar's. scratch holds 4 * n floats, scores laid out [p][head]. */
-AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int G, float *scratch) {
+AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int G, float *scratch) {
     KeyList keys;
     attn_keys(c, m, &keys);
     const Py_ssize_t D = c->D, n = keys.n;
@@ -1151,7 +1174,7 @@ AVX2 static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int 
    ATTN_BLOCK, and every row works through a block before the next block is read: a verify's rows
    share nearly all their keys, so the cache is read from memory once for R rows instead of R
    times. scratch: 16 * T floats of scores and 16 * D of accumulators. */
-AVX2 static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
+AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
     const Py_ssize_t D = c->D, H = c->H, T = c->T;
     Py_ssize_t first[4], last[4], lo = T, hi = -1;  /* row r attends to keys first[r]..last[r] */
     const float *q[4][4];
@@ -1250,7 +1273,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
     int threads = threads_arg(threads_o, fn);
     if (threads < 0) return NULL;
     const int tree = anc_o != Py_None, n_arrays = tree ? 6 : 5;
-    static const ArraySpec spec[6] = {{"q", F32, 3, 0}, {"k_cache", F32, 2, 0}, {"v_cache", F32, 2, 0},
+    static const ArraySpec spec[6] = {{"q", F32, 3, 0}, {"k_cache", F16, 2, 0}, {"v_cache", F16, 2, 0},
                                       {"positions", I64, 1, 0}, {"out", F32, 3, 1}, {"ancestors", I64, 1, 0}};
     PyObject *const objs[6] = {q_o, k_o, v_o, p_o, out_o, anc_o};
     Py_buffer v[6];
@@ -1300,7 +1323,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
         result = Py_NewRef(out_o);
         goto done;
     }
-    int simd = use_simd() && D % 16 == 0;
+    int simd = use_simd() && have_f16c && D % 16 == 0;
     int nparts = parts_for(M * H, threads);
     Py_ssize_t per_part = simd ? 16 * T + 16 * D : T + D;  /* attend_rows_avx2: 4 rows' scores and sums */
     float *scratch = PyMem_Malloc(sizeof(float) * (size_t)(per_part * nparts));
@@ -1415,6 +1438,7 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
 #if HAVE_X86
     __builtin_cpu_init();
     cpu_paths[PATH_AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    have_f16c = __builtin_cpu_supports("f16c");
     cpu_paths[PATH_AVXVNNI] = cpu_paths[PATH_AVX2] && __builtin_cpu_supports("avxvnni");
     cpu_paths[PATH_AVX512] = cpu_paths[PATH_AVX2] && __builtin_cpu_supports("avx512f") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");

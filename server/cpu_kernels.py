@@ -6,7 +6,7 @@ Contract: both return float32 arrays; row i of a result depends only on row i of
 cache), never on M or on the thread count: the C kernels (server/_cpu_kernels.c) split work by
 output column and keep each row's arithmetic one fixed sequence. Without the C extension (a machine
 that could not build it) the numpy twins below compute the same definitions, row-independently,
-much slower; `AVAILABLE` says which is in use.
+much slower; `AVAILABLE` says which is in use. The K/V cache is float16 (`KV_DTYPE`).
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ if os.environ.get("SAILFISH_PURE_PYTHON"):
     _C = None
 
 AVAILABLE = _C is not None
+# The K/V cache's dtype (server/cpu_model.py KVCache): half the bytes of float32 for attention to
+# read and the prefix cache to keep; the kernels read each value as its exact float32.
+KV_DTYPE = np.float16
 
 
 def set_threads(n: int) -> None:
@@ -133,7 +136,7 @@ def _attention_numpy(q, k_cache, v_cache, positions, window, scale, out, tree_st
             path = [tree_start + j for j in range(64) if bits >> j & 1]
             slots = np.array(list(range(lo, tree_start)) + [s for d, s in enumerate(path) if tree_start + d >= lo],
                              dtype=np.int64)
-        keys, values = k_cache[slots], v_cache[slots]
+        keys, values = k_cache[slots].astype(np.float32), v_cache[slots].astype(np.float32)
         for h in range(q.shape[1]):
             s = (keys @ q[i, h]) * np.float32(scale)
             p = np.exp(s - s.max())

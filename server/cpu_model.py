@@ -89,17 +89,18 @@ def unsupported_reason(model) -> str | None:
 
 
 class KVCache:
-    """Keys and values of every layer that owns a cache, [kv_heads, max_len, head_dim] float32 each
-    (`k[i]` is None for a Gemma 4 KV-shared layer, which reads its source layer's)."""
+    """Keys and values of every layer that owns a cache, [kv_heads, max_len, head_dim] each, of the
+    kernels' KV_DTYPE (float16 for server.cpu_kernels: a key or value is rounded once, when it is
+    written) (`k[i]` is None for a Gemma 4 KV-shared layer, which reads its source layer's)."""
 
-    def __init__(self, shapes: list[tuple[int, int] | None], max_len: int):
-        self.shapes, self.max_len = shapes, max_len
-        self.k = [None if s is None else np.zeros((s[0], max_len, s[1]), dtype=np.float32) for s in shapes]
-        self.v = [None if s is None else np.zeros((s[0], max_len, s[1]), dtype=np.float32) for s in shapes]
+    def __init__(self, shapes: list[tuple[int, int] | None], max_len: int, dtype=np.float16):
+        self.shapes, self.max_len, self.dtype = shapes, max_len, dtype
+        self.k = [None if s is None else np.zeros((s[0], max_len, s[1]), dtype=dtype) for s in shapes]
+        self.v = [None if s is None else np.zeros((s[0], max_len, s[1]), dtype=dtype) for s in shapes]
 
     def copy_prefix(self, length: int, max_len: int) -> "KVCache":
         """A new cache of `max_len` positions holding this one's first `length`."""
-        out = KVCache(self.shapes, max_len)
+        out = KVCache(self.shapes, max_len, self.dtype)
         for mine, theirs in ((out.k, self.k), (out.v, self.v)):
             for i, t in enumerate(theirs):
                 if t is not None:
@@ -235,7 +236,7 @@ class CpuGemma:
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache([(L["kv_heads"], L["head_dim"]) if L["source"] == i else None
-                        for i, L in enumerate(self.layers)], max_len)
+                        for i, L in enumerate(self.layers)], max_len, getattr(self.k, "KV_DTYPE", np.float32))
 
     def nbytes(self) -> int:
         lin = [self.embed] + ([self.lm_head] if self.lm_head is not self.embed else [])

@@ -265,9 +265,10 @@ def _attention_ref(q, k, v, positions, window, scale) -> np.ndarray:
 
 
 def _cache(rng, m=16, h=4, d=256, t=300):
+    """Queries (float32) and a float16 K/V cache, as server.cpu_model keeps it."""
     q = rng.standard_normal((m, h, d)).astype(np.float32)
-    k = rng.standard_normal((t, d)).astype(np.float32)
-    v = rng.standard_normal((t, d)).astype(np.float32)
+    k = rng.standard_normal((t, d)).astype(np.float16)
+    v = rng.standard_normal((t, d)).astype(np.float16)
     return q, k, v
 
 
@@ -334,7 +335,9 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match="positions must be int64, not int32"):
         ck.attention(q, k, v, pos.astype(np.int32), 0, 1.0, np.empty_like(q))
     with pytest.raises(ValueError, match="shapes must be"):
-        ck.attention(q, np.zeros((10, 128), np.float32), v, pos, 0, 1.0, np.empty_like(q))
+        ck.attention(q, np.zeros((10, 128), np.float16), v, pos, 0, 1.0, np.empty_like(q))
+    with pytest.raises(TypeError, match="k_cache must be float16, not float32"):
+        ck.attention(q, k.astype(np.float32), v, pos, 0, 1.0, np.empty_like(q))
     with pytest.raises(ValueError, match="3-dimensional"):
         ck.attention(q[0], k, v, pos, 0, 1.0, np.empty_like(q))
 
@@ -385,3 +388,24 @@ def test_a_malformed_tree_is_refused():
         _attention(q, k, v, np.array([10, 11]), 0, 0.1, tree_start=10, ancestors=np.array([1, 2], np.int64))
     with pytest.raises(ValueError, match="ancestors"):
         _attention(q, k, v, np.array([10, 11]), 0, 0.1, tree_start=39, ancestors=np.array([1, 3], np.int64))
+
+
+def test_every_float16_in_the_cache_reads_as_its_exact_value():
+    """The scalar code's float16 conversion and F16C's agree on every finite float16 (subnormals and
+    signed zeros included): attention over a cache holding them all gives the same bits both ways."""
+    halves = np.arange(2**16, dtype=np.uint16).view(np.float16)
+    finite = halves[np.isfinite(halves)]
+    d = 256
+    t = len(finite) // d
+    k = finite[: t * d].reshape(t, d) * np.float16(1e-4)  # keeps the scores small
+    v = finite[: t * d].reshape(t, d)
+    q = np.random.default_rng(9).standard_normal((4, 2, d)).astype(np.float32) * np.float32(1e-3)
+    positions = np.array([t - 4, t - 3, t - 2, t - 1], np.int64)
+    simd = _attention(q, k, v, positions, 0, 1.0)
+    prev = ck._force_scalar(True)
+    try:
+        scalar = _attention(q, k, v, positions, 0, 1.0)
+    finally:
+        ck._force_scalar(prev)
+    assert np.array_equal(simd, scalar)
+    assert np.array_equal(v.astype(np.float32).astype(np.float16), v)  # float16 -> float32 is exact
