@@ -26,7 +26,9 @@ class _TimedKernels:
 
     def __init__(self, kernels):
         self.kernels, self.spent = kernels, {"linear": 0.0, "attention": 0.0}
-        self.KV_DTYPE = kernels.KV_DTYPE  # the cache the wrapped kernels read
+
+    def __getattr__(self, name):  # the rest (rms_norm, KV_DTYPE, ...) as the wrapped kernels have it
+        return getattr(self.kernels, name)
 
     def linear(self, x, lin):
         t = time.perf_counter()
