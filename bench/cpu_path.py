@@ -5,9 +5,9 @@
 Same prompts (bench.workloads' tool-call and agentic requests, the bench index built as `make bench`
 builds it), same thread count, greedy, one process; contenders run request by request in turn, so
 machine noise spreads over all of them:
-- `eager plain`: Sailfish on transformers' fp32 forward (the default CPU backend);
+- `eager plain`: Sailfish on transformers' fp32 forward (`--no-cpu-int8`);
 - `int8 plain` / `int8 drafted`: Sailfish's CPU int8 path (`--cpu-int8`, server/cpu_model.py), plain
-  and with the n-gram drafter;
+  and with the n-gram drafter; `int8 drafted, trees`: the drafter with token trees (`--tree`);
 - `llama.cpp plain` / `llama.cpp prompt lookup`: llama-cpp-python on the same GGUF, plain and with its
   prompt-lookup draft model (LlamaPromptLookupDecoding, 10 tokens);
 - with `--llama-server PATH` (a llama-server binary of the same llama.cpp): `llama-server plain`,
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.workloads import WORKLOADS
     from common.bundled_model import bundled_gguf_path
     from common.chat_format import ChatFormat
-    from ngram.drafter import NgramDrafter
+    from ngram.drafter import DrafterConfig, NgramDrafter
     from server import cpu_kernels
     from server.engine import Engine, EngineConfig
     from server.model_loading import load_target
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         fmt = ChatFormat.for_tokenizer(tok)
         stop_ids = frozenset(fmt.stop_token_ids(tok))
         drafter = NgramDrafter(index)
+        tree_drafter = NgramDrafter(index, DrafterConfig(tree=True))
         eager = Engine(target, None, EngineConfig(cpu_int8=False, cost_cache=None))
         int8 = Engine(target, None, EngineConfig(cpu_int8=True, cost_cache=None))
         llama = LlamaCpp(str(bundled_gguf_path()), threads=args.threads)
@@ -88,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             for req in WORKLOADS[name](args.requests):
                 prompt = prompt_ids(fmt, tok, req, args.max_prompt)
                 row = {}
-                for label, engine, draft in (("eager plain", eager, False), ("int8 plain", int8, False),
-                                             ("int8 drafted", int8, True)):
-                    engine.set_drafter(drafter if draft else None)
-                    run = run_engine(engine, prompt, args.max_tokens, draft=draft, prefix_cache=False)  # fresh prefills
+                for label, engine, draft in (("eager plain", eager, None), ("int8 plain", int8, None),
+                                             ("int8 drafted", int8, drafter), ("int8 drafted, trees", int8, tree_drafter)):
+                    engine.set_drafter(draft)
+                    run = run_engine(engine, prompt, args.max_tokens, draft=draft is not None, prefix_cache=False)  # fresh prefills
                     row[label] = {"tok_s": run.decode_tok_s, "tokens": run.tokens,
                                   "prefill_tok_s": len(prompt) / run.stats["prefill_s"]}
                 for label, lookup in (("llama.cpp plain", False), ("llama.cpp prompt lookup", True)):
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     run, decode, prefill = server.run(prompt, args.max_tokens)
                     row[label] = {"tok_s": decode, "tokens": run.tokens, "prefill_tok_s": prefill}
                 row["identical"] = {"int8": row["int8 drafted"]["tokens"] == row["int8 plain"]["tokens"],
+                                    "int8 trees": row["int8 drafted, trees"]["tokens"] == row["int8 plain"]["tokens"],
                                     "llama.cpp": row["llama.cpp prompt lookup"]["tokens"] == row["llama.cpp plain"]["tokens"]}
                 for label in servers:
                     if label != "llama-server plain":
@@ -157,6 +159,8 @@ def markdown(r: dict) -> str:
             same = ""
             if k == "int8 drafted":
                 same = f"{w['identical']['int8']}/{w['requests']}"
+            elif k == "int8 drafted, trees":
+                same = f"{w['identical']['int8 trees']}/{w['requests']}"
             elif k == "llama.cpp prompt lookup":
                 same = f"{w['identical']['llama.cpp']}/{w['requests']}"
             elif k in w["identical"]:

@@ -21,6 +21,8 @@ learning its own served turns as it goes (ngram.replay's rule):
 - `sailfish`: the default drafter (index, whole-context search, online overlay);
 - `sailfish, window 4096`: the same with the live-context search cut to the last 4,096 tokens (the
   default before whole-context search);
+- `sailfish, trees`: the same with token trees (`--tree`: other sources' continuations as branches
+  where the chosen draft leaves room; a tree's verify accepts its longest matching root path);
 - `prompt lookup`: transformers' prompt lookup on the request's own context;
 - `suffix f1 path`, `suffix f4 path`, `suffix f1 tree`, `suffix f4 tree`: SuffixDecoding
   (arctic-inference) seeded with the same index turns, at `max_spec_factor` 1 and 4, tree
@@ -100,6 +102,7 @@ def contenders(index, max_draft: int, quick: bool) -> dict:
     out = {
         "sailfish": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft)),
         "sailfish, window 4096": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft, context_window=4096)),
+        "sailfish, trees": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft, tree=True)),
         "prompt lookup": lambda: PromptLookupDrafter(max_draft=max_draft),
     }
     try:
