@@ -7,7 +7,11 @@ the drafter's estimate (0..1) that tokens[:i+1] all match the target; `source` n
 came from ("index", "context", "overlay", "suffix", ... or "none"); `match_length` is the number of
 context tokens the drafter matched before proposing. A token tree (several continuations verified in
 one forward) sets `parents`: parents[i] is the index of token i's parent in `tokens`, -1 for a child
-of the pending token, and parents come before their children; a chain has parents None.
+of the pending token, and parents come before their children; a chain has parents None. A tree's
+`confidence[i]` is the estimate for the path to token i. Its main chain (`chain_length`) is its
+longest leading run of tokens that form a chain from the pending token; the n-gram drafter lays a
+tree out with its chosen continuation there (ngram/tree.py), and an engine that verifies no trees
+verifies that chain (`main_chain`).
 """
 from __future__ import annotations
 
@@ -45,6 +49,19 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def chain_length(self) -> int:
+        """All of a chain; of a tree, the tokens before the first whose parent is not its predecessor."""
+        if self.parents is None:
+            return len(self.tokens)
+        return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
+
+    def main_chain(self) -> "Draft":
+        """The draft as a chain: a tree cut to its main chain (a chain is returned as it is)."""
+        if self.parents is None:
+            return self
+        k = self.chain_length()
+        return Draft(self.tokens[:k], self.confidence[:k], self.source, self.match_length)
 
     def __repr__(self) -> str:
         return f"Draft({list(self.tokens)}, source={self.source!r}, match_length={self.match_length})"

@@ -3,7 +3,8 @@
 Contract: `server.backend.measure_cost_curve(backend, ...)` gives `cost[n]`, the time of an n-token
 forward relative to a 1-token forward (`cost[1] == 1`). `DraftPolicy` holds that curve and the rule's constants; a per-request
 `AcceptanceTracker` holds the request's acceptance history. `DraftPolicy.choose(draft, tracker)`
-returns how many drafted tokens to verify this step (0 = decode plainly).
+returns how many drafted tokens to verify this step (0 = decode plainly); for a token tree,
+`DraftPolicy.tree_branches` then picks the branch nodes to verify beside that main chain.
 
 The rule. A verify step with n drafted tokens feeds n+1 tokens (the pending token plus the draft)
 and yields 1 + (number of accepted drafted tokens) tokens. With p_i the probability that the first
@@ -106,6 +107,36 @@ class DraftPolicy:
         ratio = (k + 1.0 + np.cumsum(p)) / self.cost_of(rows + n + 1)
         best = int(np.argmax(ratio))
         return best + 1, float(ratio[best] * self.cost_of(np.array([rows + 1]))[0] / (k + 1.0))
+
+    def tree_branches(self, parents, confidence, chain: int, n: int, alpha: float, max_nodes: int,
+                      max_depth: int) -> list[int]:
+        """The branch nodes of a token tree (ngram.draft's layout, its main chain the first `chain`
+        tokens) to verify beside the main chain's first n: in the tree's order, each one whose parent
+        is kept and whose depth is at most max_depth, while it raises the expected tokens per cost
+        (the chain rule above, a node counting its confidence capped by alpha ** depth) and the step
+        fits in max_nodes drafted tokens."""
+        kept = set(range(min(n, chain)))
+        depth = {i: i + 1 for i in kept}
+        expected = 1.0 + sum(min(float(confidence[i]), alpha ** (i + 1)) for i in kept)
+        out: list[int] = []
+        for j in range(chain, len(parents)):
+            if n + len(out) >= max_nodes or n + len(out) + 2 >= len(self.cost):
+                break
+            p = parents[j]
+            if p != -1 and p not in kept:
+                continue
+            d = 1 if p == -1 else depth[p] + 1
+            if d > max_depth:
+                continue
+            gain = min(float(confidence[j]), alpha ** d)
+            size = n + len(out)  # drafted tokens so far: the step feeds size + 1
+            if (expected + gain) / self.cost[size + 2] <= expected / self.cost[size + 1]:
+                continue
+            kept.add(j)
+            depth[j] = d
+            expected += gain
+            out.append(j)
+        return out
 
     def cost_of(self, rows: np.ndarray) -> np.ndarray:
         """cost[rows], extended linearly past the measured curve (the mean slope of its last 4 points)."""

@@ -29,6 +29,8 @@ SHARED_PREFILL_CHUNK = 64  # prefill chunk while other requests share the forwar
 
 
 class CpuBackend:
+    supports_tree = True  # step(ids, parents=...) and keep_path (server/backend.py)
+
     def __init__(self, model: CpuGemma, max_context: int, prefix_budget_bytes: int = 0, max_step: int = 17,
                  prefill_chunk: int = 256, store: PrefixStore | None = None, batcher: StepBatcher | None = None):
         self.model = model
@@ -71,8 +73,6 @@ class CpuBackend:
             logits = self.step(prompt_ids[begin:begin + chunk], last_only=True)
             begin += chunk
         return Prefill(logits[-1], reused)
-
-    supports_tree = True
 
     def step(self, ids: list[int], last_only: bool = False, parents=None) -> torch.Tensor:
         n = len(ids)

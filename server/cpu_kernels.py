@@ -70,11 +70,10 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
     out = np.empty_like(q)
     if _C is None:
         return _attention_numpy(q, k_cache, v_cache, positions, window, scale, out, tree_start, ancestors)
-    if ancestors is None:
-        _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale), out)
-    else:
-        _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
-                     out, tree_start=int(tree_start), ancestors=np.ascontiguousarray(ancestors, dtype=np.int64))
+    tree = {} if ancestors is None else {"tree_start": int(tree_start),
+                                          "ancestors": np.ascontiguousarray(ancestors, dtype=np.int64)}
+    _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
+                 out, **tree)
     return out
 
 

@@ -275,9 +275,9 @@ class CpuGemma:
             cos, sin = rope[L["kind"]]
             q_all = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
             if L["source"] == i:
-                at = heads * D
-                key_all = _rope(self._norm(qkv[:, at : at + kvh * D].reshape(m, kvh, D), L["k_norm"]), cos, sin)
-                value_all = qkv[:, at + kvh * D :].reshape(m, kvh, D)
+                kv_at = heads * D  # q, then k, then v in the fused projection
+                key_all = _rope(self._norm(qkv[:, kv_at : kv_at + kvh * D].reshape(m, kvh, D), L["k_norm"]), cos, sin)
+                value_all = qkv[:, kv_at + kvh * D :].reshape(m, kvh, D)
                 if L["v_norm"]:
                     value_all = self._norm(value_all, L["v_norm_w"])
             window = self.window if L["sliding"] else 0

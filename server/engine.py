@@ -428,17 +428,18 @@ class Engine:
                         t = time.perf_counter()
                         draft = session.propose(context[:length], room)
                         if draft.parents is not None and (grammar is not None or not self._trees):
-                            draft = _main_chain(draft)  # trees are verified only without a grammar
+                            draft = draft.main_chain()  # trees are verified only without a grammar
                         if grammar is not None and len(draft):
                             draft = _grammar_cut(draft, grammar, room, stats)
                         if len(draft):
                             stats.drafts += 1
-                            chain = min(room, _chain_length(draft))
+                            chain = min(room, draft.chain_length())
                             n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, tracker,
                                                           shared_load(backend))
                         stats.draft_s += time.perf_counter() - t
                     t = time.perf_counter()
-                    branches = (_tree_branches(draft, n, self.policy, tracker, backend.max_step - 1, room)
+                    branches = (self.policy.tree_branches(draft.parents, draft.confidence, draft.chain_length(), n,
+                                                          tracker.alpha, backend.max_step - 1, room)
                                 if n > 0 and draft.parents is not None else [])
                     if branches:
                         tree = _TreeStep(draft, n, branches)
@@ -516,52 +517,6 @@ class _LockedSession:
     def finish(self, context_ids=None) -> None:
         with self._lock:
             self._session.finish(context_ids)
-
-
-def _chain_length(draft: Draft) -> int:
-    """A draft's main chain: all of a chain, or a tree's tokens before the first whose parent is not
-    its predecessor (ngram.draft: the drafter lays a tree out main chain first)."""
-    if draft.parents is None:
-        return len(draft)
-    return next((i for i, p in enumerate(draft.parents) if p != i - 1), len(draft.parents))
-
-
-def _main_chain(draft: Draft) -> Draft:
-    k = _chain_length(draft)
-    return Draft(draft.tokens[:k], draft.confidence[:k], draft.source, draft.match_length)
-
-
-def _tree_branches(draft: Draft, n: int, policy: DraftPolicy, tracker: AcceptanceTracker, max_nodes: int,
-                   max_depth: int) -> list[int]:
-    """The branch nodes of a token tree to verify beside the first n tokens of its main chain: in
-    the draft's order, each one whose parent is kept and whose depth is at most max_depth, while it
-    raises the expected tokens per cost (the chain rule of server.cost_model, a node counting its
-    confidence, capped by alpha ** depth) and the step fits in max_nodes drafted tokens."""
-    parents, conf = draft.parents, draft.confidence
-    chain = _chain_length(draft)
-    kept = set(range(min(n, chain)))
-    depth = {i: i + 1 for i in kept}
-    alpha = tracker.alpha
-    expected = 1.0 + sum(min(float(conf[i]), alpha ** (i + 1)) for i in kept)
-    out: list[int] = []
-    for j in range(chain, len(parents)):
-        if n + len(out) >= max_nodes or n + len(out) + 2 >= len(policy.cost):
-            break
-        p = parents[j]
-        if p != -1 and p not in kept:
-            continue
-        d = 1 if p == -1 else depth[p] + 1
-        if d > max_depth:
-            continue
-        gain = min(float(conf[j]), alpha ** d)
-        size = n + len(out)  # drafted tokens so far: the step feeds size + 1
-        if (expected + gain) / policy.cost[size + 2] <= expected / policy.cost[size + 1]:
-            continue
-        kept.add(j)
-        depth[j] = d
-        expected += gain
-        out.append(j)
-    return out
 
 
 class _TreeStep:
