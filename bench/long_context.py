@@ -27,6 +27,9 @@ learning its own served turns as it goes (ngram.replay's rule):
 - `suffix f1 path`, `suffix f4 path`, `suffix f1 tree`, `suffix f4 tree`: SuffixDecoding
   (arctic-inference) seeded with the same index turns, at `max_spec_factor` 1 and 4, tree
   speculation off and on (a tree verify accepts its longest matching root path).
+Beside them, `copy bound` (bench/copy_bound.py): the tau of a drafter that knows the target and
+proposes the longest run of it found anywhere in the index or the request's tokens so far, which
+bounds every drafter above (each proposes runs of text it has seen).
 Tau = target tokens / verify steps (a tree's verify is one step). Latency = wall time of each
 propose call, by the context length at the call; `prepare` = each turn's session.prepare(prompt)
 (encoding the prompt and indexing its new tokens, which the server does before the prefill).
@@ -157,6 +160,10 @@ def markdown(r: dict) -> str:
         a = r["contenders"][n]["all"]
         lines.append(f"| {n} | {a['tau']:.2f} | {a['acceptance_rate']:.2f} | {a['draft_us_p50']:.1f} | "
                      f"{a['draft_us_p99']:.1f} | {a['prepare_us_p50']:.0f} / {a['prepare_us_p99']:.0f} |")
+    if "copy bound" in r:
+        b = r["copy bound"]
+        lines += ["", f"Copy bound (no drafter that copies runs of the index or the context can do better): tau "
+                      f"{b['tau']:.2f}; Sailfish reaches {r['contenders']['sailfish']['all']['tau'] / b['tau']:.0%} of it."]
     best_peer = max((n for n in names if n.startswith("suffix")), key=lambda n: r["contenders"][n]["all"]["tau"], default=None)
     if best_peer:
         ratio = r["contenders"]["sailfish"]["all"]["tau"] / r["contenders"][best_peer]["all"]["tau"]
@@ -219,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         a = r["all"]
         print(f"  {name:<24} tau {a['tau']:.3f}  acceptance {a['acceptance_rate']:.3f}  "
               f"p50 {a['draft_us_p50']:.1f} us  p99 {a['draft_us_p99']:.1f} us  ({r['seconds']:.0f} s)", file=sys.stderr)
+    from bench.copy_bound import copy_bound
+
+    bound = copy_bound(chains, list(index.turns()) if index is not None else [], args.max_draft).as_dict()
+    results["copy bound"] = {k: bound[k] for k in ("tau", "target_tokens", "verify_steps")}
+    print(f"  {'copy bound':<24} tau {bound['tau']:.3f}", file=sys.stderr)
     md = markdown(results)
     name = "long_context" + ("-quick" if args.quick else "") + (f"-{args.max_draft}" if args.max_draft != 16 else "")
     write_results(args.out, name + (f"-{args.split}" if args.split != "all" else ""), results, md)
