@@ -1165,6 +1165,7 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
 #endif
 
 #if HAVE_X86
+#define LONG_ROW_KEYS 1024  /* a single row over at least this many keys is split by keys and values */
 #define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
 
 /* Rows m..m+R-1 (R <= 4) of a chain (no tree), all H <= 4 heads of each: for every (row, head) the
@@ -1230,6 +1231,225 @@ AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float 
 }
 #endif
 
+#if HAVE_X86
+/* The attention's AVX-512 code: the same arithmetic on 16-lane registers. A 16-lane fma chain over
+   d = i, i + 16, ... holds dot16's lanes l_0..l_15 at once (AVX2 keeps them in two 8-lane halves),
+   and each output element's fma chain over keys is the same whatever the vector holding it, so every
+   value equals the AVX2 and scalar code's bit for bit (tests/test_cpu_kernels.py compares the paths).
+   Zen 5 and recent Intel cores issue two 16-lane FMAs a cycle, twice AVX2's lanes. */
+#define AVX512H __attribute__((target("avx2,fma,f16c,avx512f")))
+#define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
+
+/* 16 float16 values as floats. */
+AVX512H static inline __m512 load16h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* score4's ending: per head, u = l[0..7] + l[8..15], then tree8 through the hadds, times scale. */
+AVX512H static inline void finish_score4(const __m512 a[4], __m128 scale, float *out) {
+    __m256 u[4];
+    for (int j = 0; j < 4; j++)
+        u[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(r, scale));
+}
+
+/* score4 for keys k0 and k1 at once (8 independent chains keep both FMA pipes busy). */
+AVX512H static inline void score4x2_512(const float *const q[4], const uint16_t *k0, const uint16_t *k1, Py_ssize_t D,
+                                        __m128 scale, float *out0, float *out1) {
+    __m512 a0[4], a1[4];
+    for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    for (Py_ssize_t d = 0; d < D; d += 16) {
+        const __m512 x0 = load16h(k0 + d), x1 = load16h(k1 + d);
+        for (int j = 0; j < 4; j++) {
+            const __m512 qv = _mm512_loadu_ps(q[j] + d);
+            a0[j] = _mm512_fmadd_ps(qv, x0, a0[j]);
+            a1[j] = _mm512_fmadd_ps(qv, x1, a1[j]);
+        }
+    }
+    finish_score4(a0, scale, out0);
+    finish_score4(a1, scale, out1);
+}
+
+AVX512H static inline void score4_512(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
+    __m512 a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
+    for (Py_ssize_t d = 0; d < D; d += 16) {
+        const __m512 x = load16h(kp + d);
+        for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + d), x, a[j]);
+    }
+    finish_score4(a, scale, out);
+}
+
+/* Scores of keys pa..pb (cache slots through the key list) into s[4 * (p - p0)]. */
+AVX512H static void score_run_512(const AttnCtx *c, const KeyList *keys, const float *const q[4], Py_ssize_t pa,
+                                  Py_ssize_t pb, Py_ssize_t p0, float *s) {
+    const Py_ssize_t D = c->D;
+    const __m128 scale = _mm_set1_ps(c->scale);
+    Py_ssize_t p = pa;
+    for (; p + 1 <= pb; p += 2)
+        score4x2_512(q, c->k + key_slot(keys, p) * D, c->k + key_slot(keys, p + 1) * D, D, scale,
+                     s + 4 * (p - p0), s + 4 * (p + 1 - p0));
+    if (p <= pb) score4_512(q, c->k + key_slot(keys, p) * D, D, scale, s + 4 * (p - p0));
+}
+
+/* One key's step of 4 heads' output chains over 32 values: a[2j], a[2j + 1] = fma(e[j], v[0..31], .). */
+AVX512H static inline void accumulate4x32(__m512 a[8], const float *e, const uint16_t *vp) {
+    const __m512 v0 = load16h(vp), v1 = load16h(vp + 16);
+    for (int j = 0; j < 4; j++) {
+        const __m512 ej = _mm512_set1_ps(e[j]);
+        a[2 * j] = _mm512_fmadd_ps(ej, v0, a[2 * j]);
+        a[2 * j + 1] = _mm512_fmadd_ps(ej, v1, a[2 * j + 1]);
+    }
+}
+
+/* Values d..d+31 of the G real heads of row m (weights s, sums sum) over keys 0..n-1 of the list. */
+AVX512H static void values_512(const AttnCtx *c, const KeyList *keys, Py_ssize_t m, Py_ssize_t h, int G,
+                               const float *s, const float sum[4], Py_ssize_t d) {
+    const Py_ssize_t D = c->D;
+    __m512 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    for (Py_ssize_t p = 0; p < keys->n; p++) accumulate4x32(a, s + 4 * p, c->v + key_slot(keys, p) * D + d);
+    for (int j = 0; j < G; j++) {
+        float *out = c->out + (m * c->H + h + j) * D + d;
+        const __m512 vs = _mm512_set1_ps(sum[j]);
+        _mm512_storeu_ps(out, _mm512_div_ps(a[2 * j], vs));
+        _mm512_storeu_ps(out + 16, _mm512_div_ps(a[2 * j + 1], vs));
+    }
+}
+
+/* attend4_avx2 on 16-lane registers (D % 32 == 0). */
+AVX512H static void attend4_512(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int G, float *scratch) {
+    KeyList keys;
+    attn_keys(c, m, &keys);
+    const float *q[4];
+    for (int j = 0; j < 4; j++) q[j] = c->q + (m * c->H + h + (j < G ? j : G - 1)) * c->D;
+    score_run_512(c, &keys, q, 0, keys.n - 1, 0, scratch);
+    float sum[4];
+    softmax4_weights_avx2(scratch, keys.n, sum);
+    for (Py_ssize_t d = 0; d < c->D; d += 32) values_512(c, &keys, m, h, G, scratch, sum, d);
+}
+
+/* attend_rows_avx2 on 16-lane registers (D % 32 == 0), for up to ROWS_512 rows m..m+R-1 of a chain:
+   all of a part's rows meet each block of keys while it is in L1, so a long cache is read from
+   memory once per part, not once per 4 rows. scratch: 4 * ROWS_512 * (T + D) floats. */
+AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
+    const Py_ssize_t D = c->D, H = c->H, T = c->T;
+    Py_ssize_t first[ROWS_512], last[ROWS_512], lo = T, hi = -1;
+    KeyList keys[ROWS_512];
+    const float *q[ROWS_512][4];
+    float *s[ROWS_512], *acc = scratch + 4 * ROWS_512 * T;  /* acc[(r * 4 + j) * D + d] */
+    for (int r = 0; r < R; r++) {
+        attn_keys(c, m + r, &keys[r]);
+        first[r] = keys[r].start;
+        last[r] = keys[r].start + keys[r].n - 1;
+        if (first[r] < lo) lo = first[r];
+        if (last[r] > hi) hi = last[r];
+        for (int j = 0; j < 4; j++) q[r][j] = c->q + ((m + r) * H + (j < H ? j : H - 1)) * D;
+        s[r] = scratch + r * 4 * T;
+    }
+    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
+        for (int r = 0; r < R; r++) {
+            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
+            if (pa <= pb) score_run_512(c, &keys[r], q[r], pa - first[r], pb - first[r], 0, s[r]);
+        }
+    }
+    float sum[ROWS_512][4];
+    for (int r = 0; r < R; r++) softmax4_weights_avx2(s[r], last[r] - first[r] + 1, sum[r]);
+    for (Py_ssize_t i = 0; i < 4 * R * D; i++) acc[i] = 0.0f;
+    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
+        for (int r = 0; r < R; r++) {
+            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
+            if (pa > pb) continue;
+            float *ar = acc + r * 4 * D;
+            for (Py_ssize_t d = 0; d < D; d += 32) {
+                __m512 a[8];
+                for (int j = 0; j < 4; j++) {
+                    a[2 * j] = _mm512_loadu_ps(ar + j * D + d);
+                    a[2 * j + 1] = _mm512_loadu_ps(ar + j * D + d + 16);
+                }
+                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4x32(a, s[r] + 4 * (p - first[r]), c->v + p * D + d);
+                for (int j = 0; j < 4; j++) {
+                    _mm512_storeu_ps(ar + j * D + d, a[2 * j]);
+                    _mm512_storeu_ps(ar + j * D + d + 16, a[2 * j + 1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < H; j++) {
+            const float *ar = acc + (r * 4 + j) * D;
+            float *out = c->out + ((m + r) * H + j) * D;
+            const __m512 vs = _mm512_set1_ps(sum[r][j]);
+            for (Py_ssize_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(ar + d), vs));
+        }
+}
+
+/* One row over a long run of keys (a decode step deep into a conversation): split between threads
+   by keys for the scores and by output elements for the values, never inside a reduction, so each
+   value is attend4's. Splitting by heads (attn_part) would give each of 2 threads 2 of 4 heads, and
+   attend4 computes 4 heads whatever G: half its work wasted. */
+typedef struct {
+    const AttnCtx *c;
+    KeyList keys;
+    const float *q[4];
+    float *s, sum[4];
+    int G;
+} LongRow;
+
+AVX512H static void long_row_scores_512(void *ctx, int part, int nparts) {
+    LongRow *L = ctx;
+    Py_ssize_t lo, hi;
+    part_range(L->keys.n, 16, part, nparts, &lo, &hi);
+    if (lo < hi) score_run_512(L->c, &L->keys, L->q, lo, hi - 1, 0, L->s);
+}
+
+AVX2H static void long_row_scores_avx2(void *ctx, int part, int nparts) {
+    LongRow *L = ctx;
+    Py_ssize_t lo, hi;
+    part_range(L->keys.n, 16, part, nparts, &lo, &hi);
+    const __m128 scale = _mm_set1_ps(L->c->scale);
+    for (Py_ssize_t p = lo; p < hi; p++) score4(L->q, L->c->k + key_slot(&L->keys, p) * L->c->D, L->c->D, scale, L->s + 4 * p);
+}
+
+AVX512H static void long_row_values_512(void *ctx, int part, int nparts) {
+    LongRow *L = ctx;
+    Py_ssize_t lo, hi;
+    part_range(L->c->D, 32, part, nparts, &lo, &hi);
+    for (Py_ssize_t d = lo; d < hi; d += 32) values_512(L->c, &L->keys, 0, 0, L->G, L->s, L->sum, d);
+}
+
+AVX2H static void long_row_values_avx2(void *ctx, int part, int nparts) {
+    LongRow *L = ctx;
+    const AttnCtx *c = L->c;
+    Py_ssize_t lo, hi;
+    part_range(c->D, 16, part, nparts, &lo, &hi);
+    for (Py_ssize_t d = lo; d < hi; d += 16) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (Py_ssize_t p = 0; p < L->keys.n; p++) accumulate4(a, L->s + 4 * p, c->v + key_slot(&L->keys, p) * c->D + d);
+        for (int j = 0; j < L->G; j++) {
+            float *out = c->out + j * c->D + d;
+            const __m256 vs = _mm256_set1_ps(L->sum[j]);
+            _mm256_storeu_ps(out, _mm256_div_ps(a[2 * j], vs));
+            _mm256_storeu_ps(out + 8, _mm256_div_ps(a[2 * j + 1], vs));
+        }
+    }
+}
+
+/* Row 0 of c (M == 1, H <= 4, simd) split over `threads`; scratch holds 4 * T floats. */
+static void attend_long_row(const AttnCtx *c, int threads, float *scratch) {
+    LongRow L = {.c = c, .s = scratch, .G = (int)c->H};
+    attn_keys(c, 0, &L.keys);
+    for (int j = 0; j < 4; j++) L.q[j] = c->q + (j < c->H ? j : c->H - 1) * c->D;
+    const int wide = c->simd == 2;
+    pool_run(wide ? long_row_scores_512 : long_row_scores_avx2, &L, parts_for(L.keys.n / 256, threads));
+    softmax4_weights_avx2(L.s, L.keys.n, L.sum);
+    pool_run(wide ? long_row_values_512 : long_row_values_avx2, &L, parts_for(c->D / (wide ? 32 : 16), threads));
+}
+#endif
+
 static void attn_part(void *ctx, int part, int nparts) {
     const AttnCtx *c = ctx;
     float *scratch = c->scratch + part * c->scratch_per_part;
@@ -1240,8 +1460,9 @@ static void attn_part(void *ctx, int part, int nparts) {
 #if HAVE_X86
         if (c->simd && h == 0 && c->H <= 4 && c->ancestors == NULL && m + 1 < c->M && i + 2 * c->H <= hi) {
             Py_ssize_t rows = (hi - i) / c->H;  /* whole rows of this part, from m on */
-            if (rows > 4) rows = 4;
-            attend_rows_avx2(c, m, (int)rows, scratch);
+            if (rows > (c->simd == 2 ? ROWS_512 : 4)) rows = c->simd == 2 ? ROWS_512 : 4;
+            if (c->simd == 2) attend_rows_512(c, m, (int)rows, scratch);
+            else attend_rows_avx2(c, m, (int)rows, scratch);
             i += rows * c->H;
             continue;
         }
@@ -1249,7 +1470,8 @@ static void attn_part(void *ctx, int part, int nparts) {
             Py_ssize_t g = c->H - h;  /* this row's heads left in the part, at most 4 */
             if (g > hi - i) g = hi - i;
             if (g > 4) g = 4;
-            attend4_avx2(c, m, h, (int)g, scratch);
+            if (c->simd == 2) attend4_512(c, m, h, (int)g, scratch);
+            else attend4_avx2(c, m, h, (int)g, scratch);
             i += g;
             continue;
         }
@@ -1323,9 +1545,11 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
         result = Py_NewRef(out_o);
         goto done;
     }
-    int simd = use_simd() && have_f16c && D % 16 == 0;
+    /* 2: AVX-512 (where matmul_q8 runs it too, and D % 32 == 0); 1: AVX2; 0: scalar */
+    int simd = use_simd() && have_f16c && D % 16 == 0 ? (matmul_path() == PATH_AVX512 && D % 32 == 0 ? 2 : 1) : 0;
     int nparts = parts_for(M * H, threads);
-    Py_ssize_t per_part = simd ? 16 * T + 16 * D : T + D;  /* attend_rows_avx2: 4 rows' scores and sums */
+    /* attend_rows_avx2: 4 rows' scores and sums; attend_rows_512: ROWS_512 rows' */
+    Py_ssize_t per_part = simd == 2 ? 4 * ROWS_512 * (T + D) : simd ? 16 * T + 16 * D : T + D;
     float *scratch = PyMem_Malloc(sizeof(float) * (size_t)(per_part * nparts));
     if (!scratch) {
         PyErr_NoMemory();
@@ -1334,7 +1558,13 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
     AttnCtx c = {v[0].buf, v[1].buf, v[2].buf, pos, anc, v[4].buf, scratch, M, H, D, T, per_part,
                  (Py_ssize_t)tree_start, window, scale, simd};
     Py_BEGIN_ALLOW_THREADS
-    pool_run(attn_part, &c, nparts);
+#if HAVE_X86
+    if (simd && M == 1 && H <= 4 && !tree && threads > 1 &&
+        (window > 0 && pos[0] + 1 > window ? window : pos[0] + 1) >= LONG_ROW_KEYS)
+        attend_long_row(&c, threads, scratch);
+    else
+#endif
+        pool_run(attn_part, &c, nparts);
     Py_END_ALLOW_THREADS
     PyMem_Free(scratch);
     result = Py_NewRef(out_o);

@@ -281,23 +281,28 @@ def test_attention_is_causal_softmax_attention(window):
     np.testing.assert_allclose(_attention(q, k, v, positions, window, 0.0625), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("h,d", [(4, 256), (3, 48), (2, 20)])  # D % 16 != 0 runs the scalar code throughout
-def test_attention_rows_are_the_same_for_any_batch_thread_count_and_path(h, d):
+# D % 16 != 0 runs the scalar code throughout; D % 32 != 0 the AVX2 code where AVX-512 would run.
+# t = 1300: one row over 1,024 keys or more is split between threads by keys and by values.
+@pytest.mark.parametrize("h,d,t", [(4, 256, 300), (3, 48, 300), (2, 20, 300), (4, 256, 1300), (2, 16, 1300)])
+def test_attention_rows_are_the_same_for_any_batch_thread_count_and_path(h, d, t):
     rng = np.random.default_rng(5)
-    q, k, v = _cache(rng, h=h, d=d)
-    positions = np.arange(180, 196, dtype=np.int64)  # a 16-token draft after a 180-token prefix
-    for window in (0, 50):
+    q, k, v = _cache(rng, h=h, d=d, t=t)
+    positions = np.arange(t - 120, t - 104, dtype=np.int64)  # a 16-token draft after the prefix
+    for window in (0, 50, 1100):
         batch = _attention(q, k, v, positions, window, 0.1, threads=1)
-        rows = np.concatenate([_attention(q[i:i + 1], k, v, positions[i:i + 1], window, 0.1, threads=2)
-                               for i in range(16)])
-        assert np.array_equal(batch, rows)
+        for threads in (1, 2, 3):
+            rows = np.concatenate([_attention(q[i:i + 1], k, v, positions[i:i + 1], window, 0.1, threads=threads)
+                                   for i in range(16)])
+            assert np.array_equal(batch, rows)
         for threads in (2, 3, 7):  # 3 and 7 split a row's heads between threads
             assert np.array_equal(_attention(q, k, v, positions, window, 0.1, threads=threads), batch)
-        prev = ck._force_scalar(True)
-        try:
-            assert np.array_equal(_attention(q, k, v, positions, window, 0.1, threads=2), batch)
-        finally:
-            ck._force_scalar(prev)
+        for path in ck.paths():  # each path's attention code (AVX-512, AVX2, scalar)
+            prev = ck._force_path(path)
+            try:
+                assert np.array_equal(_attention(q, k, v, positions, window, 0.1, threads=2), batch), path
+                assert np.array_equal(_attention(q[:1], k, v, positions[:1], window, 0.1, threads=2), batch[:1]), path
+            finally:
+                ck._force_path(prev)
         np.testing.assert_allclose(batch, _attention_ref(q, k, v, positions, window, 0.1), rtol=1e-4, atol=1e-5)
 
 
