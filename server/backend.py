@@ -36,6 +36,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from server.sampling import row_argmax
+
 
 @dataclass
 class Prefill:
@@ -92,7 +94,7 @@ def time_forwards(backend: Backend, context: list[int], lengths: list[int], roun
             t_round = time.perf_counter()
             for n in lengths:
                 t0 = time.perf_counter()
-                backend.step(list(context[-n:])).argmax(-1).cpu()
+                row_argmax(backend.step(list(context[-n:])))  # what a verify does with the logits
                 if r:
                     samples[n].append(time.perf_counter() - t0)
                 backend.rollback(n)

@@ -58,7 +58,7 @@ from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 from server.engine_config import EngineConfig
 from server.grammar import Constraint, GrammarMatcher
-from server.sampling import Sampler, SamplingParams
+from server.sampling import Sampler, SamplingParams, row_argmax
 
 log = logging.getLogger("sailfish.engine")
 
@@ -538,7 +538,7 @@ class _TreeStep:
     def verify(self, sampler: Sampler, logits: torch.Tensor, position: int) -> tuple[list[int], int]:
         """(rows of the accepted path, the step's new token)."""
         greedy = sampler.params.plain_argmax
-        choices = logits.argmax(-1).tolist() if greedy else None
+        choices = row_argmax(logits) if greedy else None
         path: list[int] = []
         row = 0
         while True:
@@ -577,7 +577,7 @@ def _verify(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tens
     while they equal those choices, and the first choice that differs is the new token. The grammar
     is advanced through the accepted tokens and rolled back before returning: it is left as it was."""
     if grammar is None and sampler.params.plain_argmax:  # one vectorized argmax, then server.backend's rule
-        target = logits.argmax(-1).tolist()
+        target = row_argmax(logits)
         k = accept(proposal, target)
         return k, target[k]
     advanced, result = 0, None

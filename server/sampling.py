@@ -36,6 +36,16 @@ _MASK = (1 << 64) - 1
 _TOP_P_FIRST = 1024  # top_p without top_k looks at this many most likely tokens before sorting all
 
 
+
+def row_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first maximal index, NaN counting as maximal) as Python ints; one
+    entry for a single row [vocab]. On the CPU numpy's: torch's CPU argmax along rows of a 262k
+    vocabulary takes about 8 ms for 16 rows where numpy takes 0.3 (it was a third of a 16-token
+    verify on the int8 path, and inflated the measured verify cost curve). Elsewhere torch's."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return np.atleast_1d(logits.detach().numpy().argmax(-1)).tolist()
+    return logits.argmax(-1).reshape(-1).tolist()
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -90,7 +100,7 @@ class Sampler:
     def pick(self, logits: torch.Tensor, position: int, pending: list[int] | tuple = ()) -> int:
         p = self.params
         if p.plain_argmax:
-            return int(logits.argmax())
+            return row_argmax(logits)[0]
         # numpy from here: single-threaded, and fast on one row (torch's threaded elementwise ops over
         # a 262k vocabulary cost more in hand-off than in work)
         scores = logits.detach().float().cpu().numpy()
