@@ -42,6 +42,12 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
       i.e. the code's bits ^ 0x80), then 16 fp32 scales, lane 4 r + q = ws[4T + r, 4g + q] (0 when padded).
       So a 16-lane int32 vector of a step holds, lane 4 r + q, 4 consecutive codes of W row r's block q.
   packed_size(N, K) -> ceil(N / 4) * ceil(K / 128) * 576.
+  rms_norm(x, weight, eps, out, residual=None) -> out: x float32 [R, N], weight float32 [N] or None,
+      residual None or float32 [R, N], out float32 [R, N] (it may be residual itself). Per row:
+          l[i % 16] = fmaf(x_i, x_i, l[i % 16]) for i in order from +0;  ss = tree8(l_i + l_{i+8});
+          inv = 1 / sqrtf(ss / N + eps);  y_i = x_i * inv (* w_i);  out_i = y_i, or residual_i + y_i.
+      One thread, one fixed sequence a row (a norm is a few microseconds; numpy's four calls were
+      most of a one-token step's glue).
   attention(q, k_cache, v_cache, positions, window, scale, out, threads=None) -> out:
       q float32 [M, H, D], k_cache / v_cache float16 [T, D] (one KV head shared by the H query heads;
       each value read as its exact float),
@@ -1574,6 +1580,148 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------
+   rms_norm */
+
+/* One row by the contract's definition (see the module docstring). No multiply may feed an add
+   (y * w, then r + y): contraction is off here and in the SIMD twins, whose lanes do the same
+   operations, so every path gives the same bits. */
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+NO_CONTRACT static void rms_norm_row(const float *x, const float *w, const float *r, float *out, Py_ssize_t N, float eps) {
+    float l[16] = {0};
+    for (Py_ssize_t i = 0; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
+    float u[8];
+    for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
+    const float var = tree8(u) / (float)N;
+    const float inv = 1.0f / sqrtf(var + eps);
+    for (Py_ssize_t i = 0; i < N; i++) {
+        float y = x[i] * inv;
+        if (w) y = y * w[i];
+        out[i] = r ? r[i] + y : y;
+    }
+}
+
+#if HAVE_X86
+/* rms_norm_row on AVX2: the 16 lanes as two 8-lane halves. */
+NO_CONTRACT AVX2 static void rms_norm_row_avx2(const float *x, const float *w, const float *r, float *out,
+                                               Py_ssize_t N, float eps) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const Py_ssize_t N16 = N - N % 16;
+    for (Py_ssize_t i = 0; i < N16; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    float l[16];
+    _mm256_storeu_ps(l, a0);
+    _mm256_storeu_ps(l + 8, a1);
+    for (Py_ssize_t i = N16; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
+    float u[8];
+    for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
+    const float var = tree8(u) / (float)N;
+    const float inv = 1.0f / sqrtf(var + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    const Py_ssize_t N8 = N - N % 8;
+    for (Py_ssize_t i = 0; i < N8; i += 8) {
+        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), iv);
+        if (w) y = _mm256_mul_ps(y, _mm256_loadu_ps(w + i));
+        _mm256_storeu_ps(out + i, r ? _mm256_add_ps(_mm256_loadu_ps(r + i), y) : y);
+    }
+    for (Py_ssize_t i = N8; i < N; i++) {
+        float y = x[i] * inv;
+        if (w) y = y * w[i];
+        out[i] = r ? r[i] + y : y;
+    }
+}
+#endif
+
+#if HAVE_X86
+/* rms_norm_row with 16 lanes (lane i % 16 of the sum of squares is register lane i % 16), the
+   elementwise steps 16 at a time, the tail (N % 16 values) by the scalar code's statements. */
+NO_CONTRACT AVX512H static void rms_norm_row_512(const float *x, const float *w, const float *r, float *out,
+                                                 Py_ssize_t N, float eps) {
+    __m512 a = _mm512_setzero_ps();
+    const Py_ssize_t N16 = N - N % 16;
+    for (Py_ssize_t i = 0; i < N16; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        a = _mm512_fmadd_ps(v, v, a);
+    }
+    float l[16];
+    _mm512_storeu_ps(l, a);
+    for (Py_ssize_t i = N16; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
+    float u[8];
+    for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
+    const float var = tree8(u) / (float)N;
+    const float inv = 1.0f / sqrtf(var + eps);
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (Py_ssize_t i = 0; i < N16; i += 16) {
+        __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), iv);
+        if (w) y = _mm512_mul_ps(y, _mm512_loadu_ps(w + i));
+        _mm512_storeu_ps(out + i, r ? _mm512_add_ps(_mm512_loadu_ps(r + i), y) : y);
+    }
+    for (Py_ssize_t i = N16; i < N; i++) {
+        float y = x[i] * inv;
+        if (w) y = y * w[i];
+        out[i] = r ? r[i] + y : y;
+    }
+}
+#endif
+
+/* rms_norm(x, weight, eps, out, residual=None) -> out */
+static PyObject *rms_norm(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"x", "weight", "eps", "out", "residual", NULL};
+    static const char *fn = "rms_norm";
+    PyObject *x_o, *w_o, *out_o, *r_o = Py_None;
+    float eps;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfO|O", kwlist, &x_o, &w_o, &eps, &out_o, &r_o)) return NULL;
+    const int has_w = w_o != Py_None, has_r = r_o != Py_None;
+    static const ArraySpec spec[4] = {{"x", F32, 2, 0}, {"out", F32, 2, 1}, {"weight", F32, 1, 0}, {"residual", F32, 2, 0}};
+    PyObject *objs[4] = {x_o, out_o, has_w ? w_o : x_o, has_r ? r_o : x_o};
+    ArraySpec specs[4] = {spec[0], spec[1], spec[2], spec[3]};
+    int n = 2;
+    if (has_w) n = 3;
+    if (has_r) {  /* residual without weight: move it up to slot 2 */
+        if (!has_w) {
+            specs[2] = spec[3];
+            objs[2] = r_o;
+        }
+        n++;
+    }
+    Py_buffer v[4];
+    PyObject *result = NULL;
+    char msg[200];
+    int got = get_arrays(fn, n, specs, objs, v);
+    if (got < n) goto done;
+    const Py_ssize_t R = v[0].shape[0], N = v[0].shape[1];
+    const Py_buffer *wv = has_w ? &v[2] : NULL, *rv = has_r ? &v[has_w ? 3 : 2] : NULL;
+    if (v[1].shape[0] != R || v[1].shape[1] != N || (wv && wv->shape[0] != N) ||
+        (rv && (rv->shape[0] != R || rv->shape[1] != N)) || N < 1) {
+        snprintf(msg, sizeof msg, "shapes must be x [R, N] (N >= 1), weight [N], out and residual [R, N]; got x [%zd, %zd], "
+                 "out [%zd, %zd]", R, N, v[1].shape[0], v[1].shape[1]);
+        shape_error(fn, msg);
+        goto done;
+    }
+    {
+        const float *x = v[0].buf, *w = wv ? wv->buf : NULL, *r = rv ? rv->buf : NULL;
+        float *out = v[1].buf;
+        Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+        if (matmul_path() == PATH_AVX512)
+            for (Py_ssize_t i = 0; i < R; i++) rms_norm_row_512(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
+        else if (use_simd())
+            for (Py_ssize_t i = 0; i < R; i++) rms_norm_row_avx2(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
+        else
+#endif
+            for (Py_ssize_t i = 0; i < R; i++) rms_norm_row(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_NewRef(out_o);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------------
    Settings */
 
 static PyObject *set_threads(PyObject *self, PyObject *arg) {
@@ -1649,6 +1797,9 @@ static PyMethodDef methods[] = {
     {"attention", (PyCFunction)(void (*)(void))attention, METH_VARARGS | METH_KEYWORDS,
      "attention(q, k_cache, v_cache, positions, window, scale, out, threads=None, tree_start=-1, ancestors=None) -> out "
      "(see the source)"},
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_VARARGS | METH_KEYWORDS,
+     "rms_norm(x, weight, eps, out, residual=None) -> out: [residual +] RMSNorm of each row of x [R, N], times "
+     "weight [N] (None: no scale) (see the source)"},
     {"set_threads", set_threads, METH_O, "set_threads(n) -> the previous thread count"},
     {"get_threads", get_threads, METH_NOARGS, "get_threads() -> the thread count calls use by default"},
     {"_force_scalar", force_scalar_fn, METH_O, "_force_scalar(flag) -> previous flag: run the portable scalar code"},

@@ -77,6 +77,27 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
     return out
 
 
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, residual: np.ndarray | None = None) -> np.ndarray:
+    """[residual +] RMSNorm over x's last axis times weight (None: no scale), float32, each row on
+    its own; x's shape. The C kernel's sequence (see its contract), or rms_norm_numpy's."""
+    if _C is None:
+        return rms_norm_numpy(x, weight, eps, residual)
+    shape, n = x.shape, x.shape[-1]
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)
+    out = np.empty_like(rows)
+    res = None if residual is None else np.ascontiguousarray(residual, dtype=np.float32).reshape(-1, n)
+    w = None if weight is None else np.ascontiguousarray(weight, dtype=np.float32)
+    _C.rms_norm(rows, w, float(eps), out, res)
+    return out.reshape(shape)
+
+
+def rms_norm_numpy(x: np.ndarray, weight: np.ndarray | None, eps: float, residual: np.ndarray | None = None) -> np.ndarray:
+    var = np.einsum("...i,...i->...", x, x, dtype=np.float32) / np.float32(x.shape[-1])
+    out = x * (1.0 / np.sqrt(var + np.float32(eps)))[..., None].astype(np.float32)
+    out = out * weight if weight is not None else out
+    return out if residual is None else residual + out
+
+
 def quantize_rows_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0's rule per row and 32-value block: scale max|x| / 127, codes round-half-even(x / scale)."""
     m, k = x.shape

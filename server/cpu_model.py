@@ -293,14 +293,14 @@ class CpuGemma:
                     attn[lo:hi, g * group : (g + 1) * group] = k.attention(
                         np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], r.positions, window,
                         L["scaling"], *(r.tree or ()))
-            x = x + self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"])
+            x = self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"], residual=x)
             gate_up = k.linear(self._norm(x, L["pre_ffn_norm"]), L["gate_up"])
             inter = gate_up.shape[1] // 2
             act = _gelu_tanh(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + self._norm(k.linear(np.ascontiguousarray(act), L["down"]), L["post_ffn_norm"])
+            x = self._norm(k.linear(np.ascontiguousarray(act), L["down"]), L["post_ffn_norm"], residual=x)
             if ple is not None:
                 gated = _gelu_tanh(k.linear(x, L["ple_gate"])) * ple[:, i]
-                x = x + self._norm(k.linear(np.ascontiguousarray(gated), L["ple_proj"]), L["ple_norm"])
+                x = self._norm(k.linear(np.ascontiguousarray(gated), L["ple_proj"]), L["ple_norm"], residual=x)
             if L["scalar"] is not None:
                 x = x * L["scalar"]
         # a prefill chunk reads only its last row's logits (the LM head is most of the work)
@@ -325,11 +325,9 @@ class CpuGemma:
         proj = (self.k.linear(x, p["proj"]) * p["proj_scale"]).reshape(m, n, p["dim"])
         return ((self._norm(proj, p["norm"]) + tok) * p["input_scale"]).astype(np.float32)
 
-    def _norm(self, x: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
-        """RMSNorm over the last axis, float32, each row on its own (weight None: no scale)."""
-        var = np.einsum("...i,...i->...", x, x, dtype=np.float32) / np.float32(x.shape[-1])
-        out = x * (1.0 / np.sqrt(var + self.eps))[..., None].astype(np.float32)
-        return out * weight if weight is not None else out
+    def _norm(self, x: np.ndarray, weight: np.ndarray | None, residual: np.ndarray | None = None) -> np.ndarray:
+        """[residual +] RMSNorm over the last axis, float32, each row on its own (weight None: no scale)."""
+        return self.k.rms_norm(x, weight, self.eps, residual)
 
     def _cos_sin(self, kind: str, end: int) -> tuple[np.ndarray, np.ndarray]:
         """RoPE tables for positions 0..end-1 from transformers' own rotary module (grown by doubling)."""

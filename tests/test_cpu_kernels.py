@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 ck = pytest.importorskip("server._cpu_kernels")
+from server import cpu_kernels  # noqa: E402  (the numpy twins)
 
 
 @pytest.fixture
@@ -414,3 +415,38 @@ def test_every_float16_in_the_cache_reads_as_its_exact_value():
         ck._force_scalar(prev)
     assert np.array_equal(simd, scalar)
     assert np.array_equal(v.astype(np.float32).astype(np.float16), v)  # float16 -> float32 is exact
+
+
+@pytest.mark.parametrize("n", [640, 256, 20])
+def test_rms_norm_is_rmsnorm_each_row_on_its_own(n):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, n)).astype(np.float32) * 3
+    w = rng.standard_normal(n).astype(np.float32)
+    res = rng.standard_normal((16, n)).astype(np.float32)
+    for weight, residual in ((w, None), (None, None), (w, res), (None, res)):
+        out = np.empty_like(x)
+        got = ck.rms_norm(x, weight, 1e-6, out, residual)
+        assert got is out
+        x64 = x.astype(np.float64)
+        ref = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * (1.0 if weight is None else weight)
+        ref = ref if residual is None else residual + ref
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+        twin = cpu_kernels.rms_norm_numpy(x, weight, 1e-6, residual)
+        np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-5)
+        for i in (0, 7, 15):  # a row alone gives the same bits
+            one = np.empty_like(x[i:i + 1])
+            ck.rms_norm(x[i:i + 1], weight, 1e-6, one, None if residual is None else residual[i:i + 1])
+            assert np.array_equal(one, out[i:i + 1])
+        for path in ck.paths():  # each path's code gives the same bits
+            prev = ck._force_path(path)
+            try:
+                assert np.array_equal(ck.rms_norm(x, weight, 1e-6, np.empty_like(x), residual), out), path
+            finally:
+                ck._force_path(prev)
+    inplace = res.copy()
+    ck.rms_norm(x, w, 1e-6, inplace, inplace)  # out may be the residual itself
+    assert np.array_equal(inplace, ck.rms_norm(x, w, 1e-6, np.empty_like(x), res))
+    with pytest.raises(ValueError, match="shapes"):
+        ck.rms_norm(x, w[:-1], 1e-6, np.empty_like(x))
+    with pytest.raises(TypeError):
+        ck.rms_norm(x.astype(np.float64), w, 1e-6, np.empty_like(x))

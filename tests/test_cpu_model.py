@@ -196,6 +196,8 @@ class FloatKernels:
         w = (lin.codes.astype(np.float64).reshape(lin.codes.shape[0], -1, 32) * lin.scales[:, :, None])
         return (x.astype(np.float64) @ w.reshape(lin.codes.shape[0], -1).T).astype(np.float32)
 
+    rms_norm = staticmethod(cpu_kernels.rms_norm_numpy)
+
     @staticmethod
     def attention(q, k_cache, v_cache, positions, window, scale):
         return cpu_kernels._attention_numpy(q, k_cache, v_cache, positions, window, scale, np.empty_like(q))
