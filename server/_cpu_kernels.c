@@ -941,6 +941,7 @@ typedef struct {
     const uint64_t *ancestors;  /* NULL: a chain; else each row's ancestor bits over the step's slots */
     float *out, *scratch;
     Py_ssize_t M, H, D, T, scratch_per_part, tree_start;
+    Py_ssize_t S;  /* the most keys a row attends to: the scratch's stride per row */
     long long window;
     float scale;
     int simd;
@@ -1180,12 +1181,12 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
    paused at block ends, its accumulator stored and reloaded exactly). Keys are taken in blocks of
    ATTN_BLOCK, and every row works through a block before the next block is read: a verify's rows
    share nearly all their keys, so the cache is read from memory once for R rows instead of R
-   times. scratch: 16 * T floats of scores and 16 * D of accumulators. */
+   times. scratch: 16 * S floats of scores and 16 * D of accumulators. */
 AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
     const Py_ssize_t D = c->D, H = c->H, T = c->T;
     Py_ssize_t first[4], last[4], lo = T, hi = -1;  /* row r attends to keys first[r]..last[r] */
     const float *q[4][4];
-    float *s[4], *acc = scratch + 16 * T;  /* acc[(r * 4 + j) * D + d] */
+    float *s[4], *acc = scratch + 16 * c->S;  /* acc[(r * 4 + j) * D + d] */
     for (int r = 0; r < R; r++) {
         KeyList keys;
         attn_keys(c, m + r, &keys);
@@ -1194,7 +1195,7 @@ AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float 
         if (first[r] < lo) lo = first[r];
         if (last[r] > hi) hi = last[r];
         for (int j = 0; j < 4; j++) q[r][j] = c->q + ((m + r) * H + (j < H ? j : H - 1)) * D;
-        s[r] = scratch + r * 4 * T;
+        s[r] = scratch + r * 4 * c->S;
     }
     const __m128 scale = _mm_set1_ps(c->scale);
     for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
@@ -1337,13 +1338,13 @@ AVX512H static void attend4_512(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, in
 
 /* attend_rows_avx2 on 16-lane registers (D % 32 == 0), for up to ROWS_512 rows m..m+R-1 of a chain:
    all of a part's rows meet each block of keys while it is in L1, so a long cache is read from
-   memory once per part, not once per 4 rows. scratch: 4 * ROWS_512 * (T + D) floats. */
+   memory once per part, not once per 4 rows. scratch: 4 * ROWS_512 * (S + D) floats. */
 AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
     const Py_ssize_t D = c->D, H = c->H, T = c->T;
     Py_ssize_t first[ROWS_512], last[ROWS_512], lo = T, hi = -1;
     KeyList keys[ROWS_512];
     const float *q[ROWS_512][4];
-    float *s[ROWS_512], *acc = scratch + 4 * ROWS_512 * T;  /* acc[(r * 4 + j) * D + d] */
+    float *s[ROWS_512], *acc = scratch + 4 * ROWS_512 * c->S;  /* acc[(r * 4 + j) * D + d] */
     for (int r = 0; r < R; r++) {
         attn_keys(c, m + r, &keys[r]);
         first[r] = keys[r].start;
@@ -1351,7 +1352,7 @@ AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float
         if (first[r] < lo) lo = first[r];
         if (last[r] > hi) hi = last[r];
         for (int j = 0; j < 4; j++) q[r][j] = c->q + ((m + r) * H + (j < H ? j : H - 1)) * D;
-        s[r] = scratch + r * 4 * T;
+        s[r] = scratch + r * 4 * c->S;
     }
     for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
@@ -1444,7 +1445,7 @@ AVX2H static void long_row_values_avx2(void *ctx, int part, int nparts) {
     }
 }
 
-/* Row 0 of c (M == 1, H <= 4, simd) split over `threads`; scratch holds 4 * T floats. */
+/* Row 0 of c (M == 1, H <= 4, simd) split over `threads`; scratch holds 4 * S floats. */
 static void attend_long_row(const AttnCtx *c, int threads, float *scratch) {
     LongRow L = {.c = c, .s = scratch, .G = (int)c->H};
     attn_keys(c, 0, &L.keys);
@@ -1555,14 +1556,19 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
     int simd = use_simd() && have_f16c && D % 16 == 0 ? (matmul_path() == PATH_AVX512 && D % 32 == 0 ? 2 : 1) : 0;
     int nparts = parts_for(M * H, threads);
     /* attend_rows_avx2: 4 rows' scores and sums; attend_rows_512: ROWS_512 rows' */
-    Py_ssize_t per_part = simd == 2 ? 4 * ROWS_512 * (T + D) : simd ? 16 * T + 16 * D : T + D;
+    Py_ssize_t S = 1;  /* a row sees at most positions start..pos (a tree row: fewer) */
+    for (Py_ssize_t m = 0; m < M; m++) {
+        const Py_ssize_t n = window > 0 && pos[m] + 1 > window ? window : pos[m] + 1;
+        if (n > S) S = n;
+    }
+    Py_ssize_t per_part = simd == 2 ? 4 * ROWS_512 * (S + D) : simd ? 16 * S + 16 * D : S + D;
     float *scratch = PyMem_Malloc(sizeof(float) * (size_t)(per_part * nparts));
     if (!scratch) {
         PyErr_NoMemory();
         goto done;
     }
     AttnCtx c = {v[0].buf, v[1].buf, v[2].buf, pos, anc, v[4].buf, scratch, M, H, D, T, per_part,
-                 (Py_ssize_t)tree_start, window, scale, simd};
+                 (Py_ssize_t)tree_start, S, window, scale, simd};
     Py_BEGIN_ALLOW_THREADS
 #if HAVE_X86
     if (simd && M == 1 && H <= 4 && !tree && threads > 1 &&
