@@ -1728,6 +1728,140 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------
+   gelu_mul, rope */
+
+/* gelu_sf(x): transformers' gelu_pytorch_tanh, 0.5 x (1 + tanh(z)) with z = c (x + 0.044715 x^3),
+   c = sqrt(2 / pi), computed as x * sigmoid(2z) (the same function) so that no step cancels:
+       z = c * (x + ((0.044715 * x) * x) * x);  e = exp_sf(-2 |z|)  (<= 1; exp_sf, see above);
+       s = (z >= 0 ? 1 : e) / (1 + e);  gelu_sf = x * s.
+   Within a few ulp of the true value (1 + tanh(z) in float32 loses all digits once tanh(z) nears
+   -1, at x below about -4). */
+#define GELU_C 0.7978845608028654f
+#define GELU_A 0.044715f
+
+NO_CONTRACT static inline float gelu_sf(float x) {
+    const float z = GELU_C * (x + ((GELU_A * x) * x) * x);
+    const float e = exp_sf(-2.0f * fabsf(z));
+    return x * ((z >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+#if HAVE_X86
+NO_CONTRACT AVX2 static inline __m256 gelu_sf_avx2(__m256 x) {
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(GELU_C),
+                                   _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_A), x), x), x)));
+    const __m256 e = exp_sf_avx2(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
+    return _mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, e)));
+}
+
+NO_CONTRACT AVX2 static void gelu_mul_row_avx2(const float *g, const float *u, float *out, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu_sf_avx2(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+    for (; i < n; i++) out[i] = gelu_sf(g[i]) * u[i];
+}
+#endif
+
+NO_CONTRACT static void gelu_mul_row(const float *g, const float *u, float *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = gelu_sf(g[i]) * u[i];
+}
+
+/* gelu_mul(gate, up, out) -> out: out = gelu_sf(gate) * up elementwise; gate, up [R, N] or, with
+   up None, gate [R, 2N] holding gate | up (a fused gate_up projection's output). */
+static PyObject *gelu_mul(PyObject *self, PyObject *args) {
+    static const char *fn = "gelu_mul";
+    PyObject *g_o, *u_o, *out_o;
+    if (!PyArg_ParseTuple(args, "OOO", &g_o, &u_o, &out_o)) return NULL;
+    const int fused = u_o == Py_None;
+    static const ArraySpec spec[3] = {{"gate", F32, 2, 0}, {"out", F32, 2, 1}, {"up", F32, 2, 0}};
+    PyObject *const objs[3] = {g_o, out_o, u_o};
+    const int n = fused ? 2 : 3;
+    Py_buffer v[3];
+    PyObject *result = NULL;
+    char msg[160];
+    int got = get_arrays(fn, n, spec, objs, v);
+    if (got < n) goto done;
+    const Py_ssize_t R = v[1].shape[0], N = v[1].shape[1];
+    if (v[0].shape[0] != R || v[0].shape[1] != (fused ? 2 * N : N) || (!fused && (v[2].shape[0] != R || v[2].shape[1] != N))) {
+        snprintf(msg, sizeof msg, "shapes must be gate and up [R, N] (or gate [R, 2N] with up None) and out [R, N]; "
+                 "got gate [%zd, %zd], out [%zd, %zd]", v[0].shape[0], v[0].shape[1], R, N);
+        shape_error(fn, msg);
+        goto done;
+    }
+    {
+        const float *g = v[0].buf, *u = fused ? g + N : v[2].buf;
+        const Py_ssize_t gs = fused ? 2 * N : N;
+        float *out = v[1].buf;
+        int simd = use_simd();
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < R; r++) {
+#if HAVE_X86
+            if (simd) {
+                gelu_mul_row_avx2(g + r * gs, u + r * gs, out + r * N, N);
+                continue;
+            }
+#endif
+            gelu_mul_row(g + r * gs, u + r * gs, out + r * N, N);
+        }
+        Py_END_ALLOW_THREADS
+        (void)simd;
+    }
+    result = Py_NewRef(out_o);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+/* rope(x, cos, sin, out) -> out: x [M, H, D] (D even), cos / sin [M, D]; per row (m, h):
+   out = x * cos[m] + rotated * sin[m], rotated = (-x[D/2:], x[:D/2]): two products, then their sum
+   (numpy's order, contraction off, so the same bits as numpy's expression). */
+NO_CONTRACT static void rope_row(const float *x, const float *c, const float *s, float *out, Py_ssize_t D) {
+    const Py_ssize_t half = D / 2;
+    for (Py_ssize_t d = 0; d < half; d++) {
+        const float a = x[d] * c[d], b = -x[d + half] * s[d];
+        out[d] = a + b;
+    }
+    for (Py_ssize_t d = half; d < D; d++) {
+        const float a = x[d] * c[d], b = x[d - half] * s[d];
+        out[d] = a + b;
+    }
+}
+
+static PyObject *rope(PyObject *self, PyObject *args) {
+    static const char *fn = "rope";
+    PyObject *x_o, *c_o, *s_o, *out_o;
+    if (!PyArg_ParseTuple(args, "OOOO", &x_o, &c_o, &s_o, &out_o)) return NULL;
+    static const ArraySpec spec[4] = {{"x", F32, 3, 0}, {"cos", F32, 2, 0}, {"sin", F32, 2, 0}, {"out", F32, 3, 1}};
+    PyObject *const objs[4] = {x_o, c_o, s_o, out_o};
+    Py_buffer v[4];
+    PyObject *result = NULL;
+    char msg[160];
+    int got = get_arrays(fn, 4, spec, objs, v);
+    if (got < 4) goto done;
+    const Py_ssize_t M = v[0].shape[0], H = v[0].shape[1], D = v[0].shape[2];
+    if (D % 2 || v[1].shape[0] != M || v[1].shape[1] != D || v[2].shape[0] != M || v[2].shape[1] != D ||
+        v[3].shape[0] != M || v[3].shape[1] != H || v[3].shape[2] != D) {
+        snprintf(msg, sizeof msg, "shapes must be x and out [M, H, D] (D even), cos and sin [M, D]; got x [%zd, %zd, %zd]",
+                 M, H, D);
+        shape_error(fn, msg);
+        goto done;
+    }
+    {
+        const float *x = v[0].buf, *c = v[1].buf, *s = v[2].buf;
+        float *out = v[3].buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t m = 0; m < M; m++)
+            for (Py_ssize_t h = 0; h < H; h++) rope_row(x + (m * H + h) * D, c + m * D, s + m * D, out + (m * H + h) * D, D);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_NewRef(out_o);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------------
    Settings */
 
 static PyObject *set_threads(PyObject *self, PyObject *arg) {
@@ -1806,6 +1940,9 @@ static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_VARARGS | METH_KEYWORDS,
      "rms_norm(x, weight, eps, out, residual=None) -> out: [residual +] RMSNorm of each row of x [R, N], times "
      "weight [N] (None: no scale) (see the source)"},
+    {"gelu_mul", gelu_mul, METH_VARARGS,
+     "gelu_mul(gate, up, out) -> out: gelu_sf(gate) * up (up None: gate holds gate | up) (see the source)"},
+    {"rope", rope, METH_VARARGS, "rope(x, cos, sin, out) -> out: rotary embedding of x [M, H, D] (see the source)"},
     {"set_threads", set_threads, METH_O, "set_threads(n) -> the previous thread count"},
     {"get_threads", get_threads, METH_NOARGS, "get_threads() -> the thread count calls use by default"},
     {"_force_scalar", force_scalar_fn, METH_O, "_force_scalar(flag) -> previous flag: run the portable scalar code"},

@@ -98,6 +98,41 @@ def rms_norm_numpy(x: np.ndarray, weight: np.ndarray | None, eps: float, residua
     return out if residual is None else residual + out
 
 
+def gelu_mul(gate: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
+    """gelu_tanh(gate) * up, float32 [R, N]; up None: gate [R, 2N] holds gate | up (a fused gate_up
+    projection). The C kernels' gelu_sf (as x * sigmoid(2z), within a few ulp), or the same form in numpy."""
+    if _C is None:
+        return gelu_mul_numpy(gate, up)
+    gate = np.ascontiguousarray(gate, dtype=np.float32)
+    up = None if up is None else np.ascontiguousarray(up, dtype=np.float32)
+    out = np.empty((gate.shape[0], gate.shape[1] if up is not None else gate.shape[1] // 2), dtype=np.float32)
+    return _C.gelu_mul(gate, up, out)
+
+
+def gelu_mul_numpy(gate: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
+    if up is None:
+        gate, up = gate[:, : gate.shape[1] // 2], gate[:, gate.shape[1] // 2 :]
+    z = np.float32(np.sqrt(2.0 / np.pi)) * (gate + np.float32(0.044715) * gate * gate * gate)
+    e = np.exp(np.float32(-2.0) * np.abs(z))  # gelu_sf's x * sigmoid(2z), numpy's exp
+    return (gate * (np.where(z >= 0, np.float32(1.0), e) / (np.float32(1.0) + e)) * up).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary embedding of x [M, H, D] at each row's cos / sin [M, D]: x * cos + rotated * sin with
+    rotated = (-x[D/2:], x[:D/2]), numpy's operations (the C code's bits are numpy's)."""
+    if _C is None:
+        return rope_numpy(x, cos, sin)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return _C.rope(x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
+                   np.empty_like(x))
+
+
+def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).astype(np.float32)
+
+
 def quantize_rows_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0's rule per row and 32-value block: scale max|x| / 127, codes round-half-even(x / scale)."""
     m, k = x.shape

@@ -265,18 +265,18 @@ class CpuGemma:
         x = _rows(self.embed, ids) * self.embed_scale
         ple = self._per_layer_inputs(ids, x) if self.ple else None
         positions = np.concatenate([r.positions for r in batch]) if len(batch) > 1 else batch[0].positions
-        rope = {}  # layer kind -> every row's cos, sin [M, 1, D]
+        rope = {}  # layer kind -> every row's cos, sin [M, D]
         for i, L in enumerate(self.layers):
             D, kvh, heads = L["head_dim"], L["kv_heads"], L["heads"]
             qkv = k.linear(self._norm(x, L["in_norm"]), L["qkv"])
             if L["kind"] not in rope:
                 cos, sin = self._cos_sin(L["kind"], int(positions.max()) + 1)
-                rope[L["kind"]] = (cos[positions][:, None, :], sin[positions][:, None, :])
+                rope[L["kind"]] = (cos[positions], sin[positions])
             cos, sin = rope[L["kind"]]
-            q_all = _rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
+            q_all = k.rope(self._norm(qkv[:, : heads * D].reshape(m, heads, D), L["q_norm"]), cos, sin)
             if L["source"] == i:
                 kv_at = heads * D  # q, then k, then v in the fused projection
-                key_all = _rope(self._norm(qkv[:, kv_at : kv_at + kvh * D].reshape(m, kvh, D), L["k_norm"]), cos, sin)
+                key_all = k.rope(self._norm(qkv[:, kv_at : kv_at + kvh * D].reshape(m, kvh, D), L["k_norm"]), cos, sin)
                 value_all = qkv[:, kv_at + kvh * D :].reshape(m, kvh, D)
                 if L["v_norm"]:
                     value_all = self._norm(value_all, L["v_norm_w"])
@@ -295,12 +295,10 @@ class CpuGemma:
                         L["scaling"], *(r.tree or ()))
             x = self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"], residual=x)
             gate_up = k.linear(self._norm(x, L["pre_ffn_norm"]), L["gate_up"])
-            inter = gate_up.shape[1] // 2
-            act = _gelu_tanh(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = self._norm(k.linear(np.ascontiguousarray(act), L["down"]), L["post_ffn_norm"], residual=x)
+            x = self._norm(k.linear(k.gelu_mul(gate_up), L["down"]), L["post_ffn_norm"], residual=x)
             if ple is not None:
-                gated = _gelu_tanh(k.linear(x, L["ple_gate"])) * ple[:, i]
-                x = self._norm(k.linear(np.ascontiguousarray(gated), L["ple_proj"]), L["ple_norm"], residual=x)
+                gated = k.gelu_mul(k.linear(x, L["ple_gate"]), ple[:, i])
+                x = self._norm(k.linear(gated, L["ple_proj"]), L["ple_norm"], residual=x)
             if L["scalar"] is not None:
                 x = x * L["scalar"]
         # a prefill chunk reads only its last row's logits (the LM head is most of the work)
@@ -346,14 +344,3 @@ class CpuGemma:
 def _rows(lin: Int8Linear, ids: np.ndarray) -> np.ndarray:
     """Rows of an int8 table (embeddings), dequantized to float32."""
     return (lin.codes[ids].astype(np.float32).reshape(len(ids), -1, BLOCK) * lin.scales[ids][:, :, None]).reshape(len(ids), -1)
-
-
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + rotated * sin).astype(np.float32)
-
-
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    c = np.float32(np.sqrt(2.0 / np.pi))
-    return (np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))).astype(np.float32)

@@ -450,3 +450,40 @@ def test_rms_norm_is_rmsnorm_each_row_on_its_own(n):
         ck.rms_norm(x, w[:-1], 1e-6, np.empty_like(x))
     with pytest.raises(TypeError):
         ck.rms_norm(x.astype(np.float64), w, 1e-6, np.empty_like(x))
+
+
+@pytest.mark.parametrize("n", [2048, 37])
+def test_gelu_mul_is_gelu_tanh_times_up_on_every_path(n):
+    rng = np.random.default_rng(12)
+    gate_up = (rng.standard_normal((16, 2 * n)) * np.array([0.01, 1, 5, 60])[rng.integers(0, 4, (16, 2 * n))]).astype(np.float32)
+    gate_up[0, :4] = [0.0, -0.0, 1e-30, -1e-30]
+    fused = ck.gelu_mul(gate_up, None, np.empty((16, n), np.float32))
+    split = ck.gelu_mul(np.ascontiguousarray(gate_up[:, :n]), np.ascontiguousarray(gate_up[:, n:]), np.empty((16, n), np.float32))
+    assert np.array_equal(fused, split)
+    g = gate_up[:, :n].astype(np.float64)
+    ref = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * gate_up[:, n:]
+    np.testing.assert_allclose(fused, ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fused, cpu_kernels.gelu_mul_numpy(gate_up), rtol=1e-6, atol=1e-6)
+    one = ck.gelu_mul(gate_up[3:4], None, np.empty((1, n), np.float32))
+    assert np.array_equal(one, fused[3:4])  # a row alone gives the same bits
+    for path in ck.paths():
+        prev = ck._force_path(path)
+        try:
+            assert np.array_equal(ck.gelu_mul(gate_up, None, np.empty((16, n), np.float32)), fused), path
+        finally:
+            ck._force_path(prev)
+    with pytest.raises(ValueError, match="shapes"):
+        ck.gelu_mul(gate_up, None, np.empty((16, n + 1), np.float32))
+
+
+def test_rope_gives_numpys_bits():
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 4, 256)).astype(np.float32)
+    cos, sin = (rng.standard_normal((5, 256)).astype(np.float32) for _ in range(2))
+    got = ck.rope(x, cos, sin, np.empty_like(x))
+    half = 128
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    assert np.array_equal(got, x * cos[:, None] + rotated * sin[:, None])
+    assert np.array_equal(got, cpu_kernels.rope_numpy(x, cos, sin))
+    with pytest.raises(ValueError, match="shapes"):
+        ck.rope(x, cos[:4], sin, np.empty_like(x))

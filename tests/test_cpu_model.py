@@ -197,6 +197,8 @@ class FloatKernels:
         return (x.astype(np.float64) @ w.reshape(lin.codes.shape[0], -1).T).astype(np.float32)
 
     rms_norm = staticmethod(cpu_kernels.rms_norm_numpy)
+    gelu_mul = staticmethod(cpu_kernels.gelu_mul_numpy)
+    rope = staticmethod(cpu_kernels.rope_numpy)
 
     @staticmethod
     def attention(q, k_cache, v_cache, positions, window, scale):
