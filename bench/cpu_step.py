@@ -5,7 +5,7 @@
 The bundled model on the CPU int8 path (server/cpu_model.py), a cache of `--context` random
 tokens; each forward of n rows (1: a decode step, 16: a 16-token verify) is timed `--rounds` times,
 the sizes interleaved, with the time inside `cpu_kernels.linear` and `cpu_kernels.attention`
-summed per forward (the rest is numpy glue: norms, RoPE, activations, cache writes). Medians.
+summed per forward (the rest: the norm, gelu and RoPE kernels, cache writes and numpy glue). Medians.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def markdown(r: dict) -> str:
     lines = ["# A CPU int8 forward, by part (bundled model)\n",
              f"{r['when']}, {r['machine']}. Command: `{r['command']}`.\n",
              f"{r['context']}-token cache, {r['kernels']} kernels, {r['threads']} threads, median of {r['rounds']} rounds.\n",
-             "| rows | forward (ms) | matmuls | attention | rest (numpy glue) | / 1 row |", "|---|---|---|---|---|---|"]
+             "| rows | forward (ms) | matmuls | attention | rest (norms, RoPE, gelu, glue) | / 1 row |", "|---|---|---|---|---|---|"]
     one = r["rows"].get("1", {}).get("total_ms")
     for n, x in r["rows"].items():
         lines.append(f"| {n} | {x['total_ms']:.2f} | {x['linear_ms']:.2f} | {x['attention_ms']:.2f} | "

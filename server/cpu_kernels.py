@@ -1,12 +1,14 @@
 """The CPU path's kernels: `linear(x, lin)` (x float32 [M, K] times an Int8Linear's W^T, activations
 quantized per row and 32-value block to int8) and `attention(q, k_cache, v_cache, positions, window,
-scale)`, each row on its own.
+scale)`, each row on its own, and the forward's glue: `rms_norm` (with the residual add after it),
+`gelu_mul` and `rope`.
 
-Contract: both return float32 arrays; row i of a result depends only on row i of the inputs (and the
+Contract: all return float32 arrays; row i of a result depends only on row i of the inputs (and the
 cache), never on M or on the thread count: the C kernels (server/_cpu_kernels.c) split work by
 output column and keep each row's arithmetic one fixed sequence. Without the C extension (a machine
 that could not build it) the numpy twins below compute the same definitions, row-independently,
-much slower; `AVAILABLE` says which is in use. The K/V cache is float16 (`KV_DTYPE`).
+much slower (linear and attention to the bit, rope too; the norm and gelu to float rounding);
+`AVAILABLE` says which is in use. The K/V cache is float16 (`KV_DTYPE`).
 """
 from __future__ import annotations
 
