@@ -1174,6 +1174,32 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
 #if HAVE_X86
 #define LONG_ROW_KEYS 1024  /* a single row over at least this many keys is split by keys and values */
 #define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
+#define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
+
+/* Rows m..m+R-1 of a chain (R <= ROWS_512), as both attend_rows codes walk them: row r attends to
+   keys first[r]..last[r], and lo..hi spans them all; q[r] are its 4 query heads (a short group
+   repeats its last head); s[r] its scores in scratch, 4 * S floats a row, laid out [p][head]. */
+typedef struct {
+    Py_ssize_t first[ROWS_512], last[ROWS_512], lo, hi;
+    const float *q[ROWS_512][4];
+    float *s[ROWS_512];
+} ChainRows;
+
+static void chain_rows(const AttnCtx *c, Py_ssize_t m, int R, float *scratch, ChainRows *cr) {
+    cr->lo = c->T;
+    cr->hi = -1;
+    for (int r = 0; r < R; r++) {
+        KeyList keys;
+        attn_keys(c, m + r, &keys);
+        cr->first[r] = keys.start;
+        cr->last[r] = keys.start + keys.n - 1;
+        if (cr->first[r] < cr->lo) cr->lo = cr->first[r];
+        if (cr->last[r] > cr->hi) cr->hi = cr->last[r];
+        for (int j = 0; j < 4; j++) cr->q[r][j] = c->q + ((m + r) * c->H + (j < c->H ? j : c->H - 1)) * c->D;
+        cr->s[r] = scratch + r * 4 * c->S;
+    }
+}
+
 
 /* Rows m..m+R-1 (R <= 4) of a chain (no tree), all H <= 4 heads of each: for every (row, head) the
    very arithmetic of attend4_avx2 (the same dot16 and score code, softmax4_weights_avx2, and per
@@ -1183,20 +1209,12 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
    share nearly all their keys, so the cache is read from memory once for R rows instead of R
    times. scratch: 16 * S floats of scores and 16 * D of accumulators. */
 AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
-    const Py_ssize_t D = c->D, H = c->H, T = c->T;
-    Py_ssize_t first[4], last[4], lo = T, hi = -1;  /* row r attends to keys first[r]..last[r] */
-    const float *q[4][4];
-    float *s[4], *acc = scratch + 16 * c->S;  /* acc[(r * 4 + j) * D + d] */
-    for (int r = 0; r < R; r++) {
-        KeyList keys;
-        attn_keys(c, m + r, &keys);
-        first[r] = keys.start;
-        last[r] = keys.start + keys.n - 1;
-        if (first[r] < lo) lo = first[r];
-        if (last[r] > hi) hi = last[r];
-        for (int j = 0; j < 4; j++) q[r][j] = c->q + ((m + r) * H + (j < H ? j : H - 1)) * D;
-        s[r] = scratch + r * 4 * c->S;
-    }
+    const Py_ssize_t D = c->D, H = c->H;
+    ChainRows cr;
+    chain_rows(c, m, R, scratch, &cr);
+    const Py_ssize_t *first = cr.first, *last = cr.last, lo = cr.lo, hi = cr.hi;
+    const float *(*q)[4] = cr.q;
+    float **s = cr.s, *acc = scratch + 16 * c->S;  /* acc[(r * 4 + j) * D + d] */
     const __m128 scale = _mm_set1_ps(c->scale);
     for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
@@ -1245,7 +1263,6 @@ AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float 
    value equals the AVX2 and scalar code's bit for bit (tests/test_cpu_kernels.py compares the paths).
    Zen 5 and recent Intel cores issue two 16-lane FMAs a cycle, twice AVX2's lanes. */
 #define AVX512H __attribute__((target("avx2,fma,f16c,avx512f")))
-#define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
 
 /* 16 float16 values as floats. */
 AVX512H static inline __m512 load16h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -1340,25 +1357,18 @@ AVX512H static void attend4_512(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, in
    all of a part's rows meet each block of keys while it is in L1, so a long cache is read from
    memory once per part, not once per 4 rows. scratch: 4 * ROWS_512 * (S + D) floats. */
 AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
-    const Py_ssize_t D = c->D, H = c->H, T = c->T;
-    Py_ssize_t first[ROWS_512], last[ROWS_512], lo = T, hi = -1;
-    KeyList keys[ROWS_512];
-    const float *q[ROWS_512][4];
-    float *s[ROWS_512], *acc = scratch + 4 * ROWS_512 * c->S;  /* acc[(r * 4 + j) * D + d] */
-    for (int r = 0; r < R; r++) {
-        attn_keys(c, m + r, &keys[r]);
-        first[r] = keys[r].start;
-        last[r] = keys[r].start + keys[r].n - 1;
-        if (first[r] < lo) lo = first[r];
-        if (last[r] > hi) hi = last[r];
-        for (int j = 0; j < 4; j++) q[r][j] = c->q + ((m + r) * H + (j < H ? j : H - 1)) * D;
-        s[r] = scratch + r * 4 * c->S;
-    }
+    const Py_ssize_t D = c->D, H = c->H;
+    ChainRows cr;
+    chain_rows(c, m, R, scratch, &cr);
+    const Py_ssize_t *first = cr.first, *last = cr.last, lo = cr.lo, hi = cr.hi;
+    const float *(*q)[4] = cr.q;
+    float **s = cr.s, *acc = scratch + 4 * ROWS_512 * c->S;  /* acc[(r * 4 + j) * D + d] */
+    const KeyList cache = {.start = 0, .n_run = c->T, .n_extra = 0, .n = c->T};  /* slot p is key p */
     for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
         for (int r = 0; r < R; r++) {
             const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
-            if (pa <= pb) score_run_512(c, &keys[r], q[r], pa - first[r], pb - first[r], 0, s[r]);
+            if (pa <= pb) score_run_512(c, &cache, q[r], pa, pb, first[r], s[r]);
         }
     }
     float sum[ROWS_512][4];
@@ -1593,22 +1603,33 @@ done:
    operations, so every path gives the same bits. */
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
-NO_CONTRACT static void rms_norm_row(const float *x, const float *w, const float *r, float *out, Py_ssize_t N, float eps) {
-    float l[16] = {0};
-    for (Py_ssize_t i = 0; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
+/* The sum of squares' lanes l[i % 16] continued over x[from..N) (fmaf in order), folded by
+   tree8(l_i + l_{i+8}): the row's 1 / sqrtf(ss / N + eps). */
+NO_CONTRACT static float rms_inv(float l[16], const float *x, Py_ssize_t from, Py_ssize_t N, float eps) {
+    for (Py_ssize_t i = from; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
     float u[8];
     for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
     const float var = tree8(u) / (float)N;
-    const float inv = 1.0f / sqrtf(var + eps);
-    for (Py_ssize_t i = 0; i < N; i++) {
+    return 1.0f / sqrtf(var + eps);
+}
+
+/* The elementwise steps over [from, N): y = x * inv (* w), out = y or r + y. */
+NO_CONTRACT static void rms_scale(const float *x, const float *w, const float *r, float *out, Py_ssize_t from,
+                                  Py_ssize_t N, float inv) {
+    for (Py_ssize_t i = from; i < N; i++) {
         float y = x[i] * inv;
         if (w) y = y * w[i];
         out[i] = r ? r[i] + y : y;
     }
 }
 
+NO_CONTRACT static void rms_norm_row(const float *x, const float *w, const float *r, float *out, Py_ssize_t N, float eps) {
+    float l[16] = {0};
+    rms_scale(x, w, r, out, 0, N, rms_inv(l, x, 0, N, eps));
+}
+
 #if HAVE_X86
-/* rms_norm_row on AVX2: the 16 lanes as two 8-lane halves. */
+/* rms_norm_row on AVX2: the 16 lanes as two 8-lane halves over whole 16s, the rest by the scalar code. */
 NO_CONTRACT AVX2 static void rms_norm_row_avx2(const float *x, const float *w, const float *r, float *out,
                                                Py_ssize_t N, float eps) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -1621,11 +1642,7 @@ NO_CONTRACT AVX2 static void rms_norm_row_avx2(const float *x, const float *w, c
     float l[16];
     _mm256_storeu_ps(l, a0);
     _mm256_storeu_ps(l + 8, a1);
-    for (Py_ssize_t i = N16; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
-    float u[8];
-    for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
-    const float var = tree8(u) / (float)N;
-    const float inv = 1.0f / sqrtf(var + eps);
+    const float inv = rms_inv(l, x, N16, N, eps);
     const __m256 iv = _mm256_set1_ps(inv);
     const Py_ssize_t N8 = N - N % 8;
     for (Py_ssize_t i = 0; i < N8; i += 8) {
@@ -1633,17 +1650,11 @@ NO_CONTRACT AVX2 static void rms_norm_row_avx2(const float *x, const float *w, c
         if (w) y = _mm256_mul_ps(y, _mm256_loadu_ps(w + i));
         _mm256_storeu_ps(out + i, r ? _mm256_add_ps(_mm256_loadu_ps(r + i), y) : y);
     }
-    for (Py_ssize_t i = N8; i < N; i++) {
-        float y = x[i] * inv;
-        if (w) y = y * w[i];
-        out[i] = r ? r[i] + y : y;
-    }
+    rms_scale(x, w, r, out, N8, N, inv);
 }
-#endif
 
-#if HAVE_X86
-/* rms_norm_row with 16 lanes (lane i % 16 of the sum of squares is register lane i % 16), the
-   elementwise steps 16 at a time, the tail (N % 16 values) by the scalar code's statements. */
+/* rms_norm_row with 16 lanes (lane i % 16 of the sum of squares is register lane i % 16) over whole
+   16s, the rest by the scalar code. */
 NO_CONTRACT AVX512H static void rms_norm_row_512(const float *x, const float *w, const float *r, float *out,
                                                  Py_ssize_t N, float eps) {
     __m512 a = _mm512_setzero_ps();
@@ -1654,22 +1665,14 @@ NO_CONTRACT AVX512H static void rms_norm_row_512(const float *x, const float *w,
     }
     float l[16];
     _mm512_storeu_ps(l, a);
-    for (Py_ssize_t i = N16; i < N; i++) l[i % 16] = fmaf(x[i], x[i], l[i % 16]);
-    float u[8];
-    for (int i = 0; i < 8; i++) u[i] = l[i] + l[i + 8];
-    const float var = tree8(u) / (float)N;
-    const float inv = 1.0f / sqrtf(var + eps);
+    const float inv = rms_inv(l, x, N16, N, eps);
     const __m512 iv = _mm512_set1_ps(inv);
     for (Py_ssize_t i = 0; i < N16; i += 16) {
         __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), iv);
         if (w) y = _mm512_mul_ps(y, _mm512_loadu_ps(w + i));
         _mm512_storeu_ps(out + i, r ? _mm512_add_ps(_mm512_loadu_ps(r + i), y) : y);
     }
-    for (Py_ssize_t i = N16; i < N; i++) {
-        float y = x[i] * inv;
-        if (w) y = y * w[i];
-        out[i] = r ? r[i] + y : y;
-    }
+    rms_scale(x, w, r, out, N16, N, inv);
 }
 #endif
 
@@ -1680,18 +1683,21 @@ static PyObject *rms_norm(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *x_o, *w_o, *out_o, *r_o = Py_None;
     float eps;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfO|O", kwlist, &x_o, &w_o, &eps, &out_o, &r_o)) return NULL;
-    const int has_w = w_o != Py_None, has_r = r_o != Py_None;
-    static const ArraySpec spec[4] = {{"x", F32, 2, 0}, {"out", F32, 2, 1}, {"weight", F32, 1, 0}, {"residual", F32, 2, 0}};
-    PyObject *objs[4] = {x_o, out_o, has_w ? w_o : x_o, has_r ? r_o : x_o};
-    ArraySpec specs[4] = {spec[0], spec[1], spec[2], spec[3]};
-    int n = 2;
-    if (has_w) n = 3;
-    if (has_r) {  /* residual without weight: move it up to slot 2 */
-        if (!has_w) {
-            specs[2] = spec[3];
-            objs[2] = r_o;
-        }
-        n++;
+    /* x and out, then weight and residual where given, in that order */
+    static const ArraySpec x_spec = {"x", F32, 2, 0}, out_spec = {"out", F32, 2, 1}, w_spec = {"weight", F32, 1, 0},
+                           r_spec = {"residual", F32, 2, 0};
+    ArraySpec specs[4] = {x_spec, out_spec};
+    PyObject *objs[4] = {x_o, out_o};
+    int n = 2, wi = -1, ri = -1;
+    if (w_o != Py_None) {
+        wi = n;
+        specs[n] = w_spec;
+        objs[n++] = w_o;
+    }
+    if (r_o != Py_None) {
+        ri = n;
+        specs[n] = r_spec;
+        objs[n++] = r_o;
     }
     Py_buffer v[4];
     PyObject *result = NULL;
@@ -1699,7 +1705,7 @@ static PyObject *rms_norm(PyObject *self, PyObject *args, PyObject *kwargs) {
     int got = get_arrays(fn, n, specs, objs, v);
     if (got < n) goto done;
     const Py_ssize_t R = v[0].shape[0], N = v[0].shape[1];
-    const Py_buffer *wv = has_w ? &v[2] : NULL, *rv = has_r ? &v[has_w ? 3 : 2] : NULL;
+    const Py_buffer *wv = wi >= 0 ? &v[wi] : NULL, *rv = ri >= 0 ? &v[ri] : NULL;
     if (v[1].shape[0] != R || v[1].shape[1] != N || (wv && wv->shape[0] != N) ||
         (rv && (rv->shape[0] != R || rv->shape[1] != N)) || N < 1) {
         snprintf(msg, sizeof msg, "shapes must be x [R, N] (N >= 1), weight [N], out and residual [R, N]; got x [%zd, %zd], "
@@ -1710,15 +1716,13 @@ static PyObject *rms_norm(PyObject *self, PyObject *args, PyObject *kwargs) {
     {
         const float *x = v[0].buf, *w = wv ? wv->buf : NULL, *r = rv ? rv->buf : NULL;
         float *out = v[1].buf;
-        Py_BEGIN_ALLOW_THREADS
+        void (*row)(const float *, const float *, const float *, float *, Py_ssize_t, float) = rms_norm_row;
 #if HAVE_X86
-        if (matmul_path() == PATH_AVX512)
-            for (Py_ssize_t i = 0; i < R; i++) rms_norm_row_512(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
-        else if (use_simd())
-            for (Py_ssize_t i = 0; i < R; i++) rms_norm_row_avx2(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
-        else
+        if (matmul_path() == PATH_AVX512) row = rms_norm_row_512;
+        else if (use_simd()) row = rms_norm_row_avx2;
 #endif
-            for (Py_ssize_t i = 0; i < R; i++) rms_norm_row(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < R; i++) row(x + i * N, w, r ? r + i * N : NULL, out + i * N, N, eps);
         Py_END_ALLOW_THREADS
     }
     result = Py_NewRef(out_o);
