@@ -113,7 +113,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -125,6 +124,7 @@ from typing import Callable, Iterable
 import httpx
 
 from bench.live_server import free_port
+from bench.results import run_header
 from bench.sessions import (BFCL_MULTI_TURN, DEFAULT_CLAUDE_SAMPLES, ROOT, Probe, Session, Turn, build_sessions,
                             chain_conversations, last_prompt_tokens, load_conversations, plan_probes,
                             select_sessions, turn_token_counts)
@@ -1029,8 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{name} drafted nothing: {st['drafting']} (build one with `make index`, or pass --index)")
     measured = {n: [r for r in recs if r["phase"] == "measured"] for n, recs in probe_records.items()}
     result = {
-        "name": "agent_sessions", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+        "name": "agent_sessions", **run_header(),
         "command": " ".join(["python -m bench.agent_sessions", *argv]).strip(),
         "seconds": time.perf_counter() - t_start,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -16,8 +16,6 @@ and a drafter that learnt their answers in one phase would speed up the next.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import threading
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.results import write_results
+from bench.results import run_header, write_results
 
 
 def _answer(message: dict) -> tuple:
@@ -128,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"drafted, --parallel 4": ["--parallel", "4", "--overlay-tokens", "0"],
                 "plain, --parallel 4": ["--parallel", "4", "--no-draft"],
                 "drafted, --parallel 1 (one at a time)": ["--parallel", "1", "--overlay-tokens", "0"]}
-    results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+    results = {**run_header(),
                "command": "python -m bench.concurrency" + (" " + " ".join(argv) if argv else ""),
                "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens, "settings": {}}
     with tempfile.TemporaryDirectory() as tmp:

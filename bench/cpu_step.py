@@ -10,15 +10,13 @@ summed per forward (the rest: the norm, gelu and RoPE kernels, cache writes and 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.results import write_results
+from bench.results import run_header, write_results
 
 
 class _TimedKernels:
@@ -94,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
-    r = {"when": time.strftime("%Y-%m-%d %H:%M:%S"),
-         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+    r = {**run_header(),
          "command": "python -m bench.cpu_step" + (" " + " ".join(argv) if argv else ""),
          "context": args.context, "rounds": args.rounds, **measure(args.context, sorted(args.rows), args.rounds)}
     md = markdown(r)

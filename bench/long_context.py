@@ -37,15 +37,13 @@ propose call, by the context length at the call; `prepare` = each turn's session
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.results import write_results
+from bench.results import run_header, write_results
 
 BUCKETS = [(0, 8192), (8192, 32768), (32768, 65536), (65536, 1 << 30)]
 
@@ -209,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if not turns:
         print("error: no conversations to replay (is bfcl-eval installed?)", file=sys.stderr)
         return 2
-    results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+    results = {**run_header(),
                "command": "python -m bench.long_context" + (" --quick" if args.quick else "")
                           + (f" --max-draft {args.max_draft}" if args.max_draft != 16 else "")
                           + (f" --split {args.split}" if args.split != "all" else ""),

@@ -7,9 +7,15 @@ import time
 from pathlib import Path
 
 
+def run_header() -> dict:
+    """When and where a run happened, the first two fields of every results record (its markdown's
+    header line reads them)."""
+    return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": _machine()}
+
+
 def write_results(out_dir: Path, name: str, results: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"name": name, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": _machine(), **results}
+    record = {"name": name, **run_header(), **results}
     (out_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     (out_dir / f"{name}.md").write_text(markdown)
 

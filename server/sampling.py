@@ -36,7 +36,6 @@ _MASK = (1 << 64) - 1
 _TOP_P_FIRST = 1024  # top_p without top_k looks at this many most likely tokens before sorting all
 
 
-
 def row_argmax(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first maximal index, NaN counting as maximal) as Python ints; one
     entry for a single row [vocab]. On the CPU numpy's: torch's CPU argmax along rows of a 262k
@@ -45,6 +44,7 @@ def row_argmax(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
         return np.atleast_1d(logits.detach().numpy().argmax(-1)).tolist()
     return logits.argmax(-1).reshape(-1).tolist()
+
 
 @dataclass(frozen=True)
 class SamplingParams:
