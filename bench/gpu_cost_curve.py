@@ -12,7 +12,9 @@ buckets 2..64, min_kv_len 1024, an 8k context), then measures:
 - the verify cost curve: median seconds of an n-token step, n = 1, 2, 4, 8, 16, 32, 64 (and the
   rows between that pad to a bucket), at 1k and 8k context, through `server.backend.time_forwards`
   (the server's own measurement: interleaved rounds, device-to-host copy included);
-- batch invariance at full depth: a 64-token step's logits equal 64 one-token steps' bit for bit.
+- batch invariance at full depth: a 64-token step's logits equal 64 one-token steps' bit for bit;
+- token trees: a 64-row tree step's rows equal a chain step's for one root path bit for bit, the
+  tree step's time and what `keep_path` of that path costs.
 Random weights: timings are real, acceptance is not.
 """
 from __future__ import annotations
@@ -86,6 +88,38 @@ def main(argv: list[str] | None = None) -> int:
     r["verify64_equals_steps"] = bool(torch.equal(batched, singles))
     print("verify64 == steps:", r["verify64_equals_steps"], flush=True)
 
+    # token trees: a 64-row tree's rows equal a chain step's (the deepest leaf's path), and costs
+    import random
+    import statistics
+    rng = random.Random(0)
+    parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, 64)]
+    path = [63]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    path = path[::-1]
+    tokens = ids[900:964]
+    fast.start(ids[:900], reuse=False)
+    tree = fast.step(tokens, parents).clone()
+    fast.rollback(64)
+    r["tree64_equals_chain"] = bool(torch.equal(tree[path], fast.step([tokens[j] for j in path])))
+    tree_s, keep_s = [], []
+    for i in range(args.rounds + 1):
+        fast.rollback(fast.position - 900)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fast.step(tokens, parents).argmax(-1).cpu()
+        t1 = time.perf_counter()
+        fast.keep_path(path)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i:
+            tree_s.append(t1 - t0)
+            keep_s.append(t2 - t1)
+    r["tree64_step_ms"] = statistics.median(tree_s) * 1e3
+    r["keep_path_ms"] = statistics.median(keep_s) * 1e3
+    r["keep_path_len"] = len(path)
+    print("tree", r["tree64_equals_chain"], r["tree64_step_ms"], "keep_path", r["keep_path_ms"], len(path), flush=True)
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_cost_curve.json").write_text(json.dumps(r, indent=1, default=str) + "\n")
@@ -134,6 +168,11 @@ def markdown(r: dict) -> str:
         f"A 64-token step's logits equal 64 one-token steps' bit for bit (full depth, 900-token context): "
         f"{r['verify64_equals_steps']}.",
     ]
+    if "keep_path_ms" in r:
+        lines.append(f"Token tree of 64 rows (900-token context): each row's logits equal the chain step of its root path "
+                     f"bit for bit: {r['tree64_equals_chain']}; the tree step {r['tree64_step_ms']:.2f} ms (a 64-token "
+                     f"chain: {c['1k'][64] * 1e3:.2f} ms at 1k); `keep_path` of a {r['keep_path_len']}-row path "
+                     f"{r['keep_path_ms']:.2f} ms (K/V moved in every layer that owns a cache, device sync included).")
     return "\n".join(lines) + "\n"
 
 
