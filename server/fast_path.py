@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from server.backend import Prefill
 from server.fast_prefill import _w, prefill_layers
 from server.small_m_matmul import MAX_ROWS
-from server.step_attention import chain_ancestors
+from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
 
@@ -430,6 +430,12 @@ class FastTarget:
         # anc_buf[t]: bit j set iff step row j is t or one of its ancestors (a chain: rows 0..t)
         self._chain_anc = torch.tensor(chain_ancestors(self.max_bucket), dtype=torch.long)
         self.anc_buf = self._chain_anc.to(dev, copy=True)  # never an alias of the chain masks
+        # path_buf[t, j]: the row of t's ancestor at depth j (a chain: j), what the step kernels read;
+        # written only when a step's tree differs from what it holds (chain steps copy nothing)
+        self._chain_path = chain_paths(self.max_bucket)
+        self.path_buf = self._chain_path.to(dev, copy=True)
+        self._host_path = torch.zeros(self.max_bucket, self.max_bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._path_is_chain = True
         self.row_index = torch.arange(self.max_bucket, device=dev)  # a step's row j writes at slot pos[0] + j
         pin = dev.type == "cuda"
         self._host_in = torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin)
@@ -444,7 +450,7 @@ class FastTarget:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False) -> torch.Tensor:
         """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T]; writes their K/V.
-        `step`: a decode/verify step (a chain, or a tree described by anc_buf; positions by depth,
+        `step`: a decode/verify step (a chain, or a tree described by anc_buf and path_buf; positions by depth,
         row j's K/V at slot pos[0] + j), run on the step kernels when they are on. Otherwise the
         positions are consecutive."""
         ops = self.ops
@@ -501,7 +507,7 @@ class FastTarget:
             kc, vc = self.k_cache[layer.source], self.v_cache[layer.source]
             if step:
                 a = self.step_attention[D](q, kc, vc, kv_len, pos, self.slot_pos if layer.sliding else None,
-                                           self.window, attn.scaling, anc)
+                                           self.window, attn.scaling, self.path_buf)
             else:
                 if layer.sliding:
                     mask = sliding_mask
@@ -606,10 +612,16 @@ class FastTarget:
         if parents is None:
             host[1, :T] = torch.arange(self.pos, self.pos + T)
             host[2, :T] = self._chain_anc[:T]
+            if not self._path_is_chain:
+                self.path_buf.copy_(self._chain_path)
+                self._path_is_chain = True
         else:
             depth, anc = tree_rows(parents, n, T)
             host[1, :T] = torch.from_numpy(depth) + self.pos
             host[2, :T] = torch.from_numpy(anc)
+            self._host_path[:T, :T] = torch.from_numpy(tree_paths(parents, n, T))
+            self.path_buf[:T].copy_(self._host_path[:T])
+            self._path_is_chain = False
         self._in_buf[:, :T].copy_(host[:, :T])
         self.ids_buf[:T].copy_(self._in_buf[0, :T])
         self.pos_buf[:T].copy_(self._in_buf[1, :T])
@@ -709,6 +721,8 @@ class FastTarget:
                 self.pos_buf[:T].copy_(torch.arange(start, start + T, device=self.device))
                 self.ids_buf[:T].zero_()
                 self.anc_buf.copy_(self._chain_anc)  # a chain: the graphs are captured on chain inputs
+                self.path_buf.copy_(self._chain_path)
+                self._path_is_chain = True
                 self._graph(T, kv_len)
         self.pos = saved_pos
         self.slot_pos.copy_(saved_slots)
@@ -728,6 +742,19 @@ def tree_rows(parents: list[int], n: int, T: int) -> tuple[np.ndarray, np.ndarra
         depth[j] = depth[p] + 1
         anc[j] = anc[p] | (1 << j)
     return np.asarray(depth, dtype=np.int64), np.asarray(anc, dtype=np.uint64).view(np.int64)
+
+
+def tree_paths(parents: list[int], n: int, T: int) -> np.ndarray:
+    """[T, T] int64: row [t, j] is the row of t's ancestor at depth j (t itself at its depth; 0
+    past it), for the tree of `tree_rows` (padding rows continue a chain from the last row)."""
+    out = np.zeros((T, T), dtype=np.int64)
+    depth = [0] * T
+    for j in range(1, T):
+        p = parents[j] if j < n else j - 1
+        depth[j] = depth[p] + 1
+        out[j, :depth[j]] = out[p, :depth[j]]
+        out[j, depth[j]] = j
+    return out
 
 
 class HostRowTable:

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from server.fast_path import FastTarget, tree_rows
-from tests.test_engine_lossless import tiny_gemma4
+from server.fast_path import FastTarget, tree_paths, tree_rows
+from tests.test_engine_lossless import TreeOracle, engine_for, first_divergence, run, tiny_gemma4
 from tests.test_fast_path import cuda_model, needs_cuda, prompt_of
 
 
@@ -92,6 +92,14 @@ def test_tree_rows():
             tree_rows(bad, len(bad), 4)
 
 
+def test_tree_paths():
+    paths = tree_paths([-1, 0, 0, 1, 3], 5, 7)
+    assert paths[4, :4].tolist() == [0, 1, 3, 4] and paths[2, :2].tolist() == [0, 2]
+    assert paths[6, :7].tolist() == [0, 1, 3, 4, 5, 6, 0]  # padding rows continue a chain from the last row
+    chain = tree_paths(list(range(-1, 63)), 64, 64)
+    assert all(chain[t, :t + 1].tolist() == list(range(t + 1)) for t in range(64))  # a chain: row j at depth j
+
+
 def test_keep_path_refuses_a_non_path():
     fast = FastTarget(tiny_gemma4(seed=1, sliding_window=8), max_len=128, prefill_chunk=16, capture=False,
                       min_kv_len=16)
@@ -130,3 +138,28 @@ def test_tree_step_equals_chain_cuda(quant):
     check_trees(fast, model.config.vocab_size, equal,
                 [(2, None), (3, None), (7, 2), (16, None), (16, 1), (29, 3), (32, None), (50, 4), (64, None), (64, 2)],
                 seed=int(quant))
+
+
+@needs_cuda
+@pytest.mark.parametrize("quant", [False, True])
+def test_engine_token_trees_equal_plain_cuda(quant):
+    """The engine verifying token trees on the fast path's step kernels (supports_tree, as on the
+    CPU int8 path): greedy and sampled output equal plain decoding's, token for token."""
+    from tests.test_sampled_drafting import PRESETS
+
+    model = cuda_model(torch.bfloat16, quant=quant)
+    fast = FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64)
+    assert fast.step_kernels, fast.step_kernel_note
+    engine = engine_for(model, backend=fast, prefix_cache=False)
+    vocab = model.config.vocab_size
+    trees = 0
+    for i, (plen, preset) in enumerate([(9, {}), (40, {}), (100, {})] + [(30, p) for p in PRESETS]):
+        prompt = prompt_of(plen, vocab, seed=i)
+        seed = {"seed": 40 + i} if preset else {}
+        plain, *_ = run(engine, prompt, max_tokens=60, draft=False, **seed, **preset)
+        engine.set_drafter(TreeOracle(plen, plain, vocab, 0.4, seed=i))
+        got, _, _, stats = run(engine, prompt, max_tokens=60, **seed, **preset)
+        engine.set_drafter(None)
+        assert got == plain, (plen, preset, first_divergence(got, plain))
+        trees += stats.tree_steps
+    assert trees > 0
