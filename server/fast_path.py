@@ -5,7 +5,12 @@ optimum-quanto int4 weights) and shares its weights (no copy). It runs greedy-de
 with the same meaning as `server/engine.py`'s functions:
 
 - `reset()` starts a request (position 0); `prefill(ids) -> logits[vocab]` of the last prompt token;
-- `step(ids) -> logits[len(ids), vocab]` appends 1..max_bucket tokens at the current position;
+- `step(ids, parents=None) -> logits[len(ids), vocab]` appends 1..max_bucket tokens at the current
+  position: a chain, or with `parents` a token tree (server/backend.py states the contract: row j
+  sits at position + depth(j), sees the cache before the step and its ancestors, and writes its K/V
+  at the slot of position + j); `position` advances by len(ids) either way;
+- `keep_path(path)` right after a tree step keeps the rows of one root path: their K/V move to
+  consecutive slots, and the cache is what a chain step of those tokens and a rollback would leave;
 - `rollback(n)` forgets the last n positions: the cache keeps every slot, masks hide positions past
   the current one, so rolling back only moves `pos`.
 
@@ -49,6 +54,7 @@ import torch.nn.functional as F
 from server.backend import Prefill
 from server.fast_prefill import _w, prefill_layers
 from server.small_m_matmul import MAX_ROWS
+from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
 
@@ -278,6 +284,7 @@ class FastTarget:
         self.prefix = FastPrefixCache(self, prefix_budget_bytes, self.checkpoint_every)
         self.pos = 0
         self._keep = False
+        self._last_step = None  # (start, ids, bucket, parents) of the last step, for keep_path
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.timings = StepTimings()
@@ -420,9 +427,19 @@ class FastTarget:
         # Static step inputs: ids and positions of up to max_bucket tokens.
         self.ids_buf = torch.zeros(self.max_bucket, dtype=torch.long, device=dev)
         self.pos_buf = torch.zeros(self.max_bucket, dtype=torch.long, device=dev)
+        # anc_buf[t]: bit j set iff step row j is t or one of its ancestors (a chain: rows 0..t)
+        self._chain_anc = torch.tensor(chain_ancestors(self.max_bucket), dtype=torch.long)
+        self.anc_buf = self._chain_anc.to(dev, copy=True)  # never an alias of the chain masks
+        # path_buf[t, j]: the row of t's ancestor at depth j (a chain: j), what the step kernels read;
+        # written only when a step's tree differs from what it holds (chain steps copy nothing)
+        self._chain_path = chain_paths(self.max_bucket)
+        self.path_buf = self._chain_path.to(dev, copy=True)
+        self._host_path = torch.zeros(self.max_bucket, self.max_bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._path_is_chain = True
+        self.row_index = torch.arange(self.max_bucket, device=dev)  # a step's row j writes at slot pos[0] + j
         pin = dev.type == "cuda"
-        self._host_in = torch.zeros(2, self.max_bucket, dtype=torch.long, pin_memory=pin)
-        self._in_buf = torch.zeros(2, self.max_bucket, dtype=torch.long, device=dev)
+        self._host_in = torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin)
+        self._in_buf = torch.zeros(3, self.max_bucket, dtype=torch.long, device=dev)
         if self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
             self.ple_buf = torch.zeros(self.max_bucket, self.embed_ple.width, dtype=self.embed_ple.dtype, device=dev)
 
@@ -432,8 +449,10 @@ class FastTarget:
     # ------------------------------------------------------------ the forward
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False) -> torch.Tensor:
-        """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T] (consecutive); writes their K/V.
-        `step`: a decode/verify step, run on the step kernels when they are on."""
+        """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T]; writes their K/V.
+        `step`: a decode/verify step (a chain, or a tree described by anc_buf and path_buf; positions by depth,
+        row j's K/V at slot pos[0] + j), run on the step kernels when they are on. Otherwise the
+        positions are consecutive."""
         ops = self.ops
         T = ids.shape[0]
         from_buffers = step  # a step()'s inputs: the per-layer rows are in ple_buf (a graph cannot gather on the host)
@@ -445,11 +464,18 @@ class FastTarget:
             proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers, self.ple_dim)
             ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), self.ple_norm.eps, tok,
                                  self.ple_input_scale)
-        # Sliding layers: record which position each written ring slot now holds, then mask by position.
-        slots = pos % self.ring
-        self.slot_pos.index_copy_(0, slots, pos)
+        # Where each row writes: pos[0] + row for a step (equal to pos for a chain), pos otherwise.
+        wpos = pos[:1] + self.row_index[:T] if from_buffers else pos
+        anc = self.anc_buf[:T]
+        # Sliding layers: record which position each written ring slot now holds (the write position,
+        # as a chain would: a tree's slot_pos is then what a chain step and a rollback leave).
+        slots = wpos % self.ring
+        self.slot_pos.index_copy_(0, slots, wpos)
         if not step:  # the step kernels mask by position themselves
-            sliding_mask, full_mask = ops.masks(self.slot_pos, self.full_pos[:kv_len], pos, self.window)
+            if from_buffers:
+                sliding_mask, full_mask = ops.step_masks(self.slot_pos, self.full_pos[:kv_len], pos, anc, self.window)
+            else:
+                sliding_mask, full_mask = ops.masks(self.slot_pos, self.full_pos[:kv_len], pos, self.window)
         cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
                    for s, (c, n) in self.rope.items()}
 
@@ -475,13 +501,13 @@ class FastTarget:
                 v = v_raw
                 k = ops.norm_rope(k_raw, _w(attn.k_norm), attn.k_norm.eps, cos, sin)
                 v = ops.rms(v, _w(attn.v_norm), attn.v_norm.eps)
-                where = slots if layer.sliding else pos
+                where = slots if layer.sliding else wpos
                 self.k_cache[layer.index].index_copy_(1, where, k.transpose(0, 1))
                 self.v_cache[layer.index].index_copy_(1, where, v.transpose(0, 1))
             kc, vc = self.k_cache[layer.source], self.v_cache[layer.source]
             if step:
                 a = self.step_attention[D](q, kc, vc, kv_len, pos, self.slot_pos if layer.sliding else None,
-                                           self.window, attn.scaling)
+                                           self.window, attn.scaling, self.path_buf)
             else:
                 if layer.sliding:
                     mask = sliding_mask
@@ -529,6 +555,7 @@ class FastTarget:
         if n < 0 or n > self.pos:
             raise ValueError(f"cannot roll back {n} of {self.pos} positions")
         self.pos -= n
+        self._last_step = None
 
     @torch.no_grad()
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
@@ -540,6 +567,7 @@ class FastTarget:
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         begin = self.prefix.begin(prompt, reuse)
         self.pos, self._keep = begin, reuse
+        self._last_step = None
         t0 = time.perf_counter()
         logits = prefill_layers(self, prompt_ids[begin:], begin, self.prefix.add_checkpoint)
         self.prefix.note_written(begin, prompt[begin:], len(prompt) - begin)
@@ -567,9 +595,13 @@ class FastTarget:
         """The prefix cache's kept snapshots (None when it is off)."""
         return self.prefix.store
 
+    supports_tree = True  # step(ids, parents) and keep_path (server/backend.py)
+
     @torch.no_grad()
-    def step(self, ids: list[int]) -> torch.Tensor:
-        """Append 1..max_bucket tokens at the current position; their logits [n, vocab]."""
+    def step(self, ids: list[int], parents: list[int] | None = None) -> torch.Tensor:
+        """Append 1..max_bucket tokens at the current position; their logits [n, vocab]. With
+        `parents`, the rows are a token tree (see the module docstring and server/backend.py); a
+        row's logits equal those of the chain of its root path, bit for bit on the step kernels."""
         n = len(ids)
         T = self._bucket(n)
         self._check_room(self.pos + T)
@@ -577,10 +609,23 @@ class FastTarget:
         host = self._host_in
         host[0, :n] = torch.as_tensor(ids, dtype=torch.long)
         host[0, n:T] = 0
-        host[1, :T] = torch.arange(self.pos, self.pos + T)
+        if parents is None:
+            host[1, :T] = torch.arange(self.pos, self.pos + T)
+            host[2, :T] = self._chain_anc[:T]
+            if not self._path_is_chain:
+                self.path_buf.copy_(self._chain_path)
+                self._path_is_chain = True
+        else:
+            depth, anc = tree_rows(parents, n, T)
+            host[1, :T] = torch.from_numpy(depth) + self.pos
+            host[2, :T] = torch.from_numpy(anc)
+            self._host_path[:T, :T] = torch.from_numpy(tree_paths(parents, n, T))
+            self.path_buf[:T].copy_(self._host_path[:T])
+            self._path_is_chain = False
         self._in_buf[:, :T].copy_(host[:, :T])
         self.ids_buf[:T].copy_(self._in_buf[0, :T])
         self.pos_buf[:T].copy_(self._in_buf[1, :T])
+        self.anc_buf[:T].copy_(self._in_buf[2, :T])
         if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
             self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
         if self.capture:
@@ -590,8 +635,37 @@ class FastTarget:
         else:
             logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len, step=True)
         self.prefix.note_written(self.pos, ids, T)
+        self._last_step = (self.pos, list(ids), T, None if parents is None else list(parents))
         self.pos += n
         return logits[:n]
+
+    @torch.no_grad()
+    def keep_path(self, path: list[int]) -> None:
+        """Right after a step that began at position s: keep the rows `path` = [0, r1, .., rk]
+        (strictly increasing, each the parent of the next). Row r_i's K/V move to position s + i in
+        every layer that owns a cache (the ring slot of s + i on sliding layers); position becomes
+        s + len(path). Afterwards the cache is what a chain step of those tokens followed by a
+        rollback leaves: slot_pos already holds s + j at ring slot (s + j) % ring for every row j the
+        step wrote (the tree step records write positions), and masks hide positions past the end."""
+        if self._last_step is None:
+            raise ValueError("keep_path must follow a step")
+        start, ids, T, parents = self._last_step
+        n = len(ids)
+        parents = list(range(-1, n - 1)) if parents is None else parents
+        if not path or path[0] != 0 or any(parents[b] != a for a, b in zip(path, path[1:])):
+            raise ValueError(f"{path} is not a root path of the last step's rows")
+        k = len(path)
+        if path != list(range(k)):
+            src = torch.tensor(path, device=self.device) + start
+            dst = torch.arange(start, start + k, device=self.device)
+            for index, kc in self.k_cache.items():
+                vc = self.v_cache[index]
+                s_, d_ = (src % self.ring, dst % self.ring) if self.layers[index].sliding else (src, dst)
+                kc.index_copy_(1, d_, kc.index_select(1, s_))
+                vc.index_copy_(1, d_, vc.index_select(1, s_))
+        self.prefix.note_written(start, [ids[j] for j in path], T)
+        self.pos = start + k
+        self._last_step = None
 
     def _check_room(self, end: int) -> None:
         if end > self.max_len:
@@ -646,10 +720,41 @@ class FastTarget:
                 start = max(0, min(kv_len, self.max_len) - T)
                 self.pos_buf[:T].copy_(torch.arange(start, start + T, device=self.device))
                 self.ids_buf[:T].zero_()
+                self.anc_buf.copy_(self._chain_anc)  # a chain: the graphs are captured on chain inputs
+                self.path_buf.copy_(self._chain_path)
+                self._path_is_chain = True
                 self._graph(T, kv_len)
         self.pos = saved_pos
         self.slot_pos.copy_(saved_slots)
         return time.perf_counter() - t0
+
+
+def tree_rows(parents: list[int], n: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """Depth [T] and ancestor masks [T] (int64; bit j of anc[t]: row j is t or an ancestor of t) of
+    a token tree of n rows given by `parents` (parents[0] == -1, 0 <= parents[j] < j), padded to T
+    rows that continue a chain from the last row (their outputs are discarded)."""
+    if len(parents) != n or parents[0] != -1 or any(not 0 <= parents[j] < j for j in range(1, n)):
+        raise ValueError(f"parents {parents} do not describe a tree of {n} rows (parents[0] == -1, 0 <= parents[j] < j)")
+    depth = [0] * T
+    anc = [1] + [0] * (T - 1)
+    for j in range(1, T):
+        p = parents[j] if j < n else j - 1
+        depth[j] = depth[p] + 1
+        anc[j] = anc[p] | (1 << j)
+    return np.asarray(depth, dtype=np.int64), np.asarray(anc, dtype=np.uint64).view(np.int64)
+
+
+def tree_paths(parents: list[int], n: int, T: int) -> np.ndarray:
+    """[T, T] int64: row [t, j] is the row of t's ancestor at depth j (t itself at its depth; 0
+    past it), for the tree of `tree_rows` (padding rows continue a chain from the last row)."""
+    out = np.zeros((T, T), dtype=np.int64)
+    depth = [0] * T
+    for j in range(1, T):
+        p = parents[j] if j < n else j - 1
+        depth[j] = depth[p] + 1
+        out[j, :depth[j]] = out[p, :depth[j]]
+        out[j, depth[j]] = j
+    return out
 
 
 class HostRowTable:
@@ -720,6 +825,24 @@ def _masks(slot_pos, full_pos, pos, window: int):
     return (sp <= q) & (sp > q - window) & (sp >= 0), full_pos[None, :] <= q
 
 
+def _step_masks(slot_pos, full_pos, pos, anc, window: int):
+    """A step's masks, chain or tree (anc: bit j of anc[t] = row j is t or an ancestor). Row j of
+    the step wrote at slot pos[0] + j (ring slot_pos records pos[0] + j), row t sits at pos[t].
+    For a chain (pos consecutive, anc = rows 0..t) these are exactly `_masks`."""
+    T = pos.shape[0]
+    start = pos[:1]
+    q = pos[:, None]
+    kp = slot_pos[None, :]
+    own = (kp >= start) & (kp < start + T)
+    j = (kp - start).clamp(0, T - 1)
+    bit = ((anc[:, None] >> j) & 1) != 0
+    sliding = torch.where(own, bit & (pos[j] > q - window), (kp < start) & (kp > q - window) & (kp >= 0))
+    fp = full_pos[None, :]
+    jf = (fp - start).clamp(0, T - 1)
+    full = (fp < start) | ((fp < start + T) & (((anc[:, None] >> jf) & 1) != 0))
+    return sliding, full
+
+
 def _masked_softmax(scores, mask, scaling: float):
     if scaling != 1.0:
         scores = scores * scaling
@@ -734,6 +857,7 @@ class _Ops:
     def __init__(self, wrap):
         self.rms, self.norm_rope, self.residual_norm = wrap(_rms), wrap(_norm_rope), wrap(_residual_norm)
         self.gelu_mul, self.ple_inputs, self.masks = wrap(_gelu_mul), wrap(_ple_inputs), wrap(_masks)
+        self.step_masks = wrap(_step_masks)
         self.masked_softmax, self.softcap = wrap(_masked_softmax), wrap(_softcap)
 
 

@@ -112,42 +112,133 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
 
 
 @triton.jit
+def _chunk_partial(q, k, v, visible, scaling):
+    """One chunk's partial for a tile of query rows: scores, running max m, sum of exponentials l,
+    unnormalized output acc. Both chunk kernels call this, so a row's arithmetic is one code path."""
+    scores = tl.dot(q, tl.trans(k)) * scaling
+    scores = tl.where(visible, scores, -1.0e30)  # finite: a row with no visible key gets l = 0
+    m = tl.max(scores, 1)
+    p = tl.where(visible, tl.exp(scores - m[:, None]), 0.0)
+    l = tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v)
+    return m, l, acc
+
+
+@triton.jit
+def _step_span(start, T, S, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The chunks holding the slots a step of T rows starting at position `start` wrote: first
+    chunk, number of chunks (full layers: slot = position; sliding: slot = position % S, the ring,
+    so the span may wrap) and the number of chunks of the cache."""
+    n_all = (S + BLOCK_S - 1) // BLOCK_S
+    if SLIDING:
+        first = (start % S) // BLOCK_S
+        last = ((start + T - 1) % S) // BLOCK_S
+        span = (last - first + n_all) % n_all + 1
+    else:
+        first = start // BLOCK_S
+        span = (start + T - 1) // BLOCK_S - first + 1
+    return first, span, n_all
+
+
+@triton.jit
 def _step_attention_chunk(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
                           T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
                           n_rows, n_chunks,
                           G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Partial softmax-attention of one KV head's query rows (row = token t * G + head g) over one
-    chunk of BLOCK_S key slots: running max m, sum of exponentials l, unnormalized output acc."""
+    chunk of BLOCK_S key slots that the step did not write (keys from before the step, the same for
+    every row): running max m, sum of exponentials l, unnormalized output acc. The chunks the step
+    wrote into are _step_attention_own's, one token at a time."""
     kvh = tl.program_id(0)
     rb = tl.program_id(1)
     chunk = tl.program_id(2)
+    start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
+    first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
+    if SLIDING:
+        if (chunk - first + n_all) % n_all < span:
+            return
+    else:  # chunks at or past the step's first slot: the step's own chunks, or masked for every row
+        if chunk >= first:
+            return
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     t = r // G
     row_ok = t < T
     qpos = tl.load(qpos_ptr + t, mask=row_ok, other=-1)
-    if not SLIDING:  # keys past the block's last query position are masked for every row: skip
-        if chunk * BLOCK_S > tl.max(qpos, 0):
-            return
     d = tl.arange(0, D)
     q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * G + r % G)[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     s_idx = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = s_idx < S
     k = tl.load(k_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * scaling
+    v = tl.load(v_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
     if SLIDING:
         kp = tl.load(slot_pos_ptr + s_idx, mask=s_ok, other=-1)
         visible = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > qpos[:, None] - window) & (kp[None, :] >= 0)
     else:
         visible = s_idx[None, :] <= qpos[:, None]
     visible = visible & s_ok[None, :]
-    scores = tl.where(visible, scores, -1.0e30)  # finite: a row with no visible key gets l = 0
-    m = tl.max(scores, 1)
-    p = tl.where(visible, tl.exp(scores - m[:, None]), 0.0)
-    l = tl.sum(p, 1)
-    v = tl.load(v_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-    acc = tl.dot(p.to(v.dtype), v)
+    m, l, acc = _chunk_partial(q, k, v, visible, scaling)
+    ml = (kvh * n_rows + r) * n_chunks + chunk
+    tl.store(m_ptr + ml, m, mask=row_ok)
+    tl.store(l_ptr + ml, l, mask=row_ok)
+    tl.store(acc_ptr + ml[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _step_attention_own(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
+                        T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt,
+                        n_rows, n_chunks,
+                        G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The chunks the step wrote into, for one token t (its G query heads, padded to BLOCK_R rows):
+    the same position-aligned chunks as a chain's, the step's keys gathered into them by depth.
+    Column c of a chunk is the slot of one position p (full: p = slot; sliding: p = slot_pos[slot]);
+    a position before the step's start s is read from its slot, a position s + j (0 <= j < T) from
+    the slot of t's ancestor at depth j, row path[t, j] (its K/V sit at slot s + path[t, j], modulo
+    the ring). The columns and the visibility rule are a chain row's (p <= qpos[t] = s + depth(t);
+    sliding: also > qpos[t] - window), so a tree row's sum is its path's chain row's, bit for bit;
+    for a chain path[t, j] = j and every column reads its own slot, as _step_attention_chunk would."""
+    kvh = tl.program_id(0)
+    t = tl.program_id(1)
+    which = tl.program_id(2)
+    start = tl.load(qpos_ptr)
+    first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
+    if which >= span:
+        return
+    chunk = (first + which) % n_all
+    qpos_t = tl.load(qpos_ptr + t)
+    if not SLIDING:  # chunks past this token's position: masked for its rows, the merge reads none
+        if chunk * BLOCK_S > qpos_t:
+            return
+    g = tl.arange(0, BLOCK_R)
+    row_ok = g < G
+    qpos = tl.where(row_ok, qpos_t, -1)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    s_idx = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    if SLIDING:
+        kp = tl.load(slot_pos_ptr + s_idx, mask=s_ok, other=-1)
+    else:
+        kp = s_idx
+    own = (kp >= start) & (kp < start + T) & s_ok
+    j = tl.minimum(tl.maximum(kp - start, 0), T - 1)
+    row = tl.load(path_ptr + t * stride_pt + j, mask=own, other=0)
+    src = start + row
+    if SLIDING:
+        src = src % S
+    src = tl.where(own, src, s_idx)
+    k = tl.load(k_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+    if SLIDING:
+        visible = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > qpos[:, None] - window) & (kp[None, :] >= 0)
+    else:
+        visible = s_idx[None, :] <= qpos[:, None]
+    visible = visible & s_ok[None, :]
+    m, l, acc = _chunk_partial(q, k, v, visible, scaling)
+    r = t * G + g
     ml = (kvh * n_rows + r) * n_chunks + chunk
     tl.store(m_ptr + ml, m, mask=row_ok)
     tl.store(l_ptr + ml, l, mask=row_ok)

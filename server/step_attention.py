@@ -1,18 +1,31 @@
-"""Attention of a decode or verify step (1..max_bucket new tokens) over the static cache, on the GPU.
+"""Attention of a decode or verify step (1..max_bucket new tokens, a chain or a token tree) over the
+static cache, on the GPU.
 
 Contract: `StepAttention(kv_heads, group, head_dim, max_slots, max_tokens, device)` allocates its
-scratch once; `attn(q, k_cache, v_cache, kv_len, qpos, slot_pos, window, scaling)` with q [T, H, D]
-bf16 (H = kv_heads * group), caches [kv_heads, slots, D], qpos [T] (each query's position), and
-`slot_pos` [slots] (the ring's positions) for a sliding layer or None for a full layer, returns
-[T, H * D]: softmax(q k^T * scaling) v over the visible keys (full: position <= the query's;
-sliding: also > query - window), softmax in fp32.
+scratch once; `attn(q, k_cache, v_cache, kv_len, qpos, slot_pos, window, scaling, path=None)` with
+q [T, H, D] bf16 (H = kv_heads * group), caches [kv_heads, slots, D], qpos [T] (each query's
+position), `slot_pos` [slots] (the ring's positions) for a sliding layer or None for a full layer,
+and `path` [T, >= T] int64 (path[t, j]: the row of t's ancestor at depth j, for j <= depth(t);
+None: a chain, path[t, j] = j), returns [T, H * D]: softmax(q k^T * scaling) v over the visible
+keys, softmax in fp32. The step's row j wrote its K/V at slot qpos[0] + j (modulo the ring on a
+sliding layer) and sits at qpos[t] = qpos[0] + depth(t). Row t sees the keys of positions before
+the step (full: position <= its own; sliding: also > qpos[t] - window) and, at position qpos[0] + j,
+the key of its ancestor at depth j: the keys a chain of its root path would see.
 
 Same meaning as server/fast_path.py's `_attention`, computed so that a query's output is
-bit-identical whatever other queries share the step (batch invariance, as server/small_m_matmul.py
-explains): keys are cut into fixed chunks of BLOCK_S slots; one program computes a chunk's partial
-(max, sum of exponentials, unnormalized output) for 16 query rows, each row on its own; a second
-kernel merges one row's chunks in chunk order. Full layers skip the chunks past the last query
-position, so a step reads the keys up to the context, not the whole cache.
+bit-identical whatever other queries share the step and wherever the step starts (batch
+invariance, as server/small_m_matmul.py explains): keys are cut into fixed, position-aligned chunks
+of BLOCK_S slots (full layers: slot = position; sliding: the ring's slots), and a row's partial
+over a chunk (max, sum of exponentials, unnormalized output) is computed on its own. Chunks the
+step did not write hold the same keys for every row: one program does 16 query rows
+(`_step_attention_chunk`). The chunks the step wrote into (at most 2, 3 on a ring that wraps) are
+done one token at a time (`_step_attention_own`): the step's keys are gathered into the chunk by
+depth (column of position s + j = the ancestor at depth j), so a tree node's columns are the ones
+its path's chain row has, and for a chain every column reads its own slot. Both call one partial
+function, so a chain row's bits do not depend on which kernel did a chunk: a 64-token verify equals
+64 one-token steps, and a tree row equals its path's chain row. A third kernel merges one row's
+chunks in chunk order. Full layers skip the chunks past each query's position, so a step reads the
+keys up to the context, not the whole cache.
 """
 from __future__ import annotations
 
@@ -25,8 +38,20 @@ def _block_s(head_dim: int) -> int:
     return 64 if head_dim > 256 else 128
 
 
+def chain_ancestors(n: int) -> list[int]:
+    """anc of a chain of n rows: row t sees rows 0..t (as int64 values: bit 63 is the sign)."""
+    return [((1 << (t + 1)) - 1) - (1 << 64 if t == 63 else 0) for t in range(n)]
+
+
+def chain_paths(n: int) -> torch.Tensor:
+    """path of a chain of n rows [n, n] int64: the ancestor of row t at depth j is row j."""
+    return torch.arange(n, dtype=torch.int64).repeat(n, 1)
+
+
 class StepAttention:
     def __init__(self, kv_heads: int, group: int, head_dim: int, max_slots: int, max_tokens: int, device):
+        if group > BLOCK_R:
+            raise ValueError(f"{group} query heads per KV head: at most {BLOCK_R}")
         self.kv_heads, self.group, self.head_dim = kv_heads, group, head_dim
         self.block_s = _block_s(head_dim)
         self.n_chunks = -(-max_slots // self.block_s)
@@ -35,21 +60,33 @@ class StepAttention:
         self.m = torch.empty(rows, dtype=torch.float32, device=device)
         self.l = torch.empty(rows, dtype=torch.float32, device=device)
         self.acc = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
+        self.chain = chain_paths(max_tokens).to(device)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
-                 qpos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, scaling: float) -> torch.Tensor:
-        from server.gpu_kernels import _step_attention_chunk, _step_attention_combine
+                 qpos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, scaling: float,
+                 path: torch.Tensor | None = None) -> torch.Tensor:
+        from server.gpu_kernels import _step_attention_chunk, _step_attention_combine, _step_attention_own
         T, H, D = q.shape
         if q.stride(-1) != 1:
             q = q.contiguous()
+        path = self.chain if path is None else path
+        assert path.stride(1) == 1 and path.shape[0] >= T and path.shape[1] >= T
         sliding = slot_pos is not None
         slots = k_cache.shape[1] if sliding else kv_len
         chunks = -(-slots // self.block_s)
+        # chunks the step wrote into: T positions span at most this many (one more where a ring's
+        # last chunk is partial and the span wraps past it)
+        own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
         out = torch.empty((T, H * D), dtype=q.dtype, device=q.device)
         warps = 8 if D > 256 else 4
         _step_attention_chunk[(self.kv_heads, -(-(T * self.group) // BLOCK_R), chunks)](
             q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, self.m, self.l, self.acc,
             T, slots, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            self.n_rows, self.n_chunks,
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=warps)
+        _step_attention_own[(self.kv_heads, T, own_chunks)](
+            q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, path, self.m, self.l, self.acc,
+            T, slots, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), path.stride(0),
             self.n_rows, self.n_chunks,
             G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=warps)
         _step_attention_combine[(self.kv_heads, T * self.group)](

@@ -15,6 +15,14 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 ROW_COUNTS = (1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64)
 
 
+def ring_positions(slots: int, end: int) -> torch.Tensor:
+    """slot_pos of a ring of `slots` slots after positions 0..end-1 were written (slot = p % slots)."""
+    out = torch.full((slots,), -1, dtype=torch.long)
+    p = torch.arange(max(0, end - slots), end)
+    out[p % slots] = p
+    return out.cuda()
+
+
 def int4_linear(n: int, k: int, seed: int) -> SmallMLinear:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
@@ -60,10 +68,11 @@ def test_shared_scratch_changes_nothing():
         assert torch.equal(a(x1), want[0]) and torch.equal(b(x2), want[1])
 
 
-@pytest.mark.parametrize("sliding", [False, True])
-def test_step_attention_rows_are_batch_invariant(sliding):
+@pytest.mark.parametrize("sliding,start", [(False, 300), (True, 300), (False, 100), (True, 100), (True, 1000)])
+def test_step_attention_rows_are_batch_invariant(sliding, start):
     """T queries at consecutive positions over a cache: each query's output equals the same query
-    alone (T = 1), for T up to 64, across chunk boundaries and the sliding window."""
+    alone (T = 1), for T up to 64, across chunk boundaries (start 100: the step's keys span two
+    chunks of 128) and the sliding window (start 1000: the ring of 1024 slots wraps)."""
     from server.step_attention import StepAttention
 
     kv_heads, group, d, slots, window = 2, 4, 256, 1024, 96
@@ -72,8 +81,7 @@ def test_step_attention_rows_are_batch_invariant(sliding):
     v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
     q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
     attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
-    start = 300
-    slot_pos = torch.arange(slots, device="cuda") if sliding else None
+    slot_pos = ring_positions(slots, start + MAX_ROWS) if sliding else None
     qpos = torch.arange(start, start + MAX_ROWS, device="cuda")
     alone = torch.cat([attn(q[i:i + 1], k, v, slots, qpos[i:i + 1], slot_pos, window, d ** -0.5)
                        for i in range(MAX_ROWS)])
@@ -82,8 +90,8 @@ def test_step_attention_rows_are_batch_invariant(sliding):
         assert torch.equal(got, alone[:t]), f"{t} queries differ from one at a time"
     # reference: fp32 softmax attention over the visible keys
     kf, vf = k.float().repeat_interleave(group, 0), v.float().repeat_interleave(group, 0)
-    kpos = torch.arange(slots, device="cuda")
-    vis = kpos[None, :] <= qpos[:, None]
+    kpos = slot_pos if sliding else torch.arange(slots, device="cuda")
+    vis = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= 0)
     if sliding:
         vis &= kpos[None, :] > qpos[:, None] - window
     scores = torch.einsum("thd,hsd->ths", q.float(), kf) * d ** -0.5
@@ -91,3 +99,42 @@ def test_step_attention_rows_are_batch_invariant(sliding):
     want = torch.einsum("ths,hsd->thd", p, vf).reshape(MAX_ROWS, -1)
     rel = (alone.float() - want).norm() / want.norm()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("sliding,start,slots", [(False, 100, 1024), (False, 300, 1024), (True, 100, 1024),
+                                                 (True, 1000, 1024), (True, 150, 200)])
+def test_step_attention_tree_rows_equal_their_chains(sliding, start, slots):
+    """A token tree of 64 rows (row j's K/V at slot start + j, row t at position start + depth(t)):
+    each row's output equals, bit for bit, the last row of a chain step of its root path (the
+    path's keys at consecutive slots), on chunk boundaries, a wrapping ring and a ring whose last
+    chunk is partial (200 slots, chunks of 128)."""
+    import random
+
+    from server.fast_path import tree_paths, tree_rows
+    from server.step_attention import StepAttention
+
+    kv_heads, group, d, window = 2, 4, 256, 96
+    g = torch.Generator().manual_seed(7)
+    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
+    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
+    slot_pos = ring_positions(slots, start + MAX_ROWS) if sliding else None
+    rng = random.Random(start + slots)
+    for reach in (None, 2):
+        T = MAX_ROWS
+        parents = [-1] + [rng.randrange(0 if reach is None else max(0, j - reach), j) for j in range(1, T)]
+        depth, _ = tree_rows(parents, T, T)
+        path = torch.from_numpy(tree_paths(parents, T, T)).cuda()
+        qpos = torch.from_numpy(depth).cuda() + start
+        tree = attn(q, k, v, slots, qpos, slot_pos, window, d ** -0.5, path)
+        for t in range(T):
+            rows = path[t, :depth[t] + 1]
+            slot = lambda p: p % slots if sliding else p
+            kc, vc = k.clone(), v.clone()
+            at = torch.tensor([slot(start + i) for i in range(len(rows))], device="cuda")
+            src = torch.tensor([slot(start + int(r)) for r in rows], device="cuda")
+            kc[:, at], vc[:, at] = k[:, src], v[:, src]
+            chain = attn(q[rows], kc, vc, slots, torch.arange(start, start + len(rows), device="cuda"),
+                         slot_pos, window, d ** -0.5)
+            assert torch.equal(tree[t], chain[-1]), f"reach {reach}: row {t} (depth {depth[t]}) differs from its chain"
