@@ -91,3 +91,14 @@ def test_step_attention_rows_are_batch_invariant(sliding):
     want = torch.einsum("ths,hsd->thd", p, vf).reshape(MAX_ROWS, -1)
     rel = (alone.float() - want).norm() / want.norm()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("n,k", [(3072, 2560), (2560, 10240), (96, 384)])
+def test_prefill_dequantization_kernel_equals_the_layout(n, k):
+    """Prefill's Triton dequantization (W^T into a shared scratch) gives the layout's weights bit for
+    bit, whatever the scratch held before and however much larger it is."""
+    lin = int4_linear(n, k, seed=n + 2 * k)
+    want = lin.dequantize().t()
+    scratch = torch.full((n * k + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(lin.dequantize_t(scratch), want)
+    assert torch.equal(lin.dequantize_t(), want)
