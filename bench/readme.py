@@ -41,6 +41,8 @@ SECTIONS = [
      "python -m bench.small_m_bench (on the GPU machine)", "small_m.md", []),
     ("The GPU verify cost curve to 64 tokens (E4B shape, int4, H200)",
      "python -m bench.gpu_cost_curve (on the GPU machine)", "gpu_cost_curve.md", []),
+    ("GPU memory with one int4 layout: E4B shape at 8k and 32k context under a 5 GiB cap (H200)",
+     "python -m bench.gpu_memory (on the GPU machine)", "gpu_memory.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
      "gpu_projection.md", []),
 ]

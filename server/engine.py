@@ -313,11 +313,12 @@ class Engine:
         if ple is not None:  # Gemma 4's per-layer embeddings are looked up on the host: plan without them
             ple.to("cpu")
             torch.cuda.empty_cache()
-        plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget)
+        plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget, cfg.gpu_memory_bytes)
         # A padded step may write up to one bucket past the last committed position: room for it.
         fast = FastTarget(self.model, max_len=plan.context + DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS,
                           min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes,
-                          ple_on_host=ple is not None)
+                          ple_on_host=ple is not None, prefill_rows=plan.prefill_rows,
+                          prefill_dense=plan.prefill_dense)
         seconds = fast.warmup()
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "

@@ -31,6 +31,10 @@ class EngineConfig:
     fast_max_context: int | None = field(default=None, metadata={
         "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "
                 "or what GPU memory allows)"})
+    gpu_memory_mb: float | None = field(default=None, metadata={
+        "help": "cap on the GPU memory the fast path plans for, in MiB, the loaded weights included (default: "
+                "the card's free memory): the context, the prefix cache and prefill's working memory are sized "
+                "to fit it (the CUDA context itself, a few hundred MiB, is not counted)"})
     prefix_cache: bool = field(default=True, metadata={
         "help": "keep finished sequences' KV and prefill only what a new prompt adds "
                 "(--no-prefix-cache: every prompt from position 0)"})
@@ -47,6 +51,11 @@ class EngineConfig:
     cost_curve: np.ndarray | None = field(default=None, metadata={"cli": False})  # cost[n]; None: measured
     cost_context: int = field(default=256, metadata={"cli": False})  # cache length the curve is measured at
     cost_cache: Path | None = field(default=None, metadata={"cli": False})  # where curves are kept (None: none)
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """The GPU memory cap in bytes (None: the card's free memory)."""
+        return None if self.gpu_memory_mb is None else int(self.gpu_memory_mb * 2**20)
 
     @property
     def prefix_cache_bytes(self) -> int | None:

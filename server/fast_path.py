@@ -17,8 +17,20 @@ with the same meaning as `server/engine.py`'s functions:
 The forward is written out here (embedding and per-layer embeddings, RMSNorm, RoPE, attention with
 sliding/full layers and KV sharing, MLP, soft-capped tied LM head) on top of the HF modules'
 weights and norms, because transformers' own forward cannot be captured (`StaticCache` initializes
-lazily inside `update`) and torch.compile cannot trace quanto's int4 tensor subclass. Prefill calls
-`aten._weight_int4pack_mm` (tinygemm, what quanto itself calls) on quanto's packed int4 tensors.
+lazily inside `update`) and torch.compile cannot trace quanto's int4 tensor subclass. Without step
+kernels, int4 layers call `aten._weight_int4pack_mm` (tinygemm, what quanto itself calls) on
+quanto's packed int4 tensors.
+
+One int4 layout: with step kernels on int4 weights, each layer's weights are re-laid out once for
+the step kernels (server/small_m_matmul.py) and prefill reads that layout too (each linear
+dequantized into one shared bf16 scratch, then cuBLAS: server/fast_prefill.py). Once a layer is
+re-laid out, quanto's packed tensors of it are released from the GPU (`release_weights`, default
+on): the model's quantized linear modules keep only a meta-device placeholder and the re-laid-out
+tensors (`ReleasedLinear`), so a later FastTarget on the same model reuses them without a copy,
+and transformers' own forward of the model no longer runs (the fast path owns the model, as
+`HostRowTable` does the per-layer table). Prefill runs in pieces of `prefill_rows` tokens, which
+bounds its activations whatever the prompt's length; `plan_fast_memory` sizes the context and the
+prefix cache from free memory or a cap (`--gpu-memory-mb`).
 
 Steps (decode and verify, 2..64 rows) on CUDA with bf16 activations run on Sailfish's Triton step
 kernels (`step_kernels`, on by default where they apply; `step_kernel_note` says which and why):
@@ -57,6 +69,8 @@ from server.small_m_matmul import MAX_ROWS
 from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
+DEFAULT_PREFILL_ROWS = 8192   # prompt tokens per prefill_layers call (bounds prefill's activations)
+SMALL_PREFILL_ROWS = 1024     # the smallest piece plan_fast_memory picks under a memory cap
 
 
 # ---------------------------------------------------------------- linear layers
@@ -74,6 +88,71 @@ class Int4Linear:
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scale_shift.numel() * self.scale_shift.element_size()
+
+
+class ReleasedLinear:
+    """A linear whose quanto tensors were released from the GPU: its weight is columns lo:hi of a
+    step-kernel int4 layout `layout` = (qweight, scale, offset, n, k) (server/small_m_matmul.py),
+    the q|k|v or gate|up concatenation it is part of or its own. Kept on the HF module as
+    `_sailfish_released` (see `as_linear`). Calling it (paths without step kernels) dequantizes
+    the layout for one cuBLAS GEMM: correct for any rows, not a fast path."""
+
+    def __init__(self, layout: tuple, lo: int, hi: int):
+        self.layout, self.lo, self.hi = layout, lo, hi
+        self.out_features = hi - lo
+        self.in_features = layout[4]
+
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.layout[3]
+
+    def step_layout(self):
+        """A SmallMLinear over these columns: the stored tensors themselves when they are this
+        linear's alone, else a contiguous copy of the columns."""
+        from server.small_m_matmul import SmallMLinear
+        w, scale, offset, n, k = self.layout
+        if self.whole():
+            return SmallMLinear(w, scale, offset, n, k)
+        cols = slice(self.lo, self.hi)
+        return SmallMLinear(w[:, cols].contiguous(), scale[:, cols].contiguous(), offset[:, cols].contiguous(),
+                            self.hi - self.lo, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from server.small_m_matmul import SmallMLinear
+        w, scale, offset, n, k = self.layout
+        wt = SmallMLinear(w, scale, offset, n, k).dequantize_t()[:, self.lo:self.hi]
+        return x @ wt
+
+    def nbytes(self) -> int:
+        w, scale, offset, n, k = self.layout
+        return (w.numel() * 4 + (scale.numel() + offset.numel()) * scale.element_size()) * self.out_features // n
+
+
+def released_parts(parts: list):
+    """A SmallMLinear over the stored layout when `parts` are all ReleasedLinear columns of one
+    layout, in order, covering it (a second FastTarget's q|k|v or gate|up: no copy), else None."""
+    if not parts or not all(isinstance(p, ReleasedLinear) for p in parts):
+        return None
+    if len({id(p.layout[0]) for p in parts}) != 1:
+        return None
+    at = 0
+    for p in parts:
+        if p.lo != at:
+            return None
+        at = p.hi
+    if at != parts[0].layout[3]:
+        return None
+    from server.small_m_matmul import SmallMLinear
+    return SmallMLinear(*parts[0].layout)
+
+
+def release_module(module: torch.nn.Module, small, lo: int, hi: int) -> ReleasedLinear:
+    """Free a quanto linear's packed tensors on the GPU: its weight becomes a meta-device
+    placeholder of the same shape, and the module keeps columns lo:hi of `small`'s layout."""
+    layout = (small.weight, small.scale, small.offset, small.n, small.k)
+    module._sailfish_released = (layout, lo, hi)
+    shape = tuple(module.weight.shape)
+    module.weight = torch.nn.Parameter(torch.empty(shape, dtype=small.scale.dtype, device="meta"), requires_grad=False)
+    return ReleasedLinear(layout, lo, hi)
 
 
 class DenseLinear:
@@ -112,6 +191,9 @@ def as_linear(module: torch.nn.Linear):
     """The fast equivalent of a (possibly quanto-quantized) bias-free nn.Linear."""
     if getattr(module, "bias", None) is not None:
         raise ValueError("biased linear layers are not supported (Gemma 4 has none)")
+    released = getattr(module, "_sailfish_released", None)
+    if released is not None:  # an earlier FastTarget moved its weights into the step kernels' layout
+        return ReleasedLinear(*released)
     weight = module.weight
     if hasattr(module, "qweight") and module.qweight is not None:
         weight = module.qweight
@@ -178,38 +260,132 @@ class FastMemoryPlan:
     context: int        # positions the static cache serves
     prefix_bytes: int   # budget of the prefix cache's snapshots
     note: str
+    prefill_rows: int = DEFAULT_PREFILL_ROWS   # FastTarget.prefill_rows
+    prefill_dense: bool = False                # keep a dense bf16 copy of the int4 weights for prefill
+    reserve: int = 0                           # bytes set aside for what does not grow with the context
+    per_pos: int = 0                           # bytes per context position (KV, step attention scratch, RoPE)
 
 
 GIB = 2**30
 
 
-def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None) -> FastMemoryPlan:
-    """Size the fast path from free GPU memory: the model's whole context when it fits (or `cap`),
-    after a reserve for prefill activations, CUDA graphs and the step kernels' weights, then the
-    prefix cache: `prefix_bytes`, or by default 40% of what remains."""
+def _int4_weights(model) -> int:
+    """Weights the fast path holds as int4 (quanto tinygemm, or already in the step layout)."""
+    n = 0
+    for module in model.modules():
+        released = getattr(module, "_sailfish_released", None)
+        if released is not None:
+            n += (released[2] - released[1]) * released[0][4]
+            continue
+        weight = getattr(module, "weight", None)
+        if type(weight).__name__ == "TinyGemmWeightQBitsTensor":
+            n += weight.shape[0] * weight.shape[1]
+    return n
+
+
+def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int = DEFAULT_PREFILL_ROWS) -> tuple[int, int]:
+    """(bytes per context position, bytes that do not grow with the context) the fast path adds to
+    the loaded weights on the GPU, from the model's shape: per position the full layers' K/V, the
+    step attention's fp32 scratch (server/step_attention.py: per key chunk and query row) and the
+    RoPE tables; fixed: prefill's activations for a piece of `prefill_rows` tokens (hidden states,
+    per-layer inputs, q, the MLP, attention scores), its dequantization scratch (the largest int4
+    linear), the graphs' shared logits and their pool, the split-K scratch, the sliding rings. The
+    int4 weights are counted once: the step layout replaces quanto's (released as it is built)."""
+    from server.fast_prefill import score_budget
+    from server.step_attention import BLOCK_R, _block_s
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text = model.model
-    dev = next(model.parameters()).device
     elt = text.embed_tokens.weight.element_size()
-    per_pos = 0
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    max_bucket = max(buckets)
+    per_pos, ring_bytes, widest = 0, 0, 0
+    window = int(getattr(cfg, "sliding_window", 0) or 0)
+    full_dims, rope_dims = {}, {}
     for hf in text.layers:
         attn = hf.self_attn
-        if getattr(attn, "is_kv_shared_layer", False) or getattr(attn, "sliding_window", None):
-            continue  # KV-shared layers own no cache; sliding layers' ring does not grow with the context
-        kv_heads = model.config.get_text_config().num_attention_heads // attn.num_key_value_groups
-        per_pos += 2 * kv_heads * attn.head_dim * elt
-    per_pos = max(per_pos, 1)
+        d, kv_heads = attn.head_dim, heads // attn.num_key_value_groups
+        widest = max(widest, d)
+        sliding = bool(getattr(attn, "sliding_window", None))
+        rope_dims[sliding] = d
+        if not sliding:
+            full_dims[d] = kv_heads
+        if getattr(attn, "is_kv_shared_layer", False):
+            continue
+        if sliding:  # the ring: window + the prefill chunk (FastTarget's default, 512)
+            ring_bytes += 2 * kv_heads * (window + max(512, max_bucket)) * d * elt
+        else:
+            per_pos += 2 * kv_heads * d * elt
+    for d, kv_heads in full_dims.items():  # step attention's fp32 scratch per key slot of full layers
+        rows = -(-(max_bucket * heads // kv_heads) // BLOCK_R) * BLOCK_R
+        per_pos += int(kv_heads * rows * (d + 2) * 4 / _block_s(d))
+    per_pos += sum(2 * d * elt for d in rope_dims.values())   # cos and sin per layer type
+    ple = (getattr(cfg, "hidden_size_per_layer_input", 0) or 0) * cfg.num_hidden_layers
+    inter = max(getattr(cfg, "intermediate_size", 0) or 0, 1) * (2 if getattr(cfg, "use_double_wide_mlp", False) else 1)
+    # a prefill row at its widest (the MLP of a full layer): h, x and the residual's temporaries,
+    # q, its normed copy and the attention output, gate|up and their product, the per-layer inputs
+    per_row = elt * (5 * hidden + 3 * heads * widest + 3 * inter + ple)
+    scores = 2 * score_budget(prefill_rows) * elt                     # scores and probabilities
+    vocab = cfg.vocab_size
+    dequant = elt * hidden * max(2 * inter, ple, heads * widest * 2)  # the largest int4 W^T (about)
+    # the graphs' logits (one buffer per bucket, FastTarget._graph), their pool's intermediates and
+    # cuBLAS workspaces
+    graphs = sum(max(2, b) for b in buckets) * vocab * elt + 64 * 2**20
+    split_k = 16 * 2**20
+    fixed = prefill_rows * per_row + scores + dequant + graphs + split_k + ring_bytes
+    return max(per_pos, 1), int(fixed)
+
+
+def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None,
+                     gpu_memory: int | None = None) -> FastMemoryPlan:
+    """Size the fast path from free GPU memory, or from `gpu_memory` (bytes this process may hold
+    on the GPU in all, the loaded weights included: --gpu-memory-mb): the model's whole context
+    when it fits (or `cap`), after a reserve for what does not grow with the context
+    (`fast_memory_needs`, plus 5% of the card as slack without a cap), then the prefix cache:
+    `prefix_bytes`, or by default 40% of what remains. Without a cap the context takes at most half
+    of the room (the prefix cache gets the rest, as before), and prefill keeps a dense bf16 copy of
+    the int4 weights when it takes under a quarter of free memory; under a cap the context comes
+    first: prefill runs in the largest pieces (8192, 4096, 2048 or 1024 tokens) that let the asked
+    context fit, and the dense copy is kept only if it still fits beside that context."""
+    dev = next(model.parameters()).device
     free, total = torch.cuda.mem_get_info(dev)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == dev)  # host tables: not here
-    reserve = 2 * GIB + int(0.05 * total) + weights // 2   # step-kernel copies are a fraction of the weights
+    held = torch.cuda.memory_allocated(dev)  # the loaded weights (host tables excluded: not here)
     context = min(max_context, cap or max_context)
-    room = free - reserve
-    if per_pos * context > 0.5 * room:
-        context = max(1024, int(0.5 * room / per_pos) // 1024 * 1024)
+    rows = DEFAULT_PREFILL_ROWS
+    per_pos, fixed = fast_memory_needs(model, prefill_rows=rows)
+    if gpu_memory is not None:  # the largest prefill piece that lets the whole asked context fit
+        room = min(free, int(gpu_memory) - held)
+        while rows > SMALL_PREFILL_ROWS and room - fixed < per_pos * context:
+            rows //= 2
+            per_pos, fixed = fast_memory_needs(model, prefill_rows=rows)
+    dense = 2 * _int4_weights(model)
+    if gpu_memory is None:
+        reserve = fixed + int(0.05 * total)
+        room = free - reserve
+        use_dense = dense > 0 and dense < 0.25 * free
+        if use_dense:
+            room -= dense
+        if per_pos * context > 0.5 * room:
+            context = max(1024, int(0.5 * room / per_pos) // 1024 * 1024)
+        what = f"{free / GIB:.1f} GiB free at start-up"
+    else:
+        reserve = fixed
+        room = min(free, int(gpu_memory) - held) - reserve
+        if per_pos * context > room:
+            context = max(1024, int(room / per_pos) // 1024 * 1024)
+        use_dense = dense > 0 and room - per_pos * context >= dense
+        if use_dense:
+            room -= dense
+        what = (f"cap {gpu_memory / GIB:.2f} GiB (--gpu-memory-mb), {held / GIB:.2f} GiB of weights loaded, "
+                f"{free / GIB:.1f} GiB free")
     left = max(0, room - per_pos * context)
     budget = int(0.4 * left) if prefix_bytes is None else int(prefix_bytes)
-    note = (f"{free / GIB:.1f} GiB free at start-up; static KV {per_pos * context / GIB:.2f} GiB for {context} "
-            f"tokens; reserve {reserve / GIB:.1f} GiB")
-    return FastMemoryPlan(context, budget, note)
+    if gpu_memory is not None:
+        budget = min(budget, left)  # kept sequences live on the GPU too: inside the cap
+    note = (f"{what}; static KV and step scratch {per_pos * context / GIB:.2f} GiB for {context} tokens; "
+            f"reserve {reserve / GIB:.2f} GiB (prefill in pieces of {rows} tokens, graphs, scratch)"
+            + (f"; dense prefill copy {dense / GIB:.2f} GiB" if use_dense else ""))
+    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos)
 
 
 class FastTarget:
@@ -217,7 +393,8 @@ class FastTarget:
                  prefill_chunk: int = 512, capture: bool | None = None, min_kv_len: int | None = None,
                  fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None,
                  prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
-                 prefill_dense: bool | None = None, ple_on_host: bool = False):
+                 prefill_dense: bool | None = None, ple_on_host: bool = False,
+                 prefill_rows: int = DEFAULT_PREFILL_ROWS, release_weights: bool = True):
         lm = model
         self.model = model
         text = lm.model
@@ -260,7 +437,16 @@ class FastTarget:
         self.lm_head = as_linear(lm.lm_head)
 
         self.layers = self._describe_layers(text, cfg)
+        self.prefill_rows = max(1, int(prefill_rows))
+        from server.fast_prefill import score_budget
+        self.score_budget = score_budget(self.prefill_rows)
+        self.release_weights = release_weights
+        self.released_bytes = 0      # quanto tensors freed from the GPU once re-laid out (see _build_step_kernels)
+        self.prefill_scratch_bytes = 0
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
+        if not self.step_kernels and any(isinstance(lin, ReleasedLinear) for lin in self._all_linears()):
+            self.step_kernel_note += ("; int4 weights from the step-kernel layout (an earlier fast path released "
+                                      "quanto's), dequantized per call for cuBLAS")
         if fuse_proj and not self.step_kernels:  # with step kernels, prefill uses the model's own layers
             self._fuse_projections()
         self.fused_layers = sum(layer.qkv is not None or layer.gate_up is not None for layer in self.layers)
@@ -275,6 +461,8 @@ class FastTarget:
             self._build_step_kernels()
         from server.fast_prefill import keep_dense_weights
         self.prefill_note = keep_dense_weights(self, prefill_dense) if self.step_kernels else "prefill: model's own layers"
+        if self.released_bytes and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the released quanto tensors' blocks back to the card
         self.max_step = self.max_bucket
         self.max_context = self.max_len - self.max_bucket  # a padded step writes up to a bucket past
         self.first_sliding_source = min((l.index for l in self.layers if l.sliding and l.source == l.index),
@@ -287,6 +475,7 @@ class FastTarget:
         self._last_step = None  # (start, ids, bucket, parents) of the last step, for keep_path
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
+        self._graph_out: dict[int, torch.Tensor] = {}
         self.timings = StepTimings()
 
     # ------------------------------------------------------------ set-up
@@ -360,23 +549,40 @@ class FastTarget:
 
     def _build_step_kernels(self) -> None:
         """Each layer gets `step`: a copy of its description whose linears are SmallMLinear (q|k|v
-        and gate|up concatenated), and one StepAttention per head size."""
+        and gate|up concatenated), and one StepAttention per head size. With `release_weights`, a
+        layer's quanto int4 tensors are freed right after its step layout is built (one layer's
+        worth of both at a time), and its linears become ReleasedLinear views of that layout."""
         from server.small_m_matmul import as_small_m, concat
         from server.step_attention import StepAttention
+
+        def small_of(parts):  # one SmallMLinear computing the parts side by side, or None
+            reused = released_parts(parts)
+            if reused is not None:
+                return reused
+            smalls = [as_small_m(p) for p in parts]
+            return smalls[0] if len(smalls) == 1 else concat(smalls)
+
+        self.released_bytes = 0
         for layer in self.layers:
             # q|k|v and gate|up are concatenated from temporary parts, which are not kept: there the
             # step view keeps the model's own layers, for their sizes (a step calls the fused one).
-            small = {name: as_small_m(getattr(layer, name)) if getattr(layer, name) is not None else None
+            small = {name: small_of([getattr(layer, name)]) if getattr(layer, name) is not None else None
                      for name in ("o", "down", "ple_gate", "ple_proj")}
             for names, fused in ((("q", "k", "v"), "qkv"), (("gate", "up"), "gate_up")):
-                parts = {n: as_small_m(getattr(layer, n)) for n in names if getattr(layer, n) is not None}
-                joined = concat(list(parts.values())) if len(parts) > 1 else None
-                small.update({fused: joined} if joined is not None else parts)
+                parts = {n: getattr(layer, n) for n in names if getattr(layer, n) is not None}
+                joined = small_of(list(parts.values())) if len(parts) > 1 else None
+                small.update({fused: joined} if joined is not None else {n: small_of([p]) for n, p in parts.items()})
                 if fused == "qkv" and joined is not None:
                     small["qkv_sizes"] = tuple(p.out_features for p in parts.values())
             layer.step = replace(layer, **small, step=None)
+            if self.release_weights:
+                self._release_layer(layer)
         self.lm_head_step = as_small_m(self.lm_head)
-        self.ple_model_proj_step = as_small_m(self.ple_model_proj) if self.ple_dim else None
+        self.ple_model_proj_step = small_of([self.ple_model_proj]) if self.ple_dim else None
+        if self.release_weights and self.ple_dim and isinstance(self.ple_model_proj, Int4Linear):
+            self.released_bytes += self.ple_model_proj.nbytes()
+            self.ple_model_proj = release_module(self.model.model.per_layer_model_projection, self.ple_model_proj_step,
+                                                 0, self.ple_model_proj_step.n)
         # One split-K scratch for all of them (they run one after another on one stream): sized for
         # 64 rows, per-linear scratch would be ~1.2 GB on E4B; shared it is the largest one's.
         from server.small_m_matmul import SmallMLinear, share_partials
@@ -391,6 +597,38 @@ class FastTarget:
                 slots = max(self.ring if l.sliding else self.max_len for l in self.layers if l.head_dim == d)
                 self.step_attention[d] = StepAttention(layer.kv_heads, self.num_heads // layer.kv_heads, d, slots,
                                                        self.max_bucket, self.device)
+
+    def _release_layer(self, layer: _Layer) -> None:
+        """Free the quanto tensors of one layer whose step layout is built: every Int4Linear part
+        becomes a ReleasedLinear over the step linear (or the columns of the fused one) holding it."""
+        hf = layer.hf
+        modules = {"q": hf.self_attn.q_proj, "k": getattr(hf.self_attn, "k_proj", None),
+                   "v": getattr(hf.self_attn, "v_proj", None), "o": hf.self_attn.o_proj,
+                   "gate": hf.mlp.gate_proj, "up": hf.mlp.up_proj, "down": hf.mlp.down_proj,
+                   "ple_gate": getattr(hf, "per_layer_input_gate", None), "ple_proj": getattr(hf, "per_layer_projection", None)}
+        step = layer.step
+        owner = {}   # part name -> (step linear holding it, first column)
+        for names, fused in ((("q", "k", "v"), "qkv"), (("gate", "up"), "gate_up")):
+            joined = getattr(step, fused)
+            at = 0
+            for n in names:
+                part = getattr(layer, n)
+                if part is None:
+                    continue
+                owner[n] = (joined, at) if joined is not None else (getattr(step, n), 0)
+                at += part.out_features
+        for n in ("o", "down", "ple_gate", "ple_proj"):
+            if getattr(layer, n) is not None:
+                owner[n] = (getattr(step, n), 0)
+        for n, (small, lo) in owner.items():
+            part = getattr(layer, n)
+            if not isinstance(part, Int4Linear) or getattr(small, "int4", False) is not True:
+                continue
+            self.released_bytes += part.nbytes()
+            released = release_module(modules[n], small, lo, lo + part.out_features)
+            setattr(layer, n, released)
+            if getattr(step, n) is part:  # the step view keeps the parts of fused linears (for sizes)
+                setattr(step, n, released)
 
     def step_linears(self) -> list:
         """Every step-kernel linear (empty without step kernels)."""
@@ -560,7 +798,9 @@ class FastTarget:
     @torch.no_grad()
     def start(self, prompt_ids: list[int], reuse: bool = True) -> Prefill:
         """Begin a sequence (server/backend.py): reuse the longest kept prefix, prefill the rest
-        layer by layer (server/fast_prefill.py), return the last prompt token's logits."""
+        layer by layer (server/fast_prefill.py) in pieces of `prefill_rows` tokens (each piece
+        resumes from the cache the one before wrote, as a prefix-cache restore does), return the
+        last prompt token's logits."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         self._check_room(len(prompt_ids))
@@ -569,7 +809,9 @@ class FastTarget:
         self.pos, self._keep = begin, reuse
         self._last_step = None
         t0 = time.perf_counter()
-        logits = prefill_layers(self, prompt_ids[begin:], begin, self.prefix.add_checkpoint)
+        for at in range(begin, len(prompt_ids), self.prefill_rows):
+            piece = prompt_ids[at:at + self.prefill_rows]
+            logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
         self.prefix.note_written(begin, prompt[begin:], len(prompt) - begin)
         self.pos = len(prompt_ids)
         self.timings.prefill_s += time.perf_counter() - t0
@@ -688,8 +930,17 @@ class FastTarget:
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+            # One logits buffer per bucket, shared by its graphs of every kv_len (a step's logits are
+            # read before the next step): the graphs' own outputs are freed to the pool, not kept
+            # (E4B at 32k: 7 kv_lens x 63 MiB of logits otherwise).
+            out = self._graph_out.get(T)
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(ids, pos, kv_len, step=True)
+                logits = self._forward(ids, pos, kv_len, step=True)
+                if out is None or out.shape != logits.shape or out.dtype != logits.dtype:
+                    out = torch.empty_like(logits)
+                    self._graph_out[T] = out
+                out.copy_(logits)
+            del logits
             torch.cuda.synchronize()
             self._graphs[key] = (graph, out)
             seconds = time.perf_counter() - t0

@@ -9,8 +9,10 @@ last token's logits [vocab]. The cache must already hold positions 0..start-1, t
 last window of them in the ring (the caller's invariant, see server/fast_prefix.py).
 
 Why layer by layer: every layer's int4 weights meet all new rows in big cuBLAS GEMMs on a dense
-bf16 W^T (kept once at start-up where memory allows, `keep_dense_weights`, else dequantized per
-call by a compiled kernel), instead of tinygemm's small-row int4 kernel chunk after chunk; and the
+bf16 W^T, read from the step kernels' int4 layout (the only copy of the weights on the GPU): each
+linear is dequantized by one Triton launch into a bf16 scratch shared by all linears (the size of
+the largest), or, where memory is plentiful, a dense W^T is kept for each (`keep_dense_weights`;
+bit for bit the same W^T), instead of tinygemm's small-row int4 kernel chunk after chunk; and the
 KV-shared layers (Gemma 4: the last 18 of 42), which write no cache, run for the last token only
 (as transformers does with logits_to_keep). Attention is the step forward's math (bf16 products,
 fp32 masked softmax) in query blocks that read only the keys they can see (the window on sliding
@@ -28,7 +30,14 @@ import torch
 import torch.nn.functional as F
 
 ROW_BLOCK = 8192           # rows per GEMM (bounds the MLP's activations)
-SCORE_BUDGET = 1 << 28     # query rows x keys x heads per attention block (math fallback: 1 GiB fp32)
+SCORE_BUDGET = 1 << 28     # query rows x keys x heads per attention block, at most (bf16 scores: 512 MiB)
+
+
+def score_budget(rows: int) -> int:
+    """Attention scores per block for prefill pieces of `rows` tokens (FastTarget.prefill_rows): the
+    scores and probabilities (bf16) then take about as much memory as the piece's other activations
+    (8192 rows: 2^27 entries, 256 MiB each; 2048 rows: 64 MiB)."""
+    return max(1 << 22, min(SCORE_BUDGET, rows << 14))
 
 
 def prefill_layers(fast, ids: list[int], start: int, checkpoint) -> torch.Tensor:
@@ -41,9 +50,11 @@ def prefill_layers(fast, ids: list[int], start: int, checkpoint) -> torch.Tensor
     ple = None
     if fast.ple_dim:
         tok = fast.embed_ple(ids_t).reshape(T, fast.n_layers, fast.ple_dim)
-        proj = _rows(fast.ple_model_proj, h).reshape(T, fast.n_layers, fast.ple_dim)
+        proj_lin = fast.ple_model_proj_step if fast.step_kernels else fast.ple_model_proj
+        proj = _rows(proj_lin, h).reshape(T, fast.n_layers, fast.ple_dim)
         ple = ops.ple_inputs(proj, fast.ple_model_proj_scale, _w(fast.ple_norm), fast.ple_norm.eps, tok,
                              fast.ple_input_scale)
+        del tok, proj  # [T, layers x ple_dim] each (E4B: 21 KiB a token): not kept through the layers
     rope = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :]) for s, (c, n) in fast.rope.items()}
     sources: dict[int, tuple] = {}   # source layer -> (k, v, position of the first key) for its readers
     first_shared = next((layer.index for layer in fast.layers if layer.source != layer.index), fast.n_layers)
@@ -80,7 +91,8 @@ def _layer(fast, layer, h, q0, ple, cos_sin, sources, start, end, checkpoint):
         v = ops.rms(v_raw.view(T, layer.kv_heads, D), _w(attn.v_norm), attn.v_norm.eps)
         sources[layer.index] = _store_kv(fast, layer, k.transpose(0, 1), v.transpose(0, 1), start, end, checkpoint)
     keys, values, k0 = sources[layer.source]
-    a = _attend(ops, q, keys, values, k0, q0, fast.window if layer.sliding else None, attn.scaling)
+    a = _attend(ops, q, keys, values, k0, q0, fast.window if layer.sliding else None, attn.scaling,
+                getattr(fast, "score_budget", SCORE_BUDGET))
     h = ops.residual_norm(h, _rows(lin.o, a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
     x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
     x = _mlp(fast, lin, x)
@@ -131,19 +143,19 @@ def _store_kv(fast, layer, k, v, start, end, checkpoint):
     return keys, values, lo
 
 
-def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling):
+def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int = SCORE_BUDGET):
     """softmax(q k^T * scaling) v over the keys at positions <= the query's (and > query - window).
     q [T, H, D] at positions q0..q0+T-1; keys, values [KVH, S, D] at positions k0..k0+S-1. Query
     head h reads KV head h // (H / KVH), as transformers' repeat_kv (the heads of one KV head are
     folded into the rows, so keys are never repeated). The same products and fp32 masked softmax
     as the step forward's `_attention`, one block of queries at a time: a block reads only the keys
-    it can see, and its score matrix stays under SCORE_BUDGET entries."""
+    it can see, and its score matrix stays under `budget` entries."""
     T, H, D = q.shape
     kvh, S = keys.shape[0], keys.shape[1]
     g = H // kvh
     span = lambda rows: rows + window if window else S
     block = 4096
-    while block > 16 and H * block * span(block) > SCORE_BUDGET:
+    while block > 16 and H * block * span(block) > budget:
         block //= 2
     dev = q.device
     qg = q.view(T, kvh, g, D).permute(1, 2, 0, 3)                             # [KVH, g, T, D]
@@ -166,8 +178,14 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling):
 
 
 def keep_dense_weights(fast, asked: bool | None) -> str:
-    """Keep a dense W^T of every int4 step-kernel weight for prefill (no dequantization per call)
-    when asked, or by default when it takes under a quarter of free GPU memory; a note says which."""
+    """Prefill's int4 weights: by default each linear is dequantized, when it runs, into one shared
+    bf16 scratch the size of the largest (`share_prefill_scratch`), then one cuBLAS GEMM reads it. A
+    dense W^T of every int4 weight is kept instead (no dequantization per call, 2 bytes a weight: 7.4
+    GiB on E4B) when asked, or when `asked` is None and it takes under a quarter of free GPU memory
+    (the engine decides from its memory plan, server/fast_path.py's `plan_fast_memory`: never under
+    a memory cap it does not fit). Both give the same W^T bit for bit. A note says which."""
+    from server.small_m_matmul import share_prefill_scratch
+
     lins = [lin for lin in fast.step_linears() if getattr(lin, "int4", False)]
     if not lins:
         return "prefill: dense weights as loaded"
@@ -176,9 +194,11 @@ def keep_dense_weights(fast, asked: bool | None) -> str:
         free, _ = torch.cuda.mem_get_info(fast.device) if fast.device.type == "cuda" else (0, 0)
         asked = need < 0.25 * free
     if not asked:
-        return f"prefill: int4 weights dequantized per call ({need / 2**30:.2f} GiB dense would not fit)"
+        fast.prefill_scratch_bytes = share_prefill_scratch(lins)
+        return (f"prefill: int4 weights dequantized per linear into a {fast.prefill_scratch_bytes / 2**20:.0f} MiB "
+                f"scratch (a dense copy, {need / 2**30:.2f} GiB, not kept)")
     for lin in lins:
-        lin.prefill_weight = _dequant_codes(lin.weight, lin.scale, lin.offset)
+        lin.prefill_weight = lin.dequantize_t()
     return f"prefill: dense bf16 copy of the int4 weights kept for prefill GEMMs ({need / 2**30:.2f} GiB)"
 
 
@@ -187,8 +207,11 @@ def _rows(lin, x: torch.Tensor) -> torch.Tensor:
     dense = getattr(lin, "prefill_weight", None)
     if dense is not None:
         return x @ dense
-    if getattr(lin, "int4", False):      # a step-kernel SmallMLinear on int4 codes: W^T [K, N] once
-        return x @ _dequant()(lin.weight, lin.scale, lin.offset)
+    if getattr(lin, "int4", False):      # a step-kernel SmallMLinear on int4 codes: W^T [K, N] per call
+        scratch = getattr(lin, "prefill_scratch", None)
+        if scratch is not None:
+            return x @ lin.dequantize_t(scratch)
+        return x @ _dequant()(lin.weight, lin.scale, lin.offset)   # no shared scratch: a new W^T each call
     if getattr(lin, "weight", None) is not None and getattr(lin, "packed", None) is None:
         return F.linear(x, lin.weight)
     # tinygemm int4 (no step kernels): its own kernel, in row blocks

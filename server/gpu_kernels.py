@@ -268,3 +268,21 @@ def _step_attention_combine(m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot,
         denom += w * tl.load(l_ptr + base + c)
         total += w * tl.load(acc_ptr + (base + c) * D + d)
     tl.store(out_ptr + t * stride_ot + (kvh * G + r % G) * D + d, (total / denom).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, scale_ptr, offset_ptr, out_ptr, N, BLOCK_N: tl.constexpr):
+    """W^T [K, N] (row-major, out's dtype) of one int4 weight in server/small_m_matmul.py's layout,
+    one (group of 128 input features, BLOCK_N columns) per program: W = code * scale + offset,
+    computed in fp32 and rounded once (code * scale is exact in fp32: a 4-bit code times an 8-bit
+    mantissa, so a fused multiply-add rounds the same as a multiply then an add)."""
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sub = tl.arange(0, 16)
+    packed = tl.load(w_ptr + (group * 16 + sub[:, None]) * N + cols[None, :])
+    scale = tl.load(scale_ptr + group * N + cols).to(tl.float32)[None, :]
+    offset = tl.load(offset_ptr + group * N + cols).to(tl.float32)[None, :]
+    for j in tl.static_range(8):
+        code = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+        rows = group * 128 + 16 * j + sub
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], (code * scale + offset).to(out_ptr.dtype.element_ty))

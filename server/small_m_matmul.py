@@ -31,6 +31,10 @@ one [16, BLOCK_N] tile and takes eight contiguous 16-feature slices from it by s
 conversion: the bits 0x4300 | code are the bf16 number 128 + code. Weights are streamed once per step, which
 is the floor: the kernel is bound by memory bandwidth at these row counts.
 
+Prefill reads the same layout: `dequantize_t` writes one linear's W^T into a scratch buffer shared
+by all linears (`share_prefill_scratch`, the size of the largest) for one cuBLAS GEMM over many
+rows, so no second int4 copy (quanto's) is kept beside this one.
+
 Split-K: each (N tile, K slice) program writes its fp32 partial; the last program of an N tile to
 arrive (an atomic counter per tile) sums the slices in slice order and writes the output, then
 resets its counter, so one launch does the whole product and the order of the sum never depends on
@@ -56,6 +60,8 @@ def _block_n(n: int) -> int:
 
 def unsupported_shape(lin) -> str | None:
     """None when `as_small_m(lin)` works, else why not."""
+    if hasattr(lin, "step_layout"):   # server/fast_path.py's ReleasedLinear: already this layout
+        return None
     if getattr(lin, "packed", None) is not None:
         k, n, group = lin.scale_shift.shape[0] * lin.group_size, lin.out_features, lin.group_size
         if group != BLOCK_K:
@@ -70,7 +76,9 @@ def unsupported_shape(lin) -> str | None:
 
 
 def as_small_m(lin) -> "SmallMLinear":
-    """The step kernel of one of server/fast_path.py's linears (Int4Linear or DenseLinear)."""
+    """The step kernel of one of server/fast_path.py's linears (Int4Linear, DenseLinear, ReleasedLinear)."""
+    if hasattr(lin, "step_layout"):
+        return lin.step_layout()
     if getattr(lin, "packed", None) is not None:
         k = lin.scale_shift.shape[0] * lin.group_size
         return SmallMLinear.from_int4(lin.packed, lin.scale_shift, lin.group_size, lin.out_features, k)
@@ -175,8 +183,40 @@ class SmallMLinear:
         offset = self.offset.float().repeat_interleave(BLOCK_K, 0).t()
         return (codes * scale + offset).to(self.scale.dtype)
 
+    def dequantize_t(self, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """W^T [K, N] (row-major, the scale's dtype) of an int4 linear, for prefill GEMMs (x @ W^T with
+        many rows): written into the first K*N elements of `scratch` (a flat buffer shared by linears
+        that run one after another on one stream, see `share_prefill_scratch`), or a new tensor. On
+        CUDA one Triton launch; elsewhere the same math in torch. Bit for bit `dequantize().t()`."""
+        k, n = self.k, self.n
+        out = (torch.empty(k * n, dtype=self.scale.dtype, device=self.weight.device) if scratch is None
+               else scratch[:k * n]).view(k, n)
+        if self.weight.device.type != "cuda":
+            codes = unpack_codes(self.weight).t().to(torch.float32)                    # [K, N]
+            out.copy_((codes * self.scale.float().repeat_interleave(BLOCK_K, 0)
+                       + self.offset.float().repeat_interleave(BLOCK_K, 0)).to(out.dtype))
+            return out
+        from server.gpu_kernels import _dequant_kernel
+        _dequant_kernel[(k // BLOCK_K, n // self.block_n)](self.weight, self.scale, self.offset, out, n,
+                                                           BLOCK_N=self.block_n, num_warps=4)
+        return out
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.offset) if t is not None)
+
+
+def share_prefill_scratch(linears: list) -> int:
+    """Give every int4 linear one shared bf16 buffer (`prefill_scratch`) the size of the largest
+    W^T, for `dequantize_t` in prefill; returns its bytes. Same rule as `share_partials`: only for
+    linears used one after another on one stream (a GEMM reads the buffer before the next linear's
+    dequantization overwrites it, because both are queued on that stream in that order)."""
+    lins = [lin for lin in linears if lin.int4]
+    if not lins:
+        return 0
+    shared = torch.empty(max(lin.n * lin.k for lin in lins), dtype=lins[0].scale.dtype, device=lins[0].weight.device)
+    for lin in lins:
+        lin.prefill_scratch = shared
+    return shared.numel() * shared.element_size()
 
 
 def share_partials(linears: list) -> int:

@@ -216,7 +216,7 @@ def test_step_kernels_batch_invariant_and_close(quant):
 @needs_cuda
 def test_int4_layers_use_tinygemm():
     model = cuda_model(torch.bfloat16, quant=True)
-    fast = FastTarget(model, max_len=64, capture=False)
+    fast = FastTarget(model, max_len=64, capture=False, release_weights=False)  # transformers runs below
     from server.fast_path import Int4Linear
     assert isinstance(fast.layers[0].gate, Int4Linear)
     ids = prompt_of(30, model.config.vocab_size, seed=5)
@@ -226,6 +226,65 @@ def test_int4_layers_use_tinygemm():
     # bf16 + int4 on a tiny random model: measured 0.047 unfused, 0.124 with the fused ops (fp32 paths
     # match transformers to 1e-4, see above); a wrong layer gives ~1.
     assert rel < 0.25, rel
+
+
+@needs_cuda
+def test_one_int4_layout_quanto_tensors_released():
+    """With step kernels on int4 weights, quanto's packed tensors leave the GPU once the step layout
+    is built (no live reference remains), GPU memory grows by less than a second copy would take, a
+    second FastTarget on the same model reuses the layout (same logits bit for bit, no new copy),
+    and prefill through the layout (dequantized into a shared scratch, cuBLAS) gives the last token
+    logits close to the step kernels' own for that token, in one piece or several."""
+    import gc
+    import weakref
+
+    model = cuda_model(torch.bfloat16, quant=True)
+    ids = prompt_of(120, model.config.vocab_size, seed=9)
+    ref = hf_logits(model, ids)[-1]  # transformers' forward: before the fast path owns the model
+    packed = [m.weight for m in model.modules() if type(getattr(m, "weight", None)).__name__ == "TinyGemmWeightQBitsTensor"]
+    assert packed
+    quanto_bytes = sum(w._data._data.numel() * w._data._data.element_size() + w._scale_shift.numel() *
+                       w._scale_shift.element_size() for w in packed)
+    refs = [weakref.ref(w._data._data) for w in packed] + [weakref.ref(w._scale_shift) for w in packed]
+    del packed
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, capture=False)
+    gc.collect()
+    assert fast.step_kernels, fast.step_kernel_note
+    assert "scratch" in fast.prefill_note or "dense" in fast.prefill_note
+    assert fast.released_bytes == quanto_bytes
+    assert all(r() is None for r in refs), "a quanto packed tensor is still alive"
+    assert not any(type(getattr(m, "weight", None)).__name__ == "TinyGemmWeightQBitsTensor" for m in model.modules())
+    step_bytes = sum(lin.nbytes() for lin in fast.step_linears() if getattr(lin, "int4", False))
+    grown = torch.cuda.memory_allocated() - before
+    others = fast.cache_bytes() + fast.prefill_scratch_bytes + fast.step_scratch_bytes + sum(
+        (a.m.numel() + a.l.numel() + a.acc.numel()) * 4 for a in fast.step_attention.values())
+    assert grown < others + 0.5 * step_bytes + 8 * 2**20, (grown, others, step_bytes)
+
+    prefill_last = fast.prefill(ids).float()
+    fast.prefill(ids[:-1])
+    step_last = fast.step(ids[-1:])[0].float()
+    rel = (prefill_last - step_last).norm() / step_last.norm()
+    assert rel < 0.25, rel  # a different GEMM, two bf16 roundings of a random net; a wrong weight gives ~1
+    assert ((step_last - ref).norm() / ref.norm()) < 0.25
+    pieces = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, capture=False, prefill_rows=32)
+    assert pieces.released_bytes == 0  # nothing left to release: the layout is reused, not copied
+    for a, b in zip(pieces.step_linears(), fast.step_linears()):
+        assert a.weight.data_ptr() == b.weight.data_ptr()
+    chunked = pieces.prefill(ids).float()
+    assert ((chunked - prefill_last).norm() / prefill_last.norm()) < 0.1
+    torch.testing.assert_close(pieces.prefill(ids[:-1]), fast.prefill(ids[:-1]), rtol=0.1, atol=0.1)
+    pieces.prefill_rows = fast.prefill_rows  # one piece, as `fast`: the same weights give the same bits
+    fast.prefill(ids[:-1])
+    pieces.prefill(ids[:-1])
+    assert torch.equal(pieces.step(ids[-1:]), fast.step(ids[-1:]))
+    # a FastTarget without step kernels on the released model still runs (dequantized per call)
+    plain = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, capture=False, step_kernels=False)
+    assert "released" in plain.step_kernel_note
+    other = plain.prefill(ids).float()
+    assert ((other - prefill_last).norm() / prefill_last.norm()) < 0.25
 
 
 def _steps_logits(fast, ids: list[int]) -> torch.Tensor:
@@ -268,3 +327,36 @@ def test_per_layer_embeddings_on_the_host_change_nothing_cuda(quant):
     assert torch.equal(_steps_logits(fast, ids), ref)
     assert model.model.embed_tokens_per_layer.weight.device.type == "cpu"
     assert torch.cuda.memory_allocated() < before + 64 * 2**20  # nothing as big as a second table
+
+
+def test_memory_plan_fits_a_cap(monkeypatch):
+    """plan_fast_memory on the E4B shape (meta tensors, a pretend 140 GiB card): under a cap the
+    weights, the static cache with its step scratch and the reserve fit the cap, the prefill piece
+    shrinks before the context does, and no dense prefill copy is taken; without a cap the dense copy
+    is taken on a big card and the context is the model's whole context."""
+    import json
+    from pathlib import Path
+
+    import server.fast_path as fp
+    from transformers import Gemma4ForCausalLM
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    conf = json.loads((Path(__file__).parents[1] / "bench/configs/gemma4-e4b-text-config.json").read_text())
+    cfg = Gemma4TextConfig(**{k: v for k, v in conf.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+    int4 = 3_972_792_320                                   # E4B's linear weights (measured from its shape)
+    held = int(int4 * 0.53125) + 262144 * 2560 * 2          # int4 with group-128 scales + the bf16 embedding
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (140 * 2**30 - held, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: held)
+    monkeypatch.setattr(fp, "_int4_weights", lambda m: int4)
+    cap = 5 * 2**30
+    for context in (8192, 32768):
+        plan = fp.plan_fast_memory(model, context, context, None, cap)
+        assert plan.context == context and not plan.prefill_dense, plan.note
+        assert held + plan.per_pos * context + plan.reserve + plan.prefix_bytes <= cap, plan.note
+        assert plan.prefill_rows < fp.DEFAULT_PREFILL_ROWS
+    small = fp.plan_fast_memory(model, 32768, 32768, None, 4 * 2**30)
+    assert small.context < 32768 and small.prefill_rows == fp.SMALL_PREFILL_ROWS
+    big = fp.plan_fast_memory(model, 131072, None, None)
+    assert big.context == 131072 and big.prefill_dense and big.prefill_rows == fp.DEFAULT_PREFILL_ROWS

@@ -58,3 +58,108 @@ def test_prefill_dequantization_equals_the_layout():
     offset = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
     want = SmallMLinear(pack_codes(codes), scale, offset, n, k).dequantize()
     assert torch.equal(_dequant_codes(pack_codes(codes), scale, offset), want.t())
+
+
+def test_prefill_dequantization_without_cuda_equals_the_layout():
+    """SmallMLinear.dequantize_t (prefill's W^T, here its torch fallback) is dequantize() transposed."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 2 * BLOCK_K
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
+    offset = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
+    lin = SmallMLinear(pack_codes(codes), scale, offset, n, k)
+    scratch = torch.zeros(n * k + 100, dtype=torch.bfloat16)
+    assert torch.equal(lin.dequantize_t(scratch), lin.dequantize().t())
+    assert lin.dequantize_t(scratch).data_ptr() == scratch.data_ptr()
+
+
+def _reference_steps(monkeypatch):
+    """Run FastTarget's step-kernel path on the CPU: the Triton kernels replaced by reference math
+    (the same layout, dequantized; attention by the step forward's own masks), and quanto's CPU
+    tinygemm read back by its CPU kernel. What this checks is the bookkeeping around the kernels."""
+    import server.small_m_matmul as smm
+    from server.fast_path import _EAGER_OPS, _attention
+    from server.step_attention import StepAttention
+
+    def unpack_cpu(packed, out_features, in_features):
+        ones = torch.ones((in_features // 32, out_features, 2), dtype=torch.bfloat16)
+        ones[:, :, 1] = 8
+        eye = torch.eye(in_features, dtype=torch.bfloat16)
+        return torch._weight_int4pack_mm_for_cpu(eye, packed, 32, ones).t().to(torch.int32).contiguous()
+
+    def small_m(self, x):
+        return (x.reshape(-1, self.k) @ self.dequantize().t()).reshape(*x.shape[:-1], self.n)
+
+    def attention(self, q, kc, vc, kv_len, qpos, slot_pos, window, scaling):
+        if slot_pos is None:
+            kc, vc = kc[:, :kv_len], vc[:, :kv_len]
+            mask = torch.arange(kv_len)[None, :] <= qpos[:, None]
+        else:
+            sp, qp = slot_pos[None, :], qpos[:, None]
+            mask = (sp <= qp) & (sp > qp - window) & (sp >= 0)
+        return _attention(q, kc, vc, mask, scaling, _EAGER_OPS.masked_softmax)
+
+    monkeypatch.setattr(smm, "unpack_tinygemm", unpack_cpu)
+    monkeypatch.setattr(smm.SmallMLinear, "__call__", small_m)
+    monkeypatch.setattr(StepAttention, "__call__", attention)
+    monkeypatch.setattr(FastTarget, "_want_step_kernels",
+                        lambda self, asked: (False, "off (asked)") if asked is False else (True, "reference"))
+
+
+def test_one_int4_layout_bookkeeping_on_the_cpu(monkeypatch):
+    """Once a layer's step layout is built, its quanto tensors are gone (no live reference), the HF
+    modules keep the layout (a second FastTarget reuses it, no copy), prefill through the shared
+    scratch equals prefill through the dense copy bit for bit and the step path closely, prefill in
+    pieces stays close to one piece, and a FastTarget without step kernels still runs on it."""
+    import gc
+    import weakref
+
+    from optimum.quanto import freeze, qint4, quantize
+
+    from server.fast_path import ReleasedLinear
+    from server.fast_prefill import keep_dense_weights
+
+    _reference_steps(monkeypatch)
+    model = tiny_gemma4(seed=3, sliding_window=8, dtype=torch.bfloat16, hidden_size=256, intermediate_size=256,
+                        head_dim=128, global_head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                        hidden_size_per_layer_input=128, vocab_size=256, vocab_size_per_layer_input=256)
+    quantize(model, weights=qint4, exclude=["lm_head"])
+    freeze(model)
+    tiny = [m.weight for m in model.modules() if type(getattr(m, "weight", None)).__name__ == "TinyGemmWeightQBitsTensor"]
+    assert tiny, "quanto did not give tinygemm int4 on the CPU"
+    quanto_bytes = sum(w._data._data.numel() * w._data._data.element_size() + w._scale_shift.numel() *
+                       w._scale_shift.element_size() for w in tiny)
+    refs = [weakref.ref(w._data._data) for w in tiny] + [weakref.ref(w._scale_shift) for w in tiny]
+    del tiny
+    ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    fast = FastTarget(model, max_len=128, prefill_chunk=16, min_kv_len=16, capture=False)
+    gc.collect()
+    assert fast.step_kernels and fast.released_bytes == quanto_bytes
+    assert all(r() is None for r in refs), "a quanto packed tensor is still alive"
+    kinds = {type(lin).__name__ for layer in fast.layers for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate,
+                                                                    layer.up, layer.down) if lin is not None}
+    assert "ReleasedLinear" in kinds and "Int4Linear" not in kinds, kinds  # (CPU tinygemm needs K >= 256)
+    fused = [layer.step.qkv for layer in fast.layers if layer.step.qkv is not None]
+    assert fused and isinstance(fast.layers[0].k, ReleasedLinear) and fast.layers[0].k.layout[0] is fused[0].weight
+    assert "scratch" in fast.prefill_note and fast.prefill_scratch_bytes > 0
+    last = fast.prefill(ids).float()
+    fast.prefill(ids[:-1])
+    step = fast.step(ids[-1:])[0].float()
+    assert ((last - step).norm() / step.norm()) < 0.25
+
+    again = FastTarget(model, max_len=128, prefill_chunk=16, min_kv_len=16, capture=False, prefill_rows=16)
+    assert again.released_bytes == 0
+    for a, b in zip(again.step_linears(), fast.step_linears()):
+        assert a.int4 == b.int4 and (not a.int4 or a.weight.data_ptr() == b.weight.data_ptr())
+    pieces = again.prefill(ids).float()
+    assert ((pieces - last).norm() / last.norm()) < 0.1
+    again.prefill_rows = fast.prefill_rows
+    assert torch.equal(again.prefill(ids).float(), last)
+    keep_dense_weights(again, True)
+    assert torch.equal(again.prefill(ids).float(), last)  # the dense copy is the scratch's W^T, bit for bit
+
+    plain = FastTarget(model, max_len=128, prefill_chunk=16, min_kv_len=16, capture=False, step_kernels=False)
+    assert "released" in plain.step_kernel_note
+    other = plain.prefill(ids).float()
+    assert ((other - last).norm() / last.norm()) < 0.1

@@ -138,3 +138,14 @@ def test_step_attention_tree_rows_equal_their_chains(sliding, start, slots):
             chain = attn(q[rows], kc, vc, slots, torch.arange(start, start + len(rows), device="cuda"),
                          slot_pos, window, d ** -0.5)
             assert torch.equal(tree[t], chain[-1]), f"reach {reach}: row {t} (depth {depth[t]}) differs from its chain"
+
+
+@pytest.mark.parametrize("n,k", [(3072, 2560), (2560, 10240), (96, 384)])
+def test_prefill_dequantization_kernel_equals_the_layout(n, k):
+    """Prefill's Triton dequantization (W^T into a shared scratch) gives the layout's weights bit for
+    bit, whatever the scratch held before and however much larger it is."""
+    lin = int4_linear(n, k, seed=n + 2 * k)
+    want = lin.dequantize().t()
+    scratch = torch.full((n * k + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(lin.dequantize_t(scratch), want)
+    assert torch.equal(lin.dequantize_t(), want)
