@@ -7,8 +7,9 @@ Builds the model as bench/gpu_e4b.py does (random init from the E4B config, quan
 tied bf16 embedding, the per-layer table on the host) and, for each context, the FastTarget the
 engine builds under `--gpu-memory-mb` (plan_fast_memory with the cap: prefill in pieces of its
 prefill_rows, no dense prefill copy; the default buckets 2..64, min_kv_len 1024), then records GPU
-memory after loading, after building (quanto's tensors released), after warm-up (every CUDA graph)
-and the PEAK while prefilling a prompt of that length and decoding 64 tokens:
+memory after loading, after building (quanto's tensors released), after warm-up (every CUDA graph),
+the start-up peak (building and warm-up), and the serving PEAK while prefilling a prompt of that
+length and decoding 64 tokens:
 torch.cuda.max_memory_allocated / max_memory_reserved, and the device's used memory
 (cudaMemGetInfo, polled every 2 ms from a thread, which is what nvidia-smi shows: the CUDA context
 included). Also: the KV cache, the graphs' pool, the scratch buffers, what the planner said;
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                           ple_on_host=True, prefill_dense=False, prefill_rows=plan.prefill_rows)
         torch.cuda.synchronize()
         run["build_s"] = time.perf_counter() - t
-        run["built"] = mem(used)
+        run["built"] = mem(used) | {"max_allocated_GiB": torch.cuda.max_memory_allocated() / GIB}
         run["released_GiB"] = fast.released_bytes / GIB
         run["kv_cache_GiB"] = fast.cache_bytes() / GIB
         run["step_linears_GiB"] = sum(lin.nbytes() for lin in fast.step_linears() if lin.int4) / GIB
@@ -175,10 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         run["warmup_s"] = fast.warmup()
         run["graphs"] = fast.timings.graphs
         run["warm"] = mem(used) | {"nvidia_smi_MiB": smi_used_mib()}
+        # the start-up peak (building, then capturing every graph), apart from the serving peak below
+        run["startup_peak"] = {"max_allocated_GiB": torch.cuda.max_memory_allocated() / GIB,
+                               "max_reserved_GiB": torch.cuda.max_memory_reserved() / GIB,
+                               "device_used_GiB": used.peak / GIB}
         run["graph_pool_MiB"] = (run["warm"]["allocated_GiB"] - run["built"]["allocated_GiB"]) * 1024
         print(c, json.dumps(run, indent=0, default=str), flush=True)
         p = prompts[c]
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        used.reset()
         t = time.perf_counter()
         logits = fast.prefill(p)
         torch.cuda.synchronize()
@@ -271,9 +278,10 @@ def markdown(r: dict) -> str:
         f"the engine builds under `--gpu-memory-mb {int(r['cap_GiB'] * 1024)}`: steps on the step kernels, prefill "
         "through the same int4 layout (each linear dequantized into one shared scratch, then cuBLAS), quanto's "
         "tensors released, no dense prefill copy. Command: `python -m bench.gpu_memory`.",
-        "Peak: while prefilling a prompt of the context's length (less the 65 decoded positions) and decoding "
+        "Serving peak: while prefilling a prompt of the context's length (less the 65 decoded positions) and decoding "
         f"{r['gen']} tokens; 'device used' is total - free memory (what nvidia-smi shows, the CUDA context and "
-        "other libraries' memory included), polled every 2 ms.",
+        "other libraries' memory included), polled every 2 ms. Start-up peak: while building the fast path and "
+        "capturing its graphs, before the first request.",
         "",
         "| GiB | " + " | ".join(f"{c} context" for c in ctx) + " |",
         "|---|" + "---|" * len(ctx),
@@ -283,9 +291,12 @@ def markdown(r: dict) -> str:
         row("after warm-up (all graphs), allocated", lambda x: f(x["warm"]["allocated_GiB"])),
         row("after warm-up, reserved", lambda x: f(x["warm"]["reserved_GiB"])),
         row("after warm-up, device used", lambda x: f(x["warm"]["device_used_GiB"])),
-        row("**peak allocated** (prefill + 64 steps)", lambda x: f"**{x['peak']['max_allocated_GiB']:.2f}**"),
-        row("**peak reserved**", lambda x: f"**{x['peak']['max_reserved_GiB']:.2f}**"),
-        row("**peak device used**", lambda x: f"**{x['peak']['device_used_GiB']:.2f}**"),
+        row("**serving peak allocated** (prefill + 64 steps)", lambda x: f"**{x['peak']['max_allocated_GiB']:.2f}**"),
+        row("**serving peak reserved**", lambda x: f"**{x['peak']['max_reserved_GiB']:.2f}**"),
+        row("**serving peak device used**", lambda x: f"**{x['peak']['device_used_GiB']:.2f}**"),
+        row("start-up peak allocated (building, warm-up)", lambda x: f(x["startup_peak"]["max_allocated_GiB"])),
+        row("start-up peak reserved", lambda x: f(x["startup_peak"]["max_reserved_GiB"])),
+        row("start-up peak device used", lambda x: f(x["startup_peak"]["device_used_GiB"])),
         row("prefill's transient (peak - warm, allocated)", lambda x: f(x["prefill_transient_GiB"])),
         row("static KV cache", lambda x: f(x["kv_cache_GiB"])),
         row("step-kernel int4 layout (all int4 weights, once)", lambda x: f(x["step_linears_GiB"])),

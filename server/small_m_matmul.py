@@ -125,10 +125,11 @@ class SmallMLinear:
         self.magic = magic and scale is not None and scale.dtype == torch.bfloat16
         self.num_stages = num_stages
         self.split = _plan(n, k, block_n, target_programs)
-        dev = weight.device
-        self.partial = torch.empty((max(1, self.partial_numel()),),
-                                   dtype=torch.float32, device=dev)
-        self.count = torch.zeros(-(-n // block_n), dtype=torch.int32, device=dev)
+        # The split-K scratch: one buffer shared by a model's linears (`share_partials`), else this
+        # linear's own, made at its first call. Not made here: a model's linears, each with its own
+        # until they are shared, would hold ~1.2 GiB at once on E4B while the fast path is built.
+        self.partial: torch.Tensor | None = None
+        self.count = torch.zeros(-(-n // block_n), dtype=torch.int32, device=weight.device)
 
     @property
     def out_features(self) -> int:
@@ -159,6 +160,8 @@ class SmallMLinear:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
+        if self.partial is None:
+            self.partial = torch.empty((max(1, self.partial_numel()),), dtype=torch.float32, device=self.weight.device)
         from server.gpu_kernels import _small_m_kernel
         tiles = max(1, -(-m // TILE_M))
         grid = (self.n // self.block_n, self.split)

@@ -90,7 +90,8 @@ def _reference_steps(monkeypatch):
     def small_m(self, x):
         return (x.reshape(-1, self.k) @ self.dequantize().t()).reshape(*x.shape[:-1], self.n)
 
-    def attention(self, q, kc, vc, kv_len, qpos, slot_pos, window, scaling):
+    def attention(self, q, kc, vc, kv_len, qpos, slot_pos, window, scaling, path=None):
+        # chain steps only here (a chain's path is each row's own prefix, which the mask below is)
         if slot_pos is None:
             kc, vc = kc[:, :kv_len], vc[:, :kv_len]
             mask = torch.arange(kv_len)[None, :] <= qpos[:, None]
