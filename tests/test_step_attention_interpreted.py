@@ -1,0 +1,155 @@
+"""The GPU step attention's kernels (server/gpu_kernels.py via server/step_attention.py), run by
+Triton's interpreter on the CPU, against a plain reference: chains and token trees, full layers
+and sliding rings that wrap, 1 to 64 rows.
+
+Why: CI has no GPU, so the CUDA tests (tests/test_step_kernel_rows.py, tests/test_fast_tree.py)
+skip there; this checks the kernels' index arithmetic (which chunks a step wrote, which key each
+tree row reads at each depth, the window, the ring) on every CI run. The interpreter computes in
+numpy, so the inputs are float32 (it does not emulate bfloat16): this proves what each row
+attends to, and the CUDA tests prove the bits. The interpreter cannot run the merge kernel's
+data-dependent loop, so the merge (each row's chunk partials combined in chunk order) is done by a
+torch twin here. Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are defined.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [(sliding, start, slots, T, tree)
+         for sliding, start, slots in ((False, 70, 256), (False, 127, 320), (True, 70, 96), (True, 200, 96),
+                                       (True, 150, 200))
+         for T, tree in ((1, False), (5, False), (16, False), (64, False), (16, True), (40, True), (64, True))]
+
+
+def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
+    pytest.importorskip("triton")
+    import torch
+
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    out = tmp_path / "outputs.pt"
+    run = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    outputs = torch.load(out)
+    assert len(outputs) == len(CASES)
+    errors = {}
+    for case, got in zip(CASES, outputs):
+        q, k, v, slot_pos, parents, qpos, path = case_inputs(*case)
+        want = reference(q, k, v, case[1], parents, slot_pos, WINDOW, SCALING)
+        errors[case] = float((got.double() - want).abs().max())
+    bad = {case: err for case, err in errors.items() if not err < 1e-5}
+    assert not bad, bad  # float32 sums in another order; a wrong key or mask gives ~0.1 or more
+
+
+def reference(q, k, v, start, parents, slot_pos, window, scaling):
+    """Float64 attention of each step row over the keys its chain would see: positions before the
+    step from their slots, position start + j from the slot of the row's ancestor at depth j."""
+    import torch
+
+    T, H, D = q.shape
+    group = H // k.shape[0]
+    slots = k.shape[1]
+    parent = [parents[t] if parents else t - 1 for t in range(T)]
+    ring = slot_pos.tolist() if slot_pos is not None else None
+    q, k, v = q.double(), k.double(), v.double()
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        path = [t]
+        while parent[path[-1]] >= 0:
+            path.append(parent[path[-1]])
+        path.reverse()                          # path[j]: t's ancestor at depth j
+        qpos = start + len(path) - 1
+        cols = []
+        for pos in range(qpos + 1):
+            if ring is not None and pos <= qpos - window:
+                continue
+            row = path[pos - start] if pos >= start else None
+            slot = pos if row is None else start + row
+            if ring is not None:
+                slot %= slots
+                if row is None and ring[slot] != pos:
+                    continue                    # that position's key was overwritten in the ring
+            cols.append(slot)
+        keys, values = k[:, cols], v[:, cols]                               # [kv_heads, n, D]
+        heads = q[t].view(k.shape[0], group, D)                             # [kv_heads, group, D]
+        weights = torch.softmax(heads @ keys.transpose(1, 2) * scaling, -1)
+        out[t] = (weights @ values).reshape(H, D)
+    return out.reshape(T, H * D)
+
+
+def _torch_merge(grid):
+    """_step_attention_combine's twin: each row's chunk partials merged in chunk order."""
+    import torch
+
+    def run(m, l, acc, qpos, out, stride_ot, n_rows, n_chunks, n_used, G, D, SLIDING, BLOCK_S, num_warps=4):
+        for kvh in range(grid[0]):
+            for r in range(grid[1]):
+                t = r // G
+                last = n_used - 1 if SLIDING else min(int(qpos[t]) // BLOCK_S, n_used - 1)
+                base = (kvh * n_rows + r) * n_chunks
+                ms = m[base:base + last + 1]
+                w = torch.exp(ms - ms.max())
+                total = (w[:, None] * acc.view(-1, D)[base:base + last + 1]).sum(0)
+                head = kvh * G + r % G
+                out[t, head * D:(head + 1) * D] = (total / (w * l[base:base + last + 1]).sum()).to(out.dtype)
+    return run
+
+
+class _Merge:
+    def __getitem__(self, grid):
+        return _torch_merge(grid)
+
+
+KV_HEADS, GROUP, HEAD_DIM, WINDOW = 2, 4, 64, 40
+SCALING = HEAD_DIM ** -0.5
+
+
+def case_inputs(sliding, start, slots, T, tree):
+    """The same random inputs in both processes: q, k, v, the ring's positions (after the step
+    wrote positions start..start+T-1), parents (None: a chain), each row's position, its paths."""
+    import torch
+
+    from server.fast_path import tree_paths, tree_rows
+
+    g = torch.Generator().manual_seed(start * 100 + T)
+    k = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=g)
+    v = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=g)
+    q = torch.randn(T, KV_HEADS * GROUP, HEAD_DIM, generator=g)
+    slot_pos = None
+    if sliding:
+        slot_pos = torch.full((slots,), -1, dtype=torch.long)
+        for p in range(max(0, start + T - slots), start + T):
+            slot_pos[p % slots] = p
+    rng = random.Random(T + slots)
+    parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, T)] if tree else None
+    if tree:
+        depth, _ = tree_rows(parents, T, T)
+        return q, k, v, slot_pos, parents, torch.from_numpy(depth) + start, torch.from_numpy(tree_paths(parents, T, T))
+    return q, k, v, slot_pos, None, torch.arange(start, start + T), None
+
+
+def main(out: str) -> int:
+    """Under the interpreter: every case's step attention output, saved to `out`."""
+    import torch
+
+    import server.gpu_kernels as kernels
+    from server.step_attention import StepAttention
+
+    kernels._step_attention_combine = _Merge()
+    outputs = []
+    for sliding, start, slots, T, tree in CASES:
+        q, k, v, slot_pos, _, qpos, path = case_inputs(sliding, start, slots, T, tree)
+        attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
+        outputs.append(attn(q, k, v, slots if sliding else start + T, qpos, slot_pos, WINDOW, SCALING, path))
+    torch.save(outputs, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
