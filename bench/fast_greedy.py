@@ -3,6 +3,8 @@ benchmark's reference loop (the server's loop is server.engine; this one has no 
 prefix cache and no stop strings, so a test sees the fast path alone)."""
 from __future__ import annotations
 
+import random
+
 from server.backend import accept
 from server.fast_path import FastTarget
 
@@ -31,3 +33,16 @@ def verify(fast: FastTarget, pending: int, draft: list[int]) -> list[int]:
     k = accept(draft, target)
     fast.rollback(len(draft) - k)
     return list(draft[:k]) + [target[k]]
+
+
+def oracle(reference: list[int], prompt_len: int, error_rate: float = 0.2, vocab: int = 262144, seed: int = 0):
+    """A `propose` for greedy_generate that knows the answer: the true continuation `reference`
+    (the tokens after the prompt of `prompt_len`), a random length, some tokens wrong (so rollbacks
+    happen)."""
+    rng = random.Random(seed)
+
+    def propose(context, room):
+        start = len(context) - prompt_len
+        draft = reference[start:start + rng.randint(1, room)]
+        return [rng.randrange(vocab) if rng.random() < error_rate else t for t in draft]
+    return propose

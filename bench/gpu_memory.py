@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import subprocess
 import threading
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.fast_greedy import greedy_generate
+from bench.fast_greedy import greedy_generate, oracle
 from bench.gpu_e4b import build_model, timed_generate
 from server.fast_path import DEFAULT_BUCKETS, FastTarget, plan_fast_memory
 from server.fast_prefill import score_budget
@@ -95,16 +94,6 @@ def timed_prefill(fast, prompt, reps: int = 2) -> tuple[float, torch.Tensor]:
 
 def max_abs(a, b) -> float:
     return float((a - b).abs().max())
-
-
-def oracle(reference, prompt_len, error_rate=0.2, vocab=262144, seed=0):
-    rng = random.Random(seed)
-
-    def propose(context, room):
-        start = len(context) - prompt_len
-        draft = reference[start:start + rng.randint(1, room)]
-        return [rng.randrange(vocab) if rng.random() < error_rate else t for t in draft]
-    return propose
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,12 +3,10 @@ lossless drafting through its static cache. The CPU tests run the same forward u
 tests (skipped without a GPU) add graph capture, bf16 and quanto int4 weights."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from bench.fast_greedy import greedy_generate
+from bench.fast_greedy import greedy_generate, oracle
 from server.fast_path import FastTarget
 from tests.test_engine_lossless import OracleWithErrors, engine_for, first_divergence, run, tiny_gemma4
 
@@ -26,17 +24,6 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(hf_logits(model, ids)[-1].argmax()))
     return ids[len(prompt):]
-
-
-def oracle(reference: list[int], prompt_len: int, error_rate: float, vocab: int, seed: int = 0):
-    """Proposes the true continuation, with some tokens wrong (so rollbacks happen)."""
-    rng = random.Random(seed)
-
-    def propose(context, room):
-        start = len(context) - prompt_len
-        draft = reference[start:start + rng.randint(1, room)]
-        return [rng.randrange(vocab) if rng.random() < error_rate else t for t in draft]
-    return propose
 
 
 def prompt_of(n: int, vocab: int, seed: int = 0) -> list[int]:

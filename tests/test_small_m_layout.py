@@ -47,27 +47,29 @@ def test_cpu_fast_target_says_step_kernels_need_cuda():
     assert not fast.step_kernels and "CUDA" in fast.step_kernel_note
 
 
+def random_int4_layout(n: int, k: int, seed: int):
+    """Random int4 codes packed in the step kernels' layout, with bf16 scales and offsets."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
+    offset = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
+    return pack_codes(codes), scale, offset
+
+
 def test_prefill_dequantization_equals_the_layout():
     """server/fast_prefill.py turns the step kernels' int4 codes into W^T for its dense GEMMs."""
     from server.fast_prefill import _dequant_codes
 
-    g = torch.Generator().manual_seed(2)
     n, k = 96, 3 * BLOCK_K
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    scale = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
-    offset = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
-    want = SmallMLinear(pack_codes(codes), scale, offset, n, k).dequantize()
-    assert torch.equal(_dequant_codes(pack_codes(codes), scale, offset), want.t())
+    qweight, scale, offset = random_int4_layout(n, k, seed=2)
+    want = SmallMLinear(qweight, scale, offset, n, k).dequantize()
+    assert torch.equal(_dequant_codes(qweight, scale, offset), want.t())
 
 
 def test_prefill_dequantization_without_cuda_equals_the_layout():
     """SmallMLinear.dequantize_t (prefill's W^T, here its torch fallback) is dequantize() transposed."""
-    g = torch.Generator().manual_seed(3)
     n, k = 64, 2 * BLOCK_K
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    scale = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
-    offset = torch.rand(k // BLOCK_K, n, generator=g).to(torch.bfloat16)
-    lin = SmallMLinear(pack_codes(codes), scale, offset, n, k)
+    lin = SmallMLinear(*random_int4_layout(n, k, seed=3), n, k)
     scratch = torch.zeros(n * k + 100, dtype=torch.bfloat16)
     assert torch.equal(lin.dequantize_t(scratch), lin.dequantize().t())
     assert lin.dequantize_t(scratch).data_ptr() == scratch.data_ptr()
