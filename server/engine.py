@@ -278,6 +278,11 @@ class Engine:
             why_not = f"eager path: {reason}" if reason is not None else None
         if why_not is None:
             return self._build_fast_path()
+        gpu_only = [flag for flag, value in (("--gpu-memory-mb", self.config.gpu_memory_mb),
+                                             ("--fast-max-context", self.config.fast_max_context)) if value is not None]
+        if gpu_only:  # they size the GPU fast path: refused rather than ignored where it does not run
+            raise ValueError(f"{' and '.join(gpu_only)} {'size' if len(gpu_only) > 1 else 'sizes'} the GPU fast "
+                             f"path, which this run does not use ({why_not})")
         budget = self._prefix_budget(device)
         if device.type == "cpu" and self.config.cpu_int8:
             from server.cpu_model import unsupported_reason as cpu_unsupported

@@ -213,6 +213,18 @@ tiny_test = pytest.mark.usefixtures("one_thread")
 
 
 @tiny_test
+@pytest.mark.parametrize("flags", [{"gpu_memory_mb": 4096}, {"fast_max_context": 4096},
+                                   {"gpu_memory_mb": 4096, "fast_max_context": 4096}])
+def test_gpu_sizing_flags_are_refused_off_the_gpu_fast_path(tiny, flags):
+    """--gpu-memory-mb and --fast-max-context size the GPU fast path: on a run without it (here the
+    CPU) they are refused with the reason, not ignored."""
+    with pytest.raises(ValueError, match="the GPU fast path, which this run does not use") as refused:
+        engine_for(tiny, **flags)
+    for flag in flags:
+        assert "--" + flag.replace("_", "-") in str(refused.value)
+    assert "no CUDA" in str(refused.value)
+
+
 def test_tiny_plain_matches_hf_generate(tiny):
     engine = engine_for(tiny)
     for prompt in prompts_for(512, TINY_LENGTHS):
