@@ -2,7 +2,8 @@
 
 Contract: `add_flags(parser_or_group, Config, prefix, aliases)` adds `--field-name` for every field of
 `Config` whose metadata does not say `cli: False` (type, default and help text from the field;
-booleans become `--x/--no-x`); values land in the namespace as "<prefix>.<field>". `aliases` maps a
+booleans become `--x/--no-x`; a numeric field whose metadata has `min` refuses a smaller value, with
+argparse's usage error); values land in the namespace as "<prefix>.<field>". `aliases` maps a
 field to extra flag names (kept names of older commands). `config_from(namespace, Config, prefix)`
 builds the dataclass back from the parsed values.
 """
@@ -17,7 +18,8 @@ def add_flags(p, config_cls, prefix: str | None = None, aliases: dict[str, list[
     for f in fields(config_cls):
         if f.metadata.get("cli", True):
             add_flag(p, f.name, f.type, f.default, f.metadata.get("help", f.name),
-                     dest=f"{prefix}.{f.name}" if prefix else f.name, aliases=(aliases or {}).get(f.name, ()))
+                     dest=f"{prefix}.{f.name}" if prefix else f.name, aliases=(aliases or {}).get(f.name, ()),
+                     minimum=f.metadata.get("min"))
 
 
 def config_from(namespace: argparse.Namespace | dict, config_cls, prefix: str):
@@ -26,7 +28,7 @@ def config_from(namespace: argparse.Namespace | dict, config_cls, prefix: str):
     return replace(config_cls(), **ours)
 
 
-def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None, aliases=()) -> None:
+def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None, aliases=(), minimum=None) -> None:
     flags = ["--" + name.replace("_", "-"), *aliases]
     dest = dest or name
     typ = str(typ)
@@ -35,5 +37,17 @@ def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None
         p.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         return
     conv = int if typ.startswith("int") else float if typ.startswith("float") else Path if "Path" in typ else str
+    if minimum is not None:
+        conv = _at_least(conv, minimum)
     shown = f" (default {default})" if default is not None else ""
     p.add_argument(*flags, dest=dest, type=conv, default=default, metavar=name.upper(), help=help_text + shown)
+
+
+def _at_least(conv, minimum):
+    def checked(text: str):
+        value = conv(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below the minimum {minimum}")
+        return value
+    checked.__name__ = conv.__name__  # argparse names the type in its "invalid <type> value" message
+    return checked

@@ -29,20 +29,21 @@ class EngineConfig:
         "help": "on the CPU, Gemma 3 and Gemma 4 text models: int8 weights, a static KV cache and batch-invariant C kernels "
                 "(server/cpu_model.py; --no-cpu-int8: transformers' fp32 forward)"})
     fast_max_context: int | None = field(default=None, metadata={
-        "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "
+        "min": 1, "help": "cap on the GPU fast path's static cache in tokens (default: the model's context, "
                 "or what GPU memory allows)"})
     gpu_memory_mb: float | None = field(default=None, metadata={
-        "help": "cap on the GPU memory the fast path plans for, in MiB, the loaded weights included (default: "
+        "min": 1, "help": "cap on the GPU memory the fast path plans for, in MiB, the loaded weights included (default: "
                 "the card's free memory): the context, the prefix cache and prefill's working memory are sized "
                 "to fit it (the CUDA context itself, a few hundred MiB, is not counted)"})
     prefix_cache: bool = field(default=True, metadata={
         "help": "keep finished sequences' KV and prefill only what a new prompt adds "
                 "(--no-prefix-cache: every prompt from position 0)"})
     prefix_cache_mb: float | None = field(default=None, metadata={
+        "min": 0,
         "help": "memory for kept sequences in MiB (default: 20%% of free memory, at most 8 GiB on the CPU; "
                 "on the GPU fast path 40%% of what its static cache leaves)"})
     parallel: int | None = field(default=None, metadata={
-        "help": "requests decoded at once, their steps sharing forwards (the CPU int8 path batches them; each "
+        "min": 1, "help": "requests decoded at once, their steps sharing forwards (the CPU int8 path batches them; each "
                 "output stays the one it gets alone); more wait in arrival order (default: 4 on the CPU int8 "
                 "path, else 1)"})
     remeasure_cost: bool = field(default=False, metadata={

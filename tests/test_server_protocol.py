@@ -445,6 +445,17 @@ def test_settings_cli():
     assert (d.host, d.port, d.draft, d.trace_log) == ("127.0.0.1", 22343, True, True)
 
 
+@pytest.mark.parametrize("flag,value", [("--gpu-memory-mb", "0"), ("--fast-max-context", "0"),
+                                        ("--prefix-cache-mb", "-1"), ("--parallel", "0")])
+def test_settings_cli_refuses_values_below_a_minimum(flag, value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        Settings.from_args([flag, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and f"{value} is below the minimum" in err
+    assert Settings.from_args([flag, "8"]).engine is not None  # at or above it: accepted
+
+
 HI = [{"role": "user", "content": "hi"}]
 
 
