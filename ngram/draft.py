@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 
 class DrafterSession(Protocol):
     """One request: `prepare` once with the prompt, before its prefill (work that depends only on
@@ -68,3 +70,18 @@ class Draft:
 
 
 EMPTY_DRAFT = Draft((), ())
+
+
+def tree_layout(parents) -> tuple[np.ndarray, np.ndarray]:
+    """(depth [M] int64, ancestors [M] int64 bit masks) of a token tree in a Draft's layout, as a
+    verifier needs them: parents[0] == -1 (the pending token), 0 <= parents[j] < j; bit i of
+    ancestors[j] is set when row i is on row j's path (itself included). At most 64 rows."""
+    parents = [int(p) for p in parents]
+    m = len(parents)
+    if not 1 <= m <= 64 or parents[0] != -1 or any(not 0 <= p < j for j, p in enumerate(parents) if j):
+        raise ValueError(f"not a token tree of 1..64 rows (parents[0] == -1, 0 <= parents[j] < j): {parents}")
+    depth, bits = [0] * m, [1] + [0] * (m - 1)
+    for j in range(1, m):
+        depth[j] = depth[parents[j]] + 1
+        bits[j] = bits[parents[j]] | (1 << j)
+    return np.array(depth, dtype=np.int64), np.array(bits, dtype=np.uint64).view(np.int64)

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ngram.draft import tree_layout
 from server.backend import Prefill
 from server.fast_prefill import _w, prefill_layers
 from server.small_m_matmul import MAX_ROWS
@@ -988,15 +989,9 @@ def tree_rows(parents: list[int], n: int, T: int) -> tuple[np.ndarray, np.ndarra
     """Depth [T] and ancestor masks [T] (int64; bit j of anc[t]: row j is t or an ancestor of t) of
     a token tree of n rows given by `parents` (parents[0] == -1, 0 <= parents[j] < j), padded to T
     rows that continue a chain from the last row (their outputs are discarded)."""
-    if len(parents) != n or parents[0] != -1 or any(not 0 <= parents[j] < j for j in range(1, n)):
-        raise ValueError(f"parents {parents} do not describe a tree of {n} rows (parents[0] == -1, 0 <= parents[j] < j)")
-    depth = [0] * T
-    anc = [1] + [0] * (T - 1)
-    for j in range(1, T):
-        p = parents[j] if j < n else j - 1
-        depth[j] = depth[p] + 1
-        anc[j] = anc[p] | (1 << j)
-    return np.asarray(depth, dtype=np.int64), np.asarray(anc, dtype=np.uint64).view(np.int64)
+    if len(parents) != n:
+        raise ValueError(f"{len(parents)} parents for a tree of {n} rows")
+    return tree_layout(list(parents) + list(range(n - 1, T - 1)))
 
 
 def tree_paths(parents: list[int], n: int, T: int) -> np.ndarray:
