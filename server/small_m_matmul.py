@@ -190,15 +190,12 @@ class SmallMLinear:
         """W^T [K, N] (row-major, the scale's dtype) of an int4 linear, for prefill GEMMs (x @ W^T with
         many rows): written into the first K*N elements of `scratch` (a flat buffer shared by linears
         that run one after another on one stream, see `share_prefill_scratch`), or a new tensor. On
-        CUDA one Triton launch; elsewhere the same math in torch. Bit for bit `dequantize().t()`."""
+        CUDA one Triton launch (bit for bit `dequantize().t()`); elsewhere `dequantize().t()` itself."""
         k, n = self.k, self.n
         out = (torch.empty(k * n, dtype=self.scale.dtype, device=self.weight.device) if scratch is None
                else scratch[:k * n]).view(k, n)
         if self.weight.device.type != "cuda":
-            codes = unpack_codes(self.weight).t().to(torch.float32)                    # [K, N]
-            out.copy_((codes * self.scale.float().repeat_interleave(BLOCK_K, 0)
-                       + self.offset.float().repeat_interleave(BLOCK_K, 0)).to(out.dtype))
-            return out
+            return out.copy_(self.dequantize().t())
         from server.gpu_kernels import _dequant_kernel
         _dequant_kernel[(k // BLOCK_K, n // self.block_n)](self.weight, self.scale, self.offset, out, n,
                                                            BLOCK_N=self.block_n, num_warps=4)
