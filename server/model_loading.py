@@ -15,7 +15,8 @@ Gemma 4 checkpoints (`model_type` "gemma4", `Gemma4ForConditionalGeneration`) lo
 `Gemma4ForCausalLM`: the `model.language_model.*` weights are renamed to `model.*` and the vision
 and audio towers are never instantiated.
 
-Defaults (each logged in `notes`): device cuda when available, else cpu; dtype bf16 on cuda, fp32
+Defaults (each logged in `notes`): device cuda when available, else cpu (on cuda, the caching
+allocator's expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set: server.cuda_allocator); dtype bf16 on cuda, fp32
 on cpu; weights int4 (optimum-quanto, lm_head excluded) for Gemma 4 targets, none otherwise: int4
 breaks the 270M model's greedy output and quanto's CPU kernels give it no speed. Generation must run
 under `torch.no_grad()`, not `inference_mode` (quanto fails under the latter).
@@ -60,6 +61,10 @@ def load_target(model: str | None = None, quant: str | None = None,
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device is None:
         notes.append(f"device {dev.type} (auto)")
+    if dev.type == "cuda":
+        from server.cuda_allocator import configure_cuda_allocator
+
+        configure_cuda_allocator(notes)  # before any weight reaches the card
     torch_dtype = _resolve_dtype(dtype, dev, notes)
 
     model_dir, model_id = _resolve_model_dir(model, notes)
