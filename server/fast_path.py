@@ -74,6 +74,8 @@ DEFAULT_PREFILL_ROWS = 8192   # prompt tokens per prefill_layers call (bounds pr
 SMALL_PREFILL_ROWS = 1024     # the smallest piece plan_fast_memory picks under a memory cap
 
 
+
+
 # ---------------------------------------------------------------- linear layers
 
 class Int4Linear:
@@ -718,14 +720,19 @@ class FastTarget:
         cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
                    for s, (c, n) in self.rope.items()}
 
-        for layer in self.layers:
+        # Each RMSNorm that reads the residual stream runs in the kernel that last wrote it
+        # (residual_norm_rms): a layer's input norm in the previous layer's last one, the final norm
+        # in the last layer's. Only the first layer's input norm runs on its own.
+        first = self.layers[0].hf.input_layernorm
+        x = ops.rms(h, _w(first), first.eps)
+        for i, layer in enumerate(self.layers):
             if step:
                 layer = layer.step
             hf = layer.hf
             attn = hf.self_attn
             cos, sin = cos_sin[layer.sliding]
             D = layer.head_dim
-            x = ops.rms(h, _w(hf.input_layernorm), hf.input_layernorm.eps)
+            next_norm = self.layers[i + 1].hf.input_layernorm if i + 1 < len(self.layers) else self.final_norm
             if layer.qkv is not None:
                 q_raw, k_raw, *v_raw = layer.qkv(x).split(layer.qkv_sizes, -1)
                 k_raw = k_raw.view(T, layer.kv_heads, D)
@@ -735,14 +742,15 @@ class FastTarget:
                 if layer.source == layer.index:
                     k_raw = layer.k(x).view(T, layer.kv_heads, D)
                     v_raw = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
-            q = ops.norm_rope(q_raw.view(T, self.num_heads, D), _w(attn.q_norm), attn.q_norm.eps, cos, sin)
-            if layer.source == layer.index:
-                v = v_raw
-                k = ops.norm_rope(k_raw, _w(attn.k_norm), attn.k_norm.eps, cos, sin)
-                v = ops.rms(v, _w(attn.v_norm), attn.v_norm.eps)
+            q_raw = q_raw.view(T, self.num_heads, D)
+            if layer.source == layer.index:  # q, k and v normed (q and k rotated) in one kernel
+                q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), attn.q_norm.eps, _w(attn.k_norm),
+                                            attn.k_norm.eps, _w(attn.v_norm), attn.v_norm.eps, cos, sin)
                 where = slots if layer.sliding else wpos
                 self.k_cache[layer.index].index_copy_(1, where, k.transpose(0, 1))
                 self.v_cache[layer.index].index_copy_(1, where, v.transpose(0, 1))
+            else:
+                q = ops.norm_rope(q_raw, _w(attn.q_norm), attn.q_norm.eps, cos, sin)
             kc, vc = self.k_cache[layer.source], self.v_cache[layer.source]
             if step:
                 a = self.step_attention[D](q, kc, vc, kv_len, pos, self.slot_pos if layer.sliding else None,
@@ -753,21 +761,24 @@ class FastTarget:
                 else:
                     kc, vc, mask = kc[:, :kv_len], vc[:, :kv_len], full_mask
                 a = _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
-            h = ops.residual_norm(h, layer.o(a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
-            x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
+            h, x = ops.residual_norm_rms(h, layer.o(a), _w(hf.post_attention_layernorm),
+                                         hf.post_attention_layernorm.eps, None,
+                                         _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
             if layer.gate_up is not None:
                 g, u = layer.gate_up(x).split((layer.gate.out_features, layer.up.out_features), -1)
             else:
                 g, u = layer.gate(x), layer.up(x)
             x = layer.down(ops.gelu_mul(g, u))
             scalar = getattr(hf, "layer_scalar", None)
-            last = not self.ple_dim
-            h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), hf.post_feedforward_layernorm.eps,
-                                  scalar if last else None)
             if self.ple_dim:
+                h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), hf.post_feedforward_layernorm.eps, None)
                 x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
-                h = ops.residual_norm(h, x, _w(hf.post_per_layer_input_norm), hf.post_per_layer_input_norm.eps, scalar)
-        logits = (self.lm_head_step if step else self.lm_head)(ops.rms(h, _w(self.final_norm), self.final_norm.eps))
+                h, x = ops.residual_norm_rms(h, x, _w(hf.post_per_layer_input_norm), hf.post_per_layer_input_norm.eps,
+                                             scalar, _w(next_norm), next_norm.eps)
+            else:
+                h, x = ops.residual_norm_rms(h, x, _w(hf.post_feedforward_layernorm),
+                                             hf.post_feedforward_layernorm.eps, scalar, _w(next_norm), next_norm.eps)
+        logits = (self.lm_head_step if step else self.lm_head)(x)  # x: the final norm of h
         return ops.softcap(logits, self.softcap) if self.softcap else logits
 
     # ------------------------------------------------------------ steps
@@ -1057,6 +1068,17 @@ def _residual_norm(residual, y, w, eps, scalar):
     return h * scalar if scalar is not None else h
 
 
+def _residual_norm_rms(residual, y, w, eps, scalar, w_next, eps_next):
+    """_residual_norm, and the next RMSNorm of its result: one kernel where there were two."""
+    h = _residual_norm(residual, y, w, eps, scalar)
+    return h, _rms(h, w_next, eps_next)
+
+
+def _qkv_norm_rope(q, k, v, wq, eps_q, wk, eps_k, wv, eps_v, cos, sin):
+    """A KV-owning layer's q and k normed and rotated, v normed: one kernel where there were three."""
+    return _norm_rope(q, wq, eps_q, cos, sin), _norm_rope(k, wk, eps_k, cos, sin), _rms(v, wv, eps_v)
+
+
 def _gelu_mul(g, u):
     return F.gelu(g, approximate="tanh") * u
 
@@ -1102,6 +1124,7 @@ def _softcap(logits, cap: float):
 class _Ops:
     def __init__(self, wrap):
         self.rms, self.norm_rope, self.residual_norm = wrap(_rms), wrap(_norm_rope), wrap(_residual_norm)
+        self.residual_norm_rms, self.qkv_norm_rope = wrap(_residual_norm_rms), wrap(_qkv_norm_rope)
         self.gelu_mul, self.ple_inputs, self.masks = wrap(_gelu_mul), wrap(_ple_inputs), wrap(_masks)
         self.step_masks = wrap(_step_masks)
         self.masked_softmax, self.softcap = wrap(_masked_softmax), wrap(_softcap)

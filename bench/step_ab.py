@@ -1,0 +1,210 @@
+"""A/B of the fast path's step between two versions of the code, side by side in one run.
+
+    python -m bench.step_ab [--base REV] [--rounds 2] [--reps 200] [--out DIR]     (GPU machine)
+    python -m bench.step_ab --tiny --rounds 1                                       (any machine: a smoke run)
+
+Contract: the version at git revision `--base` (default HEAD, i.e. the last commit, against the
+working tree's changes) is exported to a temporary folder (`git archive`), and each round runs one
+measuring process on it and one on this checkout, alternately (base, head, base, head ...), so
+that a slow spell of the machine hits both. Each process imports the server code of its own tree
+and runs the same measurement (this file's `measure`): the E4B shape (random init, quanto int4, the
+per-layer table on the host, as bench.gpu_e4b builds it) on a FastTarget with the step kernels and
+CUDA graphs, a 1,000-token prompt, then
+  - a one-token step and a 16-token verify: the median of `--reps` timed calls (each ends in a
+    device-to-host copy of an argmax), five times over; the figure is the median of the five;
+  - the kernels one captured one-token step launches (torch.profiler, CUDA activity);
+  - plain greedy decode of 256 tokens at 1k context (tokens/s, the prefill excluded) and drafted
+    decode with oracle drafts (20% of tokens wrong): drafted equals plain, token for token.
+Writes DIR/step_ab.json and step_ab.md (default bench/results/): per version, the median over
+rounds and the range. `--tiny` measures a tiny random Gemma 4 on the CPU instead (no graphs, no
+kernel count): it checks the harness, and its times mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, GEN, VERIFY = 1000, 256, 16
+
+
+def measure(tiny: bool, reps: int) -> dict:
+    """One version's figures (imports the server code of the tree it runs in)."""
+    import torch
+
+    from bench.fast_greedy import greedy_generate, oracle
+    from server.fast_path import FastTarget
+
+    cuda = not tiny
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if tiny:
+        model = _tiny_gemma4()
+        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=(2, VERIFY))
+    else:
+        from bench.gpu_e4b import build_model
+
+        model = build_model(quant=True)
+        model.model.embed_tokens_per_layer.to("cpu")
+        torch.cuda.empty_cache()
+        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=(2, VERIFY), min_kv_len=1024, ple_on_host=True)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (PROMPT,), generator=g).tolist()
+    fast.prefill(prompt)
+
+    def timed(ids: list[int], n: int) -> float:
+        xs = []
+        for _ in range(n):
+            sync()
+            t = time.perf_counter()
+            fast.step(ids)[0].argmax().item()
+            xs.append(time.perf_counter() - t)
+            fast.rollback(len(ids))
+        return statistics.median(xs) * 1e3
+
+    one, verify = [5], list(range(5, 5 + VERIFY))
+    for _ in range(3):  # warm-up (graphs, caches, clocks)
+        timed(one, 20), timed(verify, 20)
+    step1, step16 = [], []
+    for _ in range(5):
+        step1.append(timed(one, reps))
+        step16.append(timed(verify, reps))
+    kernels = None
+    if cuda:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fast.step(one)[0].argmax().item()
+        fast.rollback(1)
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    t = time.perf_counter()
+    fast.prefill(prompt)
+    sync()
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    plain, _ = greedy_generate(fast, prompt, GEN)
+    sync()
+    decode_s = time.perf_counter() - t - prefill_s
+    drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
+    return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
+            "kernels_per_step": kernels, "plain_tps_1k": GEN / decode_s,
+            "drafted_equals_plain": drafted == plain, "drafted_steps": steps}
+
+
+def _tiny_gemma4():
+    import torch
+    from transformers import Gemma4ForCausalLM
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+                           num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+                           sliding_window=8, max_position_embeddings=4096,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    model = Gemma4ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run_version(tree: Path, tiny: bool, reps: int) -> dict:
+    """`measure` in a fresh process whose imports come from `tree`."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", "--reps", str(reps)] + (["--tiny"] if tiny else [])
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"measuring {tree} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def export(rev: str, into: Path) -> str:
+    """The tree of `rev` written into `into`; returns its full commit id."""
+    commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return commit
+
+
+def summarize(samples: list[dict]) -> dict:
+    out = {}
+    for key in ("step1_ms", "step16_ms", "plain_tps_1k", "kernels_per_step"):
+        vals = [s[key] for s in samples if s[key] is not None]
+        if vals:
+            out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    out["drafted_equals_plain"] = all(s["drafted_equals_plain"] for s in samples)
+    return out
+
+
+def markdown(r: dict) -> str:
+    b, h = r["versions"]["base"], r["versions"]["head"]
+    f = lambda x, key, d=2: (f"{x[key]['median']:.{d}f} ({x[key]['min']:.{d}f}-{x[key]['max']:.{d}f})"
+                             if key in x else "-")
+    ratio = lambda key: (f"{h[key]['median'] / b[key]['median']:.3f}x" if key in b and key in h else "-")
+    lines = [
+        "# Fast-path step A/B: two versions of the code, side by side",
+        "",
+        f"{r['when']}, {r['machine']}, {r['device']}. Command: `{r['command']}`. base = {r['base']}, head = "
+        f"{r['head']}. {r['rounds']} rounds, alternating base and head; median over rounds (range).",
+        "",
+        "| | base | head | head / base |",
+        "|---|---|---|---|",
+        f"| one-token step, ms | {f(b, 'step1_ms')} | {f(h, 'step1_ms')} | {ratio('step1_ms')} |",
+        f"| {VERIFY}-token verify, ms | {f(b, 'step16_ms')} | {f(h, 'step16_ms')} | {ratio('step16_ms')} |",
+        f"| kernels per one-token step | {f(b, 'kernels_per_step', 0)} | {f(h, 'kernels_per_step', 0)} | "
+        f"{ratio('kernels_per_step')} |",
+        f"| plain decode at 1k, tokens/s | {f(b, 'plain_tps_1k', 1)} | {f(h, 'plain_tps_1k', 1)} | "
+        f"{ratio('plain_tps_1k')} |",
+        f"| drafted equals plain ({GEN} tokens) | {b['drafted_equals_plain']} | {h['drafted_equals_plain']} | |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.step_ab", description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD", help="git revision to compare this checkout with")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=200, help="timed calls per figure")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # a child process
+    args = ap.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args.tiny, args.reps)), flush=True)
+        return 0
+    from bench.results import write_results
+
+    device = "CPU (tiny model)" if args.tiny else _gpu_name()
+    samples: dict[str, list] = {"base": [], "head": []}
+    with tempfile.TemporaryDirectory(prefix="sailfish-ab-") as tmp:
+        base_commit = export(args.base, Path(tmp))
+        for r in range(args.rounds):
+            for name, tree in (("base", Path(tmp)), ("head", ROOT)):
+                samples[name].append(run_version(tree, args.tiny, args.reps))
+                print(f"round {r + 1} {name}: {samples[name][-1]}", file=sys.stderr, flush=True)
+    results = {"command": "python -m bench.step_ab" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
+               "device": device, "base": f"{args.base} ({base_commit[:12]})", "head": "this checkout",
+               "rounds": args.rounds, "samples": samples,
+               "versions": {k: summarize(v) for k, v in samples.items()}}
+    from bench.results import run_header
+
+    md = markdown({**run_header(), **results})
+    write_results(args.out, "step_ab" + ("-tiny" if args.tiny else ""), results, md)
+    print(md)
+    return 0 if all(v["drafted_equals_plain"] for v in results["versions"].values()) else 1
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""bench.step_ab's harness, end to end on the CPU: the last commit exported beside this checkout,
+each measured in its own process (imports from its own tree), results written. The tiny model's
+times mean nothing; the figures the README quotes come from the GPU machine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_step_ab_tiny_runs_both_versions(tmp_path):
+    from bench import step_ab
+
+    assert step_ab.main(["--tiny", "--rounds", "1", "--reps", "5", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "step_ab-tiny.json").read_text())
+    for name in ("base", "head"):
+        (sample,) = record["samples"][name]
+        assert sample["drafted_equals_plain"] and sample["step1_ms"] > 0 and sample["kernels_per_step"] is None
+    assert "| one-token step, ms |" in (tmp_path / "step_ab-tiny.md").read_text()
