@@ -1,12 +1,16 @@
 """GPU memory of the fast path with one int4 layout: Gemma 4 E4B shape, int4, 8k and 32k contexts.
 
 Usage (GPU machine): python -m bench.gpu_memory [--out DIR] [--cap-gib 5] [--contexts 8192,32768]
-Writes DIR/gpu_memory.json and DIR/gpu_memory.md (default bench/results/).
+                                              [--allocator expandable|default]
+Writes DIR/gpu_memory.json and DIR/gpu_memory.md (default bench/results/); with `--allocator default`
+(PyTorch's fixed segments, the A/B against the server's expandable segments: server.cuda_allocator)
+DIR/gpu_memory-default-allocator.json and .md.
 
 Builds the model as bench/gpu_e4b.py does (random init from the E4B config, quanto int4, lm_head =
 tied bf16 embedding, the per-layer table on the host) and, for each context, the FastTarget the
 engine builds under `--gpu-memory-mb` (plan_fast_memory with the cap: prefill in pieces of its
-prefill_rows, no dense prefill copy; the default buckets 2..64, min_kv_len 1024), then records GPU
+prefill_rows, no dense prefill copy; the engine's step buckets for the default draft cap, 2..32, or
+with `--buckets all` every one to 64; min_kv_len 1024), then records GPU
 memory after loading, after building (quanto's tensors released), after warm-up (every CUDA graph),
 the start-up peak (building and warm-up), and the serving PEAK while prefilling a prompt of that
 length and decoding 64 tokens:
@@ -25,6 +29,7 @@ import argparse
 import gc
 import json
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +38,8 @@ import torch
 
 from bench.fast_greedy import greedy_generate, oracle
 from bench.gpu_e4b import build_model, timed_generate
-from server.fast_path import DEFAULT_BUCKETS, FastTarget, plan_fast_memory
+from ngram.drafter import DrafterConfig
+from server.fast_path import DEFAULT_BUCKETS, FastTarget, plan_fast_memory, step_buckets
 from server.fast_prefill import score_budget
 
 GIB = 2**30
@@ -101,13 +107,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--cap-gib", type=float, default=5.0)
     ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--allocator", choices=("expandable", "default"), default="expandable",
+                    help="the CUDA caching allocator: expandable segments, as the server sets them "
+                         "(server.cuda_allocator), or PyTorch's default fixed segments (the A/B)")
+    ap.add_argument("--buckets", choices=("engine", "all"), default="engine",
+                    help="step buckets: the engine's for the default draft cap (server.fast_path.step_buckets), "
+                         "or every one up to 64 rows (as before)")
     args = ap.parse_args(argv)
     import transformers
+
+    from server.cuda_allocator import EXPANDABLE, configure_cuda_allocator
+
+    allocator = configure_cuda_allocator(setting=EXPANDABLE if args.allocator == "expandable" else "")
 
     contexts = [int(c) for c in args.contexts.split(",")]
     cap = int(args.cap_gib * GIB)
     r: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "transformers": transformers.__version__, "cap_GiB": args.cap_gib, "gen": GEN}
+               "transformers": transformers.__version__, "cap_GiB": args.cap_gib, "gen": GEN,
+               "allocator": allocator or "PyTorch's default (fixed segments)"}
     used = UsedMemory()
     model = build_model(quant=True)
     model.model.embed_tokens_per_layer.to("cpu")  # as the engine: the per-layer table lives on the host
@@ -133,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     torch.cuda.empty_cache()
 
+    # the engine's buckets for its default draft cap (server.engine: step_buckets), or all of them
+    buckets = step_buckets(DrafterConfig.max_draft) if args.buckets == "engine" else DEFAULT_BUCKETS
+    r["buckets"] = list(buckets)
     r["runs"] = {}
     fast = None
     for c in contexts:
@@ -143,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.reset_peak_memory_stats()
         used.reset()
         run: dict = {"before": mem(used)}
-        plan = plan_fast_memory(model, c, c, 0, gpu_memory=cap)
+        plan = plan_fast_memory(model, c, c, 0, gpu_memory=cap, buckets=buckets)
         run["plan"] = {"context": plan.context, "prefill_rows": plan.prefill_rows, "dense": plan.prefill_dense,
                        "reserve_GiB": plan.reserve / GIB, "per_pos_KiB": plan.per_pos / 1024, "note": plan.note}
         t = time.perf_counter()
-        fast = FastTarget(model, max_len=c + DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS, min_kv_len=1024,
+        fast = FastTarget(model, max_len=c + buckets[-1], buckets=buckets, min_kv_len=1024,
                           ple_on_host=True, prefill_dense=False, prefill_rows=plan.prefill_rows)
         torch.cuda.synchronize()
         run["build_s"] = time.perf_counter() - t
@@ -248,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_memory.json").write_text(json.dumps(r, indent=1, default=str) + "\n")
-    (out / "gpu_memory.md").write_text(markdown(r))
+    r["command"] = "python -m bench.gpu_memory" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    name = "gpu_memory" + ("" if args.allocator == "expandable" else "-default-allocator") + \
+        ("" if args.buckets == "engine" else "-all-buckets")
+    (out / f"{name}.json").write_text(json.dumps(r, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(markdown(r))
     print(markdown(r))
     return 0
 
@@ -266,7 +289,8 @@ def markdown(r: dict) -> str:
         "int4 weights (group 128), lm_head = tied bf16 embedding, per-layer embeddings on the host. The FastTarget "
         f"the engine builds under `--gpu-memory-mb {int(r['cap_GiB'] * 1024)}`: steps on the step kernels, prefill "
         "through the same int4 layout (each linear dequantized into one shared scratch, then cuBLAS), quanto's "
-        "tensors released, no dense prefill copy. Command: `python -m bench.gpu_memory`.",
+        f"tensors released, no dense prefill copy; step buckets {r.get('buckets', '2..64')}. CUDA allocator: {r.get('allocator', 'default')}. "
+        f"Command: `{r.get('command', 'python -m bench.gpu_memory')}`.",
         "Serving peak: while prefilling a prompt of the context's length (less the 65 decoded positions) and decoding "
         f"{r['gen']} tokens; 'device used' is total - free memory (what nvidia-smi shows, the CUDA context and "
         "other libraries' memory included), polled every 2 ms. Start-up peak: while building the fast path and "

@@ -310,7 +310,7 @@ class Engine:
         return backend
 
     def _build_fast_path(self):
-        from server.fast_path import DEFAULT_BUCKETS, FastTarget, plan_fast_memory
+        from server.fast_path import FastTarget, plan_fast_memory, step_buckets
 
         cfg = self.config
         budget = (0 if not cfg.prefix_cache else cfg.prefix_cache_bytes)
@@ -318,9 +318,11 @@ class Engine:
         if ple is not None:  # Gemma 4's per-layer embeddings are looked up on the host: plan without them
             ple.to("cpu")
             torch.cuda.empty_cache()
-        plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget, cfg.gpu_memory_bytes)
+        buckets = step_buckets(cfg.max_draft)  # only the steps this engine's drafts can take
+        plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget, cfg.gpu_memory_bytes,
+                                buckets)
         # A padded step may write up to one bucket past the last committed position: room for it.
-        fast = FastTarget(self.model, max_len=plan.context + DEFAULT_BUCKETS[-1], buckets=DEFAULT_BUCKETS,
+        fast = FastTarget(self.model, max_len=plan.context + buckets[-1], buckets=buckets,
                           min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes,
                           ple_on_host=ple is not None, prefill_rows=plan.prefill_rows,
                           prefill_dense=plan.prefill_dense)

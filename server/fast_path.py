@@ -74,6 +74,16 @@ DEFAULT_PREFILL_ROWS = 8192   # prompt tokens per prefill_layers call (bounds pr
 SMALL_PREFILL_ROWS = 1024     # the smallest piece plan_fast_memory picks under a memory cap
 
 
+def step_buckets(max_draft: int) -> tuple[int, ...]:
+    """The buckets a FastTarget needs for drafts of up to `max_draft` tokens: DEFAULT_BUCKETS up to
+    the first that holds a step's rows (the pending token and the draft). A larger bucket would never
+    run, yet it costs memory that grows with the context (the step attention's fp32 scratch is sized
+    for the largest bucket's rows: on E4B 16 KiB a position for 64 rows, 0.5 GiB at 32k) and graph
+    captures at start-up. The default draft cap (16) needs up to 32."""
+    rows = max(1, max_draft + 1)
+    if rows >= DEFAULT_BUCKETS[-1]:
+        return DEFAULT_BUCKETS  # the engine caps longer drafts at the largest step (its max_step)
+    return tuple(b for b in DEFAULT_BUCKETS if b < rows) + (min(b for b in DEFAULT_BUCKETS if b >= rows),)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -340,7 +350,7 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
 
 
 def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None,
-                     gpu_memory: int | None = None) -> FastMemoryPlan:
+                     gpu_memory: int | None = None, buckets: tuple = DEFAULT_BUCKETS) -> FastMemoryPlan:
     """Size the fast path from free GPU memory, or from `gpu_memory` (bytes this process may hold
     on the GPU in all, the loaded weights included: --gpu-memory-mb): the model's whole context
     when it fits (or `cap`), after a reserve for what does not grow with the context
@@ -355,12 +365,12 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     held = torch.cuda.memory_allocated(dev)  # the loaded weights (host tables excluded: not here)
     context = min(max_context, cap or max_context)
     rows = DEFAULT_PREFILL_ROWS
-    per_pos, fixed = fast_memory_needs(model, prefill_rows=rows)
+    per_pos, fixed = fast_memory_needs(model, buckets, prefill_rows=rows)
     if gpu_memory is not None:  # the largest prefill piece that lets the whole asked context fit
         room = min(free, int(gpu_memory) - held)
         while rows > SMALL_PREFILL_ROWS and room - fixed < per_pos * context:
             rows //= 2
-            per_pos, fixed = fast_memory_needs(model, prefill_rows=rows)
+            per_pos, fixed = fast_memory_needs(model, buckets, prefill_rows=rows)
     dense = 2 * _int4_weights(model)
     if gpu_memory is None:
         reserve = fixed + int(0.05 * total)

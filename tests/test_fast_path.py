@@ -358,3 +358,49 @@ def test_memory_plan_fits_a_cap(monkeypatch):
     assert small.context < 32768 and small.prefill_rows == fp.SMALL_PREFILL_ROWS
     big = fp.plan_fast_memory(model, 131072, None, None)
     assert big.context == 131072 and big.prefill_dense and big.prefill_rows == fp.DEFAULT_PREFILL_ROWS
+
+
+def test_step_buckets_stop_at_the_first_that_holds_a_step():
+    """A FastTarget gets the buckets its engine's drafts can use: the pending token and up to
+    max_draft drafted tokens fit the last one, and none past it (each costs graphs and scratch)."""
+    from server.fast_path import DEFAULT_BUCKETS, step_buckets
+
+    assert step_buckets(16) == (1, 2, 4, 8, 16, 32)   # the default draft cap: 17 rows
+    assert step_buckets(15) == (1, 2, 4, 8, 16)
+    assert step_buckets(0) == (1,)
+    assert step_buckets(31) == (1, 2, 4, 8, 16, 32)
+    assert step_buckets(32) == step_buckets(63) == step_buckets(500) == DEFAULT_BUCKETS
+    for d in range(70):
+        b = step_buckets(d)
+        assert b[-1] >= min(d + 1, DEFAULT_BUCKETS[-1]) and (len(b) == 1 or b[-2] < d + 1)
+
+
+def test_memory_plan_counts_only_the_buckets_built(monkeypatch):
+    """Planned with the engine's buckets (to 32 rows for the default draft cap), the step
+    attention's per-position scratch is half that of 64 rows, so under the same cap at 32k the
+    static part shrinks and prefill's pieces are at least as large."""
+    import json
+    from pathlib import Path
+
+    import server.fast_path as fp
+    from transformers import Gemma4ForCausalLM
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    conf = json.loads((Path(__file__).parents[1] / "bench/configs/gemma4-e4b-text-config.json").read_text())
+    cfg = Gemma4TextConfig(**{k: v for k, v in conf.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+    int4 = 3_972_792_320
+    held = int(int4 * 0.53125) + 262144 * 2560 * 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (140 * 2**30 - held, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: held)
+    monkeypatch.setattr(fp, "_int4_weights", lambda m: int4)
+    every = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30)
+    engine = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30, fp.step_buckets(16))
+    per_pos_64, _ = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS)
+    per_pos_32, _ = fp.fast_memory_needs(model, fp.step_buckets(16))
+    # E4B's full layers: 2 KV heads x 128 query rows (32 tokens x 4 heads) x (512 + 2) fp32 / 64 keys a chunk
+    assert per_pos_64 - per_pos_32 == 2 * 128 * 514 * 4 // 64
+    assert engine.per_pos == per_pos_32 < every.per_pos
+    assert engine.context == every.context == 32768 and engine.prefill_rows >= every.prefill_rows
+    assert held + engine.per_pos * 32768 + engine.reserve <= 5 * 2**30
