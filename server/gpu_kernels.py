@@ -114,7 +114,7 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
 @triton.jit
 def _chunk_partial(q, k, v, visible, scaling):
     """One chunk's partial for a tile of query rows: scores, running max m, sum of exponentials l,
-    unnormalized output acc. Both chunk kernels call this, so a row's arithmetic is one code path."""
+    unnormalized output acc. Both kinds of chunk call this, so a row's arithmetic is one code path."""
     scores = tl.dot(q, tl.trans(k)) * scaling
     scores = tl.where(visible, scores, -1.0e30)  # finite: a row with no visible key gets l = 0
     m = tl.max(scores, 1)
@@ -141,26 +141,62 @@ def _step_span(start, T, S, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _step_attention_chunk(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
-                          T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
-                          n_rows, n_chunks,
-                          G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
+                             T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
+                             stride_ks, stride_pt, n_rows, n_chunks,
+                             G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Every chunk partial of a step, in one launch. Grid: (KV heads, R = query-row blocks,
+    n_cache_chunks + n_own_chunks * ceil(T / R)). Program (kvh, a, c) with c < n_cache_chunks is a
+    chunk the step did not write, for query-row block a (`_chunk_partials`); with o = c -
+    n_cache_chunks it is the (o % n_own_chunks)-th chunk the step wrote into, for token
+    a + R * (o // n_own_chunks) (`_own_partials`), so the T tokens' programs tile the row-block
+    axis without idle ones. Programs with nothing to do (a token past the step, a chunk the step
+    wrote or did not write, a chunk past the token's position on a full layer) return at once.
+    Each program's arithmetic is what it was as one of two kernels, so the partials are the same
+    bits (checked under Triton's interpreter on the 35 cases of tests/test_step_attention_interpreted.py);
+    one launch instead of two per layer."""
+    kvh = tl.program_id(0)
+    a = tl.program_id(1)
+    c = tl.program_id(2)
+    start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
+    first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
+    if c < n_cache_chunks:  # row block a < R: its rows start before T * G
+        if SLIDING:
+            written = (c - first + n_all) % n_all < span
+        else:  # chunks at or past the step's first slot: the step's own chunks, or masked for every row
+            written = c >= first
+        if not written:
+            _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
+                            T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, n_rows, n_chunks,
+                            G, D, SLIDING, BLOCK_R, BLOCK_S)
+    else:
+        o = c - n_cache_chunks
+        t = a + tl.num_programs(1) * (o // n_own_chunks)
+        which = o % n_own_chunks
+        if (t < T) & (which < span):
+            chunk = (first + which) % n_all
+            qpos_t = tl.load(qpos_ptr + t)
+            # full layers: chunks past this token's position are masked for its rows, the merge reads none
+            if SLIDING:
+                visible_chunk = True
+            else:
+                visible_chunk = chunk * BLOCK_S <= qpos_t
+            if visible_chunk:
+                _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
+                              qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
+                              stride_pt, n_rows, n_chunks, G, D, SLIDING, BLOCK_R, BLOCK_S)
+
+
+@triton.jit
+def _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, rb, chunk,
+                    T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, n_rows, n_chunks,
+                    G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Partial softmax-attention of one KV head's query rows (row = token t * G + head g) over one
     chunk of BLOCK_S key slots that the step did not write (keys from before the step, the same for
     every row): running max m, sum of exponentials l, unnormalized output acc. The chunks the step
-    wrote into are _step_attention_own's, one token at a time."""
-    kvh = tl.program_id(0)
-    rb = tl.program_id(1)
-    chunk = tl.program_id(2)
-    start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
-    first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
-    if SLIDING:
-        if (chunk - first + n_all) % n_all < span:
-            return
-    else:  # chunks at or past the step's first slot: the step's own chunks, or masked for every row
-        if chunk >= first:
-            return
+    wrote into are _own_partials', one token at a time."""
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     t = r // G
     row_ok = t < T
@@ -186,31 +222,19 @@ def _step_attention_chunk(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_
 
 
 @triton.jit
-def _step_attention_own(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
-                        T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt,
-                        n_rows, n_chunks,
-                        G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The chunks the step wrote into, for one token t (its G query heads, padded to BLOCK_R rows):
+def _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk, qpos_t,
+                  start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt,
+                  n_rows, n_chunks,
+                  G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A chunk the step wrote into, for one token t (its G query heads, padded to BLOCK_R rows):
     the same position-aligned chunks as a chain's, the step's keys gathered into them by depth.
     Column c of a chunk is the slot of one position p (full: p = slot; sliding: p = slot_pos[slot]);
     a position before the step's start s is read from its slot, a position s + j (0 <= j < T) from
     the slot of t's ancestor at depth j, row path[t, j] (its K/V sit at slot s + path[t, j], modulo
     the ring). The columns and the visibility rule are a chain row's (p <= qpos[t] = s + depth(t);
     sliding: also > qpos[t] - window), so a tree row's sum is its path's chain row's, bit for bit;
-    for a chain path[t, j] = j and every column reads its own slot, as _step_attention_chunk would."""
-    kvh = tl.program_id(0)
-    t = tl.program_id(1)
-    which = tl.program_id(2)
-    start = tl.load(qpos_ptr)
-    first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
-    if which >= span:
-        return
-    chunk = (first + which) % n_all
-    qpos_t = tl.load(qpos_ptr + t)
-    if not SLIDING:  # chunks past this token's position: masked for its rows, the merge reads none
-        if chunk * BLOCK_S > qpos_t:
-            return
+    for a chain path[t, j] = j and every column reads its own slot, as _chunk_partials would."""
     g = tl.arange(0, BLOCK_R)
     row_ok = g < G
     qpos = tl.where(row_ok, qpos_t, -1)

@@ -18,13 +18,13 @@ invariance, as server/small_m_matmul.py explains): keys are cut into fixed, posi
 of BLOCK_S slots (full layers: slot = position; sliding: the ring's slots), and a row's partial
 over a chunk (max, sum of exponentials, unnormalized output) is computed on its own. Chunks the
 step did not write hold the same keys for every row: one program does 16 query rows
-(`_step_attention_chunk`). The chunks the step wrote into (at most 2, 3 on a ring that wraps) are
-done one token at a time (`_step_attention_own`): the step's keys are gathered into the chunk by
+(`_chunk_partials`). The chunks the step wrote into (at most 2, 3 on a ring that wraps) are
+done one token at a time (`_own_partials`): the step's keys are gathered into the chunk by
 depth (column of position s + j = the ancestor at depth j), so a tree node's columns are the ones
 its path's chain row has, and for a chain every column reads its own slot. Both call one partial
-function, so a chain row's bits do not depend on which kernel did a chunk: a 64-token verify equals
-64 one-token steps, and a tree row equals its path's chain row. A third kernel merges one row's
-chunks in chunk order. Full layers skip the chunks past each query's position, so a step reads the
+function, so a chain row's bits do not depend on which kind of program did a chunk: a 64-token
+verify equals 64 one-token steps, and a tree row equals its path's chain row. Both kinds run in one
+launch (`_step_attention_partials`); a second kernel merges one row's chunks in chunk order. Full layers skip the chunks past each query's position, so a step reads the
 keys up to the context, not the whole cache.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class StepAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                  qpos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, scaling: float,
                  path: torch.Tensor | None = None) -> torch.Tensor:
-        from server.gpu_kernels import _step_attention_chunk, _step_attention_combine, _step_attention_own
+        from server.gpu_kernels import _step_attention_combine, _step_attention_partials
         T, H, D = q.shape
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -79,15 +79,12 @@ class StepAttention:
         own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
         out = torch.empty((T, H * D), dtype=q.dtype, device=q.device)
         warps = 8 if D > 256 else 4
-        _step_attention_chunk[(self.kv_heads, -(-(T * self.group) // BLOCK_R), chunks)](
-            q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, self.m, self.l, self.acc,
-            T, slots, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            self.n_rows, self.n_chunks,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=warps)
-        _step_attention_own[(self.kv_heads, T, own_chunks)](
+        row_blocks = -(-(T * self.group) // BLOCK_R)
+        own_programs = own_chunks * -(-T // row_blocks)  # each row block's share of the T tokens' own chunks
+        _step_attention_partials[(self.kv_heads, row_blocks, chunks + own_programs)](
             q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, path, self.m, self.l, self.acc,
-            T, slots, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), path.stride(0),
-            self.n_rows, self.n_chunks,
+            T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            path.stride(0), self.n_rows, self.n_chunks,
             G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=warps)
         _step_attention_combine[(self.kv_heads, T * self.group)](
             self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
