@@ -186,8 +186,9 @@ def summarize(rows: list[dict], with_llama: bool) -> dict:
     return out
 
 
-def replay_all(turns: dict, index, max_draft: int) -> dict:
+def replay_all(turns: dict, index, max_draft: int, tok=None) -> dict:
     from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
+    from server.tool_schema import make_drafter
     from index.peers import SuffixDecodingDrafter
     from ngram.replay import replay
 
@@ -195,7 +196,7 @@ def replay_all(turns: dict, index, max_draft: int) -> dict:
     seed = list(index.turns())
     for name, t in turns.items():
         out[name] = {
-            "sailfish": replay(NgramDrafter(index, DrafterConfig(max_draft=max_draft)), t, max_draft).as_dict(),
+            "sailfish": replay(make_drafter(index, DrafterConfig(max_draft=max_draft), tok), t, max_draft).as_dict(),
             "sailfish_context_only": replay(NgramDrafter(None, DrafterConfig(max_draft=max_draft)), t, max_draft).as_dict(),
             "prompt_lookup": replay(PromptLookupDrafter(max_draft=max_draft), t, max_draft).as_dict(),
             "suffix_decoding": replay(SuffixDecodingDrafter(seed, max_draft), t, max_draft).as_dict(),
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
 
     from common.bundled_model import bundled_gguf_path
     from common.chat_format import ChatFormat
-    from ngram.drafter import DrafterConfig, NgramDrafter
+    from ngram.drafter import DrafterConfig
+    from server.tool_schema import make_drafter
     from index.peers import SuffixDecodingDrafter
     from server.engine import Engine, EngineConfig
     from server.model_loading import load_target
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
         tok = target.tokenizer
         fmt = ChatFormat.for_tokenizer(tok)
         stop_ids = frozenset(fmt.stop_token_ids(tok))
-        drafter = NgramDrafter(index, DrafterConfig())
+        drafter = make_drafter(index, DrafterConfig(), tok)
         engine = Engine(target, drafter, EngineConfig())
         results["cost_curve"] = [float(c) for c in engine.policy.cost[1:]]
         results["backend"] = type(engine.backend).__name__  # CpuBackend: the int8 path; EagerBackend: fp32
@@ -347,7 +349,7 @@ def main(argv=None) -> int:
         log("sampled decoding: drafted vs plain, same seeds")
         results["sampled"] = run_sampled(cfg, engine, drafter, fmt, tok)
         log("offline replay")
-        results["replay"] = replay_all(turns, index, DrafterConfig.max_draft)
+        results["replay"] = replay_all(turns, index, DrafterConfig.max_draft, tok)
         plain_speeds = [r["sailfish_plain"]["tok_s"] for w in results["workloads"].values() for r in w["requests"]]
         log("matrix")
         results["matrix"] = run_matrix(turns, index, engine.policy.cost, 1.0 / statistics.median(plain_speeds), cfg["matrix"])

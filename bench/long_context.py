@@ -18,7 +18,9 @@ tokens, it repeats tool declarations, calls and results, and only its tail is ne
 
 Contenders, replayed on the same turns with the same tokens per verify (`--max-draft`), each drafter
 learning its own served turns as it goes (ngram.replay's rule):
-- `sailfish`: the default drafter (index, whole-context search, online overlay);
+- `sailfish`: the default drafter (index, whole-context search, online overlay, tool calls' openings
+  from the request's declarations: server/tool_schema.py);
+- `sailfish, no tool schema`: the same without the declarations (`--no-tool-schema`);
 - `sailfish, window 4096`: the same with the live-context search cut to the last 4,096 tokens (the
   default before whole-context search);
 - `sailfish, trees`: the same with token trees (`--tree`: other sources' continuations as branches
@@ -96,14 +98,17 @@ def chained_turns(chains: int, max_context: int, notes: list[str],
     return out
 
 
-def contenders(index, max_draft: int, quick: bool) -> dict:
+def contenders(index, max_draft: int, quick: bool, tokenizer=None) -> dict:
     """name -> a function making a fresh drafter (each chain starts from the index alone)."""
     from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
+    from server.tool_schema import make_drafter
 
     out = {
-        "sailfish": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft)),
-        "sailfish, window 4096": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft, context_window=4096)),
-        "sailfish, trees": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft, tree=True)),
+        "sailfish": lambda: make_drafter(index, DrafterConfig(max_draft=max_draft), tokenizer),
+        "sailfish, no tool schema": lambda: NgramDrafter(index, DrafterConfig(max_draft=max_draft)),
+        "sailfish, window 4096": lambda: make_drafter(index, DrafterConfig(max_draft=max_draft, context_window=4096),
+                                                      tokenizer),
+        "sailfish, trees": lambda: make_drafter(index, DrafterConfig(max_draft=max_draft, tree=True), tokenizer),
         "prompt lookup": lambda: PromptLookupDrafter(max_draft=max_draft),
     }
     try:
@@ -217,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                "longest_context": int(max(len(c) for c, _ in turns)),
                "index": "the default index" if args.index is None else str(args.index), "notes": notes,
                "contenders": {}}
-    for name, make in contenders(index, args.max_draft, args.quick).items():
+    from common.tokenizer import load_tokenizer
+
+    for name, make in contenders(index, args.max_draft, args.quick, load_tokenizer(None)).items():
         r = replay_chains(make, chains, args.max_draft)
         results["contenders"][name] = r
         a = r["all"]

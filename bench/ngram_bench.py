@@ -35,6 +35,7 @@ from common.tokenizer import conversation_turns, load_tokenizer
 from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
 from ngram.index_file import load_index
 from ngram.replay import replay
+from server.tool_schema import make_drafter
 
 
 def _group(source: str) -> str:
@@ -129,9 +130,12 @@ def main(argv=None) -> int:
         suffix = _suffix_decoding(index, args.max_draft)
         results["replay"] = {}
         for name, turns in groups.items():
-            ours = replay(NgramDrafter(index, DrafterConfig(max_draft=args.max_draft)), turns, args.max_draft).as_dict()
+            config = DrafterConfig(max_draft=args.max_draft)
+            ours = replay(make_drafter(index, config, tok), turns, args.max_draft).as_dict()
+            bare = replay(NgramDrafter(index, config), turns, args.max_draft).as_dict()  # --no-tool-schema
             base = replay(PromptLookupDrafter(max_draft=args.max_draft), turns, args.max_draft).as_dict()
-            results["replay"][name] = {"sailfish": ours, "prompt_lookup": base, "tau_ratio": ours["tau"] / base["tau"]}
+            results["replay"][name] = {"sailfish": ours, "sailfish_no_tool_schema": bare, "prompt_lookup": base,
+                                       "tau_ratio": ours["tau"] / base["tau"]}
             if suffix is not None:  # every setting; `suffix_decoding` stays the default one (factor 1, paths)
                 settings = {peer: replay(suffix(peer), turns, args.max_draft).as_dict() for peer in SUFFIX_PEERS}
                 results["replay"][name]["suffix_decoding"] = settings["suffix"]
@@ -165,12 +169,15 @@ def _markdown(r: dict) -> str:
         "",
         f"Replay of {r['holdout_conversations']} held-out BFCL v4 conversations:",
         "",
-        "| turns | n | tau Sailfish | tau prompt lookup | ratio | accept Sailfish | accept PL | p50 us | p99 us |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| turns | n | tau Sailfish | tau without tool schema | tau prompt lookup | ratio | accept Sailfish | accept PL "
+        "| p50 us | p99 us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, g in r["replay"].items():
         s, pl = g["sailfish"], g["prompt_lookup"]
-        lines.append(f"| {name} | {s['turns']} | {s['tau']:.2f} | {pl['tau']:.2f} | {g['tau_ratio']:.2f}x | "
+        bare = g.get("sailfish_no_tool_schema", {}).get("tau")
+        lines.append(f"| {name} | {s['turns']} | {s['tau']:.2f} | {'-' if bare is None else f'{bare:.2f}'} | "
+                     f"{pl['tau']:.2f} | {g['tau_ratio']:.2f}x | "
                      f"{s['acceptance_rate']:.2f} | {pl['acceptance_rate']:.2f} | {s['draft_us_p50']:.0f} | {s['draft_us_p99']:.0f} |")
     peers = [(name, g["suffix_decoding_settings"]) for name, g in r["replay"].items() if "suffix_decoding_settings" in g]
     if peers:

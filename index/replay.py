@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from common.config_flags import add_flags, config_from
-from ngram.drafter import DrafterConfig, NgramDrafter, PromptLookupDrafter
+from common.tokenizer import load_tokenizer
+from ngram.drafter import DrafterConfig, PromptLookupDrafter
 from ngram.index_file import IndexLoadError, load_index
 from ngram.replay import replay
+from server.tool_schema import make_drafter
 
 
 # SuffixDecoding's settings by peer name: the default (factor 1, paths) and its best ones
@@ -32,7 +34,7 @@ def load_turns(args) -> list[tuple[np.ndarray, np.ndarray]]:
         rows = [json.loads(line) for line in Path(args.from_dump).read_text().splitlines() if line.strip()]
         return [(np.asarray(r["context"], dtype=np.int64), np.asarray(r["target"], dtype=np.int64)) for r in rows]
     from common.chat_format import ChatFormat
-    from common.tokenizer import conversation_turns, load_tokenizer
+    from common.tokenizer import conversation_turns
     from index.traces import ReadReport, iter_conversations
 
     tok = load_tokenizer(args.tokenizer)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps({"context": ctx.tolist(), "target": target.tolist()}) + "\n")
     config = config_from(args, DrafterConfig, "drafter")
     k = config.max_draft
-    ours = replay(NgramDrafter(index, config), turns, k).as_dict()
+    ours = replay(make_drafter(index, config, load_tokenizer(args.tokenizer)), turns, k).as_dict()
     base = replay(PromptLookupDrafter(max_draft=k), turns, k).as_dict()
     result = {**ours, "max_draft": k, "index": str(args.index) if args.index else None, "baseline": base}
     if args.peers:

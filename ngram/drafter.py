@@ -63,6 +63,7 @@ class DrafterConfig:
     overlay_tokens: int = field(default=262_144, metadata={"help": 'online overlay of served completions (0: off)'})
     use_index: bool = field(default=True, metadata={"help": 'propose from the n-gram index (--no-use-index: context and overlay only)'})
     use_context: bool = field(default=True, metadata={"help": "propose from the request's own context (--no-use-context: index and overlay only)"})
+    tool_schema: bool = field(default=True, metadata={"help": "draft a tool call's function and parameter names from the request's own declarations (server/tool_schema.py; --no-tool-schema: off)"})
     tree: bool = field(default=False, metadata={"help": "propose token trees: where the chosen draft leaves room, the other sources' continuations as branches (off by default: measured, no gain; see ngram/tree.py)"})
 
 

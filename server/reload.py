@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common.paths import default_index_dir
 from common.tokenizer import tokenizer_fingerprint
-from ngram.drafter import NgramDrafter
+from server.tool_schema import make_drafter
 from ngram.index_file import IndexLoadError, load_index, resolve_generation
 
 log = logging.getLogger("sailfish.reload")
@@ -65,7 +65,7 @@ class IndexReloader:
                 log.warning("index reload refused: %s", e)
                 return ReloadResult(ReloadStatus.REFUSED, f"refused: {e}; the index in service stays")
             old = self.engine._drafter
-            drafter = NgramDrafter(index, self.settings.drafter)
+            drafter = make_drafter(index, self.settings.drafter, self.engine.tokenizer)
             if old is not None and getattr(old, "overlay", None) is not None:
                 drafter.overlay = old.overlay
             self.engine.set_drafter(drafter)

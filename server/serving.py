@@ -65,7 +65,7 @@ def load_engine(settings: Settings):
     from common.bundled_model import cache_root
     from common.paths import default_index_dir
     from common.tokenizer import tokenizer_fingerprint
-    from ngram.drafter import NgramDrafter
+    from server.tool_schema import make_drafter
     from ngram.index_file import IndexLoadError, load_index
     from server.engine import Engine
     from server.model_loading import load_target
@@ -84,7 +84,7 @@ def load_engine(settings: Settings):
         index_dir = Path(settings.index) if settings.index else default_index_dir()
         try:
             index = load_index(index_dir, tokenizer_fingerprint(target.tokenizer))
-            drafter = NgramDrafter(index, settings.drafter)
+            drafter = make_drafter(index, settings.drafter, target.tokenizer)
             note = (f"index {index_dir}: {index.num_turns} turns, "
                     f"{len(index.trie)} n-gram keys, fingerprint {index.fingerprint[:12]}")
         except IndexLoadError as e:
