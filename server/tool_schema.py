@@ -240,7 +240,7 @@ class ToolSchemaSession:
             opening = self._opening(draft, max_tokens)
             if opening is not None:
                 return opening
-        last = int(context_ids[-1]) if len(context_ids) > self.segment_start else -1
+        last = int(context_ids[-1]) if self.named else -1  # parameters only inside a declared function's call
         if 0 <= last < len(self.vocab.ends_with_comma) and self.vocab.ends_with_comma[last]:
             segment = [int(t) for t in context_ids[self.segment_start:]]
             return self._next_parameter(segment, draft, max_tokens) or draft
