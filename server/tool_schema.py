@@ -49,10 +49,12 @@ _MARKER_SLACK = 4  # tokens before the word `declaration` that hold `<|tool>` (m
 
 def make_drafter(index, config: DrafterConfig | None = None, tokenizer: Any = None):
     """The drafter the server serves with: the n-gram drafter, wrapped in ToolSchemaDrafter when
-    `config.tool_schema` is on and a tokenizer is given."""
+    `config.tool_schema` is on and a Hugging Face tokenizer is given (a tokenizer without
+    encode/decode/convert_ids_to_tokens, such as a test's byte tokenizer, leaves it unwrapped)."""
     config = config or DrafterConfig()
     inner = NgramDrafter(index, config)
-    return ToolSchemaDrafter(inner, tokenizer) if (config.tool_schema and tokenizer is not None) else inner
+    usable = all(hasattr(tokenizer, a) for a in ("encode", "decode", "convert_ids_to_tokens", "__len__"))
+    return ToolSchemaDrafter(inner, tokenizer) if (config.tool_schema and usable) else inner
 
 
 def parse_declarations(text: str) -> dict[str, list[str]]:
@@ -132,9 +134,12 @@ class ToolSchemaDrafter:
     def overlay(self, value):
         self.inner.overlay = value
 
-    @property
-    def config(self) -> DrafterConfig:
-        return self.inner.config
+    def __getattr__(self, name: str):
+        # everything else (index, config, lookup, ...) is the n-gram drafter's: callers that look at
+        # the drafter in service see the one inside
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def session(self) -> "ToolSchemaSession":
         return ToolSchemaSession(self, self.inner.session())

@@ -148,6 +148,9 @@ def test_make_drafter_follows_the_setting(tok):
     assert isinstance(make_drafter(None, DrafterConfig(), tok), ToolSchemaDrafter)
     assert isinstance(make_drafter(None, DrafterConfig(tool_schema=False), tok), NgramDrafter)
     assert isinstance(make_drafter(None, DrafterConfig(), None), NgramDrafter)
+    assert isinstance(make_drafter(None, DrafterConfig(), object()), NgramDrafter)  # not a usable tokenizer
+    wrapped = make_drafter(None, DrafterConfig(max_draft=9), tok)
+    assert wrapped.index is None and wrapped.config.max_draft == 9  # the inner drafter's, seen through
 
 
 @pytest.mark.slow
