@@ -332,22 +332,9 @@ def test_memory_plan_fits_a_cap(monkeypatch):
     weights, the static cache with its step scratch and the reserve fit the cap, the prefill piece
     shrinks before the context does, and no dense prefill copy is taken; without a cap the dense copy
     is taken on a big card and the context is the model's whole context."""
-    import json
-    from pathlib import Path
-
     import server.fast_path as fp
-    from transformers import Gemma4ForCausalLM
-    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
-    conf = json.loads((Path(__file__).parents[1] / "bench/configs/gemma4-e4b-text-config.json").read_text())
-    cfg = Gemma4TextConfig(**{k: v for k, v in conf.items() if k not in ("architectures", "model_type")})
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
-    int4 = 3_972_792_320                                   # E4B's linear weights (measured from its shape)
-    held = int(int4 * 0.53125) + 262144 * 2560 * 2          # int4 with group-128 scales + the bf16 embedding
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (140 * 2**30 - held, 140 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: held)
-    monkeypatch.setattr(fp, "_int4_weights", lambda m: int4)
+    model, held = _e4b_on_a_pretend_card(monkeypatch)
     cap = 5 * 2**30
     for context in (8192, 32768):
         plan = fp.plan_fast_memory(model, context, context, None, cap)
@@ -379,6 +366,23 @@ def test_memory_plan_counts_only_the_buckets_built(monkeypatch):
     """Planned with the engine's buckets (to 32 rows for the default draft cap), the step
     attention's per-position scratch is half that of 64 rows, so under the same cap at 32k the
     static part shrinks and prefill's pieces are at least as large."""
+    import server.fast_path as fp
+
+    model, held = _e4b_on_a_pretend_card(monkeypatch)
+    every = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30)
+    engine = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30, fp.step_buckets(16))
+    per_pos_64, _ = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS)
+    per_pos_32, _ = fp.fast_memory_needs(model, fp.step_buckets(16))
+    # E4B's full layers: 2 KV heads x 128 query rows (32 tokens x 4 heads) x (512 + 2) fp32 / 64 keys a chunk
+    assert per_pos_64 - per_pos_32 == 2 * 128 * 514 * 4 // 64
+    assert engine.per_pos == per_pos_32 < every.per_pos
+    assert engine.context == every.context == 32768 and engine.prefill_rows >= every.prefill_rows
+    assert held + engine.per_pos * 32768 + engine.reserve <= 5 * 2**30
+
+
+def _e4b_on_a_pretend_card(monkeypatch):
+    """The E4B shape on meta tensors, and a pretend 140 GiB card holding its loaded weights (int4
+    with group-128 scales, the bf16 embedding): (model, bytes held) for plan_fast_memory."""
     import json
     from pathlib import Path
 
@@ -390,17 +394,9 @@ def test_memory_plan_counts_only_the_buckets_built(monkeypatch):
     cfg = Gemma4TextConfig(**{k: v for k, v in conf.items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):
         model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
-    int4 = 3_972_792_320
+    int4 = 3_972_792_320                                   # E4B's linear weights (measured from its shape)
     held = int(int4 * 0.53125) + 262144 * 2560 * 2
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (140 * 2**30 - held, 140 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: held)
     monkeypatch.setattr(fp, "_int4_weights", lambda m: int4)
-    every = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30)
-    engine = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30, fp.step_buckets(16))
-    per_pos_64, _ = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS)
-    per_pos_32, _ = fp.fast_memory_needs(model, fp.step_buckets(16))
-    # E4B's full layers: 2 KV heads x 128 query rows (32 tokens x 4 heads) x (512 + 2) fp32 / 64 keys a chunk
-    assert per_pos_64 - per_pos_32 == 2 * 128 * 514 * 4 // 64
-    assert engine.per_pos == per_pos_32 < every.per_pos
-    assert engine.context == every.context == 32768 and engine.prefill_rows >= every.prefill_rows
-    assert held + engine.per_pos * 32768 + engine.reserve <= 5 * 2**30
+    return model, held
