@@ -1,10 +1,10 @@
 """GPU memory of the fast path with one int4 layout: Gemma 4 E4B shape, int4, 8k and 32k contexts.
 
 Usage (GPU machine): python -m bench.gpu_memory [--out DIR] [--cap-gib 5] [--contexts 8192,32768]
-                                              [--allocator expandable|default]
-Writes DIR/gpu_memory.json and DIR/gpu_memory.md (default bench/results/); with `--allocator default`
+                                              [--allocator expandable|default] [--buckets engine|all]
+Writes DIR/gpu_memory.json and DIR/gpu_memory.md (default bench/results/); `--allocator default`
 (PyTorch's fixed segments, the A/B against the server's expandable segments: server.cuda_allocator)
-DIR/gpu_memory-default-allocator.json and .md.
+adds `-default-allocator` to the names and `--buckets all` adds `-all-buckets`.
 
 Builds the model as bench/gpu_e4b.py does (random init from the E4B config, quanto int4, lm_head =
 tied bf16 embedding, the per-layer table on the host) and, for each context, the FastTarget the

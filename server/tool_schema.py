@@ -19,10 +19,10 @@ tokenizer)` is how the server and the benchmarks build the drafter (wrapped unle
 Why: an n-gram drafter has only seen *other* functions' names after `call:`: on a request whose
 functions are new (most of BFCL's single-turn and live questions) its draft of the name is wrong
 from the first token, and so are its parameter names. The request itself declares them. Measured
-on the BFCL v4 held-out replay (same index, 16 tokens per verify; bench.ngram_bench): tau 4.39 ->
-4.81 on single-turn questions, 6.26 -> 6.66 on live ones, 12.31 -> 12.40 multi-turn, where earlier
-calls in the context already show the names; level (+0.0-0.2%) on the chained long agent
-conversations of bench.long_context. Ranking the candidates as a token tree added nothing (+0.1%).
+on the BFCL v4 held-out replay (16 tokens per verify; `python -m bench.ngram_bench`, with and
+without it side by side): tau 4.39 -> 4.80 on single-turn questions, 6.24 -> 6.66 on live ones,
+12.13 -> 12.24 multi-turn, where earlier calls in the context already show the names, 7.52 -> 7.95
+in all; level on the chained long agent conversations of bench.long_context (7.26 -> 7.25). Ranking the candidates as a token tree added nothing (+0.1%).
 """
 from __future__ import annotations
 
@@ -95,7 +95,6 @@ class _Vocabulary:
             self.decode = lambda ids: tokenizer.decode([int(i) for i in ids])
         self.call_open = self.encode(CALL_OPEN)
         self.declaration = self.encode("declaration")
-        self.tool_close = self.encode(TOOL_CLOSE)
         self.user_turn = self.encode(TURN_OPEN + "user\n")
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.ends_with_comma = np.array([bool(p) and p.endswith(",") for p in pieces], dtype=bool)
