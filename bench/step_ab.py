@@ -13,7 +13,8 @@ CUDA graphs, a 1,000-token prompt, then
   - a one-token step and a 16-token verify: the median of `--reps` timed calls (each ends in a
     device-to-host copy of an argmax), five times over; the figure is the median of the five;
   - the kernels one captured one-token step launches (torch.profiler, CUDA activity);
-  - plain greedy decode of 256 tokens at 1k context (tokens/s, the prefill excluded) and drafted
+  - plain greedy decode of 256 tokens at 1k context (tokens/s, the prefill excluded; after an untimed
+    first decode, which captures the graphs of positions past 1,024) and drafted
     decode with oracle drafts (20% of tokens wrong): drafted equals plain, token for token.
 Writes DIR/step_ab.json and step_ab.md (default bench/results/): per version, the median over
 rounds and the range. `--tiny` measures a tiny random Gemma 4 on the CPU instead (no graphs, no
@@ -76,12 +77,16 @@ def measure(tiny: bool, reps: int) -> dict:
     for _ in range(5):
         step1.append(timed(one, reps))
         step16.append(timed(verify, reps))
-    kernels = None
+    kernels, kernel_names = None, {}
     if cuda:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fast.step(one)[0].argmax().item()
         fast.rollback(1)
-        kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+        launched = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = sum(e.count for e in launched)
+        kernel_names = {e.key[:90]: e.count for e in sorted(launched, key=lambda e: -e.count)[:24]}
+    # A first decode captures the graphs that later positions need (kv_len past 1024): not timed.
+    greedy_generate(fast, prompt, GEN)
     t = time.perf_counter()
     fast.prefill(prompt)
     sync()
@@ -92,7 +97,7 @@ def measure(tiny: bool, reps: int) -> dict:
     decode_s = time.perf_counter() - t - prefill_s
     drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
     return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
-            "kernels_per_step": kernels, "plain_tps_1k": GEN / decode_s,
+            "kernels_per_step": kernels, "kernel_names": kernel_names, "plain_tps_1k": GEN / decode_s,
             "drafted_equals_plain": drafted == plain, "drafted_steps": steps}
 
 
@@ -114,7 +119,9 @@ def _tiny_gemma4():
 
 def run_version(tree: Path, tiny: bool, reps: int) -> dict:
     """`measure` in a fresh process whose imports come from `tree`."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
+    # The tree first; what the caller's PYTHONPATH adds (packages installed beside the system's) after it.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != "."]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + extra), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", "--reps", str(reps)] + (["--tiny"] if tiny else [])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -163,12 +170,22 @@ def markdown(r: dict) -> str:
         f"| drafted equals plain ({GEN} tokens) | {b['drafted_equals_plain']} | {h['drafted_equals_plain']} | |",
         "",
     ]
+    names = {v: (r["samples"][v][-1].get("kernel_names") or {}) for v in ("base", "head")}
+    if names["head"] or names["base"]:
+        lines += ["Kernels one one-token step launches, by name (the most launched; last round):", "",
+                  "| kernel | base | head |", "|---|---|---|"]
+        for key in dict.fromkeys([*names["head"], *names["base"]]):
+            lines.append(f"| `{key}` | {names['base'].get(key, '-')} | {names['head'].get(key, '-')} |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step_ab", description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision to compare this checkout with")
+    ap.add_argument("--base-tree", default=None,
+                    help="a folder holding the base version's tree, exported beforehand (`git archive REV | tar -x -C DIR`), "
+                         "for a machine whose copy of the checkout has no git history; --base then only names it")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=200, help="timed calls per figure")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
@@ -183,9 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     device = "CPU (tiny model)" if args.tiny else _gpu_name()
     samples: dict[str, list] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="sailfish-ab-") as tmp:
-        base_commit = export(args.base, Path(tmp))
+        if args.base_tree:
+            base_tree, base_commit = Path(args.base_tree).resolve(), args.base
+        else:
+            base_tree, base_commit = Path(tmp), export(args.base, Path(tmp))
         for r in range(args.rounds):
-            for name, tree in (("base", Path(tmp)), ("head", ROOT)):
+            for name, tree in (("base", base_tree), ("head", ROOT)):
                 samples[name].append(run_version(tree, args.tiny, args.reps))
                 print(f"round {r + 1} {name}: {samples[name][-1]}", file=sys.stderr, flush=True)
     results = {"command": "python -m bench.step_ab" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
