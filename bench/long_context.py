@@ -169,8 +169,12 @@ def markdown(r: dict) -> str:
                       f"{b['tau']:.2f}; Sailfish reaches {r['contenders']['sailfish']['all']['tau'] / b['tau']:.0%} of it."]
     best_peer = max((n for n in names if n.startswith("suffix")), key=lambda n: r["contenders"][n]["all"]["tau"], default=None)
     if best_peer:
-        ratio = r["contenders"]["sailfish"]["all"]["tau"] / r["contenders"][best_peer]["all"]["tau"]
+        best = r["contenders"][best_peer]["all"]["tau"]
+        ratio = r["contenders"]["sailfish"]["all"]["tau"] / best
         lines += ["", f"Sailfish tau / the best SuffixDecoding configuration ({best_peer}): {ratio:.2f}x"]
+        if "copy bound" in r:
+            lines[-1] += (f"; a drafter 1.2x as good as it would need {1.2 * best / r['copy bound']['tau']:.0%} "
+                          "of the copy bound")
     buckets = list(r["contenders"]["sailfish"]["buckets"])
     lines += ["", "By context length at the turn (tau; propose p50 / p99 us):", "",
               "| contender | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]

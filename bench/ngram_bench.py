@@ -10,6 +10,10 @@
    prompt-lookup baseline (transformers' algorithm, same max draft), and the ratio of the two taus;
    and, where arctic-inference is installed (`make bench` installs it), the same for SuffixDecoding
    seeded with the index's turns.
+3. The copy bound of each group (bench/copy_bound.py): the tau of a drafter that knows the target
+   and copies the longest run of it found in the index, the request, or an earlier replayed turn
+   (the contenders learn each turn after it); no drafter that copies text (Sailfish,
+   SuffixDecoding, prompt lookup) can pass it.
 Writes bench/results/ngram.json and bench/results/ngram.md.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.copy_bound import copy_bound
 from bench.results import write_results
 from index.replay import SUFFIX_PEERS
 from index.bfcl import bfcl_split, iter_bfcl_conversations
@@ -128,14 +133,17 @@ def main(argv=None) -> int:
                 groups[_group(conv.source)].append((np.asarray(ctx), np.asarray(target)))
         groups["all"] = [t for g in list(groups.values()) for t in g]
         suffix = _suffix_decoding(index, args.max_draft)
+        seed_turns = list(index.turns())
         results["replay"] = {}
         for name, turns in groups.items():
             config = DrafterConfig(max_draft=args.max_draft)
             ours = replay(make_drafter(index, config, tok), turns, args.max_draft).as_dict()
             bare = replay(NgramDrafter(index, config), turns, args.max_draft).as_dict()  # --no-tool-schema
             base = replay(PromptLookupDrafter(max_draft=args.max_draft), turns, args.max_draft).as_dict()
+            bound = copy_bound([turns], seed_turns, args.max_draft, learn=True).as_dict()
             results["replay"][name] = {"sailfish": ours, "sailfish_no_tool_schema": bare, "prompt_lookup": base,
-                                       "tau_ratio": ours["tau"] / base["tau"]}
+                                       "tau_ratio": ours["tau"] / base["tau"],
+                                       "copy_bound": {k: bound[k] for k in ("tau", "target_tokens", "verify_steps")}}
             if suffix is not None:  # every setting; `suffix_decoding` stays the default one (factor 1, paths)
                 settings = {peer: replay(suffix(peer), turns, args.max_draft).as_dict() for peer in SUFFIX_PEERS}
                 results["replay"][name]["suffix_decoding"] = settings["suffix"]
@@ -185,13 +193,22 @@ def _markdown(r: dict) -> str:
         lines += ["", "SuffixDecoding (arctic-inference), seeded with the index's turns, on the same held-out turns, "
                   "at each setting (f4: max_spec_factor 4; tree: tree speculation); tau, and Sailfish's tau over the "
                   "best of them:", "",
-                  "| turns | " + " | ".join(f"tau {n}" for n in names) + " | Sailfish / best | best's p50 / p99 us |",
-                  "|---|" + "---|" * (len(names) + 2)]
+                  "| turns | " + " | ".join(f"tau {n}" for n in names) + " | Sailfish / best | best's p50 / p99 us "
+                  "| copy bound | Sailfish / bound | 1.2x best / bound |",
+                  "|---|" + "---|" * (len(names) + 5)]
         for name, settings in peers:
             ours = r["replay"][name]["sailfish"]["tau"]
             best = max(settings.values(), key=lambda sd: sd["tau"])
+            bound = r["replay"][name].get("copy_bound", {}).get("tau")
+            of_bound = (f" | {bound:.2f} | {ours / bound:.0%} | {1.2 * best['tau'] / bound:.0%} |" if bound
+                        else " | - | - | - |")
             lines.append(f"| {name} | " + " | ".join(f"{settings[n]['tau']:.2f}" for n in names)
-                         + f" | {ours / best['tau']:.2f}x | {best['draft_us_p50']:.0f} / {best['draft_us_p99']:.0f} |")
+                         + f" | {ours / best['tau']:.2f}x | {best['draft_us_p50']:.0f} / {best['draft_us_p99']:.0f}"
+                         + of_bound)
+        lines += ["", "Copy bound: the tau of a drafter that knows the target and copies the longest run of it that "
+                  "occurs in the index, the request so far or an earlier replayed turn (bench/copy_bound.py); no drafter that copies text "
+                  "reaches past it. '1.2x best / bound': how much of that ceiling a drafter 1.2x the best "
+                  "SuffixDecoding setting would need."]
     return "\n".join(lines) + "\n"
 
 

@@ -41,3 +41,26 @@ def test_no_drafter_beats_the_copy_bound(tmp_path):
                     PromptLookupDrafter(max_draft=16)):
         tau = replay(drafter, chain, 16).as_dict()["tau"]
         assert 1.0 < tau <= bound
+
+
+def test_learned_turns_count_only_after_they_were_replayed():
+    # turn 0 generates [5,6,7,8]; turn 1 (another request, its own context) copies it only with learn
+    turns = [_turn([1, 2], [5, 6, 7, 8]), _turn([3, 4], [5, 6, 7, 8])]
+    assert copy_bound([turns], [], 16).draft_lengths == [0, 0, 0, 0, 0, 0, 0, 0]
+    s = copy_bound([turns], [], 16, learn=True)
+    assert s.draft_lengths == [0, 0, 0, 0, 4]  # the second turn copies its whole target in one verify
+    # a later turn's text is never learned early: reversed, the first turn still copies nothing
+    s = copy_bound([turns[::-1]], [], 16, learn=True)
+    assert s.draft_lengths[:4] == [0, 0, 0, 0]
+
+
+def test_no_learning_drafter_beats_the_learned_bound():
+    rng = np.random.default_rng(1)
+    phrases = [rng.integers(10, 60, size=rng.integers(3, 12)).tolist() for _ in range(6)]
+    turns = [_turn(sum((phrases[i] for i in rng.integers(0, 6, size=3)), []),
+                   sum((phrases[i] for i in rng.integers(0, 6, size=4)), []) + rng.integers(10, 60, size=2).tolist())
+             for _ in range(20)]
+    bound = copy_bound([turns], [], 16, learn=True).as_dict()["tau"]
+    assert bound > copy_bound([turns], [], 16).as_dict()["tau"]
+    tau = replay(NgramDrafter(None, DrafterConfig(max_draft=16)), turns, 16).as_dict()["tau"]
+    assert 1.0 < tau <= bound
