@@ -187,6 +187,7 @@ def _markdown(r: dict) -> str:
         lines.append(f"| {name} | {s['turns']} | {s['tau']:.2f} | {'-' if bare is None else f'{bare:.2f}'} | "
                      f"{pl['tau']:.2f} | {g['tau_ratio']:.2f}x | "
                      f"{s['acceptance_rate']:.2f} | {pl['acceptance_rate']:.2f} | {s['draft_us_p50']:.0f} | {s['draft_us_p99']:.0f} |")
+    lines += ["", "'Without tool schema': the same drafter with `--no-tool-schema` (server/tool_schema.py off)."]
     peers = [(name, g["suffix_decoding_settings"]) for name, g in r["replay"].items() if "suffix_decoding_settings" in g]
     if peers:
         names = list(peers[0][1])

@@ -42,7 +42,12 @@ SECTIONS = [
     ("The GPU verify cost curve to 64 tokens (E4B shape, int4, H200)",
      "python -m bench.gpu_cost_curve (on the GPU machine)", "gpu_cost_curve.md", []),
     ("GPU memory with one int4 layout: E4B shape at 8k and 32k context under a 5 GiB cap (H200)",
-     "python -m bench.gpu_memory (on the GPU machine)", "gpu_memory.md", []),
+     "python -m bench.gpu_memory (on the GPU machine)`; the old configuration beside it:\n"
+     "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
+    ("The fast-path step, one step-attention launch a layer instead of two (E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab.md", []),
+    ("The fast-path step, before and after fusing its norm kernels (E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-norms.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
      "gpu_projection.md", []),
 ]

@@ -1,0 +1,70 @@
+"""The GPU step matmul's kernel (server/gpu_kernels.py `_small_m_kernel`, via server/small_m_matmul.py)
+run by Triton's interpreter on the CPU, against a float64 reference: dense weights, 1 to 64 rows,
+split-K and not, inputs with a row stride wider than K (a column slice of a wider tensor).
+
+Why: CI has no GPU, so tests/test_step_kernel_rows.py skips there; this checks the kernel's index
+arithmetic (row tiles, K slices, the partials' sum in slice order, row strides) on every
+CI run. The interpreter computes in numpy and does not emulate bfloat16, so the inputs are float32
+and the int4 decoding (bf16 bit tricks) is left to the CUDA tests. Runs in a subprocess:
+TRITON_INTERPRET must be set before the kernels are defined.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# (N, K, rows, split target): target_programs 1 keeps one K slice, 64 cuts K into several
+CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 5, 16, 40, 64) for target in (1, 64)]
+
+
+def test_small_m_kernel_rows_and_slices():
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.count("ok") == len(CASES), run.stdout[-2000:]
+
+
+def _interpreter_takes_numpy_2_scalars() -> None:
+    """The interpreter reads a kernel's integer arguments as 1-element arrays and turns one into a
+    Python int with int(array), which numpy 2 refuses for arrays of one dimension (the kernel's
+    `range(0, k_per_split // BLOCK_K)`); read the element instead."""
+    import triton.runtime.interpreter as interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _main() -> int:
+    import torch
+
+    _interpreter_takes_numpy_2_scalars()
+    from server.small_m_matmul import SmallMLinear
+
+    for n, k, m, target in CASES:
+        g = torch.Generator().manual_seed(n + k + m)
+        w = torch.randn(n, k, generator=g)
+        lin = SmallMLinear(w, None, None, n, k, target_programs=target)
+        wide = torch.randn(m, k + 8, generator=g)  # the input is wide[:, :k]: rows k + 8 apart
+        got = lin(wide[:, :k])
+        want = wide[:, :k].double() @ w.double().t()
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-5, (n, k, m, target, lin.split, err)
+        assert target == 1 or lin.split > 1
+        print("ok", n, k, m, lin.split)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
