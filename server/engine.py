@@ -205,6 +205,7 @@ class Engine:
 
     def _lanes_of(self, backend: Backend) -> list:
         from server.cpu_backend import CpuBackend
+        from server.fast_path import FastTarget
 
         asked = self.config.parallel
         if isinstance(backend, CpuBackend):
@@ -213,9 +214,17 @@ class Engine:
                 self.notes.append(f"parallel: {n} requests at once, their steps batched into shared forwards "
                                   "(--parallel to change)")
             return backend.lanes(n)
+        if isinstance(backend, FastTarget) and asked is not None and asked > 1:
+            # Only when asked: each lane holds a cache of the first one's size (the planner does not
+            # yet share the card between lanes) and batched steps run uncaptured (server/fast_batch.py).
+            from server.fast_batch import fast_lanes
+
+            self.notes.append(f"parallel: {asked} requests at once on the fast path, each with a cache of its own, "
+                              "their steps batched into shared forwards")
+            return fast_lanes(backend, int(asked))
         if asked is not None and asked > 1:
             self.notes.append(f"parallel: {type(backend).__name__} serves one request at a time "
-                              f"(--parallel {asked} needs the CPU int8 path)")
+                              f"(--parallel {asked} needs the CPU int8 path or the GPU fast path)")
         return [backend]
 
     def _cost_curve(self) -> np.ndarray:
@@ -319,8 +328,9 @@ class Engine:
             ple.to("cpu")
             torch.cuda.empty_cache()
         buckets = step_buckets(cfg.max_draft)  # only the steps this engine's drafts can take
+        lanes = max(1, int(cfg.parallel or 1))  # --parallel N: N lanes, each with a cache (server/fast_batch.py)
         plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget, cfg.gpu_memory_bytes,
-                                buckets)
+                                buckets, lanes=lanes)
         # A padded step may write up to one bucket past the last committed position: room for it.
         fast = FastTarget(self.model, max_len=plan.context + buckets[-1], buckets=buckets,
                           min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes,

@@ -57,6 +57,7 @@ past the committed position, where masks hide them until they are overwritten.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -277,6 +278,7 @@ class FastMemoryPlan:
     prefill_dense: bool = False                # keep a dense bf16 copy of the int4 weights for prefill
     reserve: int = 0                           # bytes set aside for what does not grow with the context
     per_pos: int = 0                           # bytes per context position (KV, step attention scratch, RoPE)
+    lanes: int = 1                             # FastTargets planned for (reserve and per_pos count them all)
 
 
 GIB = 2**30
@@ -296,14 +298,18 @@ def _int4_weights(model) -> int:
     return n
 
 
-def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int = DEFAULT_PREFILL_ROWS) -> tuple[int, int]:
+def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int = DEFAULT_PREFILL_ROWS,
+                      lanes: int = 1) -> tuple[int, int]:
     """(bytes per context position, bytes that do not grow with the context) the fast path adds to
     the loaded weights on the GPU, from the model's shape: per position the full layers' K/V, the
     step attention's fp32 scratch (server/step_attention.py: per key chunk and query row) and the
     RoPE tables; fixed: prefill's activations for a piece of `prefill_rows` tokens (hidden states,
     per-layer inputs, q, the MLP, attention scores), its dequantization scratch (the largest int4
     linear), the graphs' shared logits and their pool, the split-K scratch, the sliding rings. The
-    int4 weights are counted once: the step layout replaces quanto's (released as it is built)."""
+    int4 weights are counted once: the step layout replaces quanto's (released as it is built).
+    `lanes` FastTargets over the weights (server/fast_batch.py) each hold the per-position part,
+    the dequantization, split-K and graph buffers and a ring; prefill's activations are counted
+    once (one lane prefills at a time)."""
     from server.fast_prefill import score_budget
     from server.step_attention import BLOCK_R, _block_s
 
@@ -345,12 +351,12 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
     # cuBLAS workspaces
     graphs = sum(max(2, b) for b in buckets) * vocab * elt + 64 * 2**20
     split_k = 16 * 2**20
-    fixed = prefill_rows * per_row + scores + dequant + graphs + split_k + ring_bytes
-    return max(per_pos, 1), int(fixed)
+    fixed = prefill_rows * per_row + scores + lanes * (dequant + graphs + split_k + ring_bytes)
+    return max(per_pos, 1) * lanes, int(fixed)
 
 
 def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None,
-                     gpu_memory: int | None = None, buckets: tuple = DEFAULT_BUCKETS) -> FastMemoryPlan:
+                     gpu_memory: int | None = None, buckets: tuple = DEFAULT_BUCKETS, lanes: int = 1) -> FastMemoryPlan:
     """Size the fast path from free GPU memory, or from `gpu_memory` (bytes this process may hold
     on the GPU in all, the loaded weights included: --gpu-memory-mb): the model's whole context
     when it fits (or `cap`), after a reserve for what does not grow with the context
@@ -359,18 +365,25 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     of the room (the prefix cache gets the rest, as before), and prefill keeps a dense bf16 copy of
     the int4 weights when it takes under a quarter of free memory; under a cap the context comes
     first: prefill runs in the largest pieces (8192, 4096, 2048 or 1024 tokens) that let the asked
-    context fit, and the dense copy is kept only if it still fits beside that context."""
+    context fit, and the dense copy is kept only if it still fits beside that context. `lanes`: that
+    many FastTargets over the weights (server/fast_batch.py), each with its own cache, scratch and
+    graphs: all of them fit, at one context."""
     dev = next(model.parameters()).device
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)  # the loaded weights (host tables excluded: not here)
     context = min(max_context, cap or max_context)
     rows = DEFAULT_PREFILL_ROWS
-    per_pos, fixed = fast_memory_needs(model, buckets, prefill_rows=rows)
+    lanes = max(1, int(lanes))
+
+    def needs(rows: int) -> tuple[int, int]:
+        return fast_memory_needs(model, buckets, prefill_rows=rows, lanes=lanes)
+
+    per_pos, fixed = needs(rows)
     if gpu_memory is not None:  # the largest prefill piece that lets the whole asked context fit
         room = min(free, int(gpu_memory) - held)
         while rows > SMALL_PREFILL_ROWS and room - fixed < per_pos * context:
             rows //= 2
-            per_pos, fixed = fast_memory_needs(model, buckets, prefill_rows=rows)
+            per_pos, fixed = needs(rows)
     dense = 2 * _int4_weights(model)
     if gpu_memory is None:
         reserve = fixed + int(0.05 * total)
@@ -384,6 +397,11 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     else:
         reserve = fixed
         room = min(free, int(gpu_memory) - held) - reserve
+        if lanes > 1 and per_pos * 1024 > room:
+            raise ValueError(f"{lanes} lanes (--parallel {lanes}) do not fit the fast path under a cap of "
+                             f"{gpu_memory / GIB:.2f} GiB: each needs its own cache and buffers, "
+                             f"{(per_pos * 1024 + reserve) / GIB:.2f} GiB for 1024 tokens of context beside "
+                             f"{held / GIB:.2f} GiB of weights; ask for fewer lanes or more memory")
         if per_pos * context > room:
             context = max(1024, int(room / per_pos) // 1024 * 1024)
         use_dense = dense > 0 and room - per_pos * context >= dense
@@ -395,10 +413,11 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     budget = int(0.4 * left) if prefix_bytes is None else int(prefix_bytes)
     if gpu_memory is not None:
         budget = min(budget, left)  # kept sequences live on the GPU too: inside the cap
-    note = (f"{what}; static KV and step scratch {per_pos * context / GIB:.2f} GiB for {context} tokens; "
+    note = (f"{what}; static KV and step scratch {per_pos * context / GIB:.2f} GiB for {context} tokens"
+            + (f" in {lanes} lanes" if lanes > 1 else "") + "; "
             f"reserve {reserve / GIB:.2f} GiB (prefill in pieces of {rows} tokens, graphs, scratch)"
             + (f"; dense prefill copy {dense / GIB:.2f} GiB" if use_dense else ""))
-    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos)
+    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos, lanes)
 
 
 class FastTarget:
@@ -407,7 +426,13 @@ class FastTarget:
                  fuse: bool | None = None, fuse_proj: bool = True, step_kernels: bool | None = None,
                  prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
                  prefill_dense: bool | None = None, ple_on_host: bool = False,
-                 prefill_rows: int = DEFAULT_PREFILL_ROWS, release_weights: bool = True):
+                 prefill_rows: int = DEFAULT_PREFILL_ROWS, release_weights: bool = True,
+                 prefix_store=None):
+        # what another lane over this model is built with (server/fast_batch.py)
+        self.settings = dict(max_len=max_len, buckets=buckets, prefill_chunk=prefill_chunk, capture=capture,
+                             min_kv_len=min_kv_len, fuse=fuse, fuse_proj=fuse_proj, step_kernels=step_kernels,
+                             checkpoint_every=checkpoint_every, prefill_dense=prefill_dense, ple_on_host=ple_on_host,
+                             prefill_rows=prefill_rows, release_weights=release_weights)
         lm = model
         self.model = model
         text = lm.model
@@ -482,7 +507,9 @@ class FastTarget:
                                         default=-1)
         from server.fast_prefix import DEFAULT_CHECKPOINT_EVERY, FastPrefixCache
         self.checkpoint_every = checkpoint_every or DEFAULT_CHECKPOINT_EVERY
-        self.prefix = FastPrefixCache(self, prefix_budget_bytes, self.checkpoint_every)
+        self.prefix = FastPrefixCache(self, prefix_budget_bytes, self.checkpoint_every, store=prefix_store)
+        self.batch = None  # server.fast_batch.FastBatch, once fast_lanes made this a lane: steps shared
+        self._joined = False
         self.pos = 0
         self._keep = False
         self._last_step = None  # (start, ids, bucket, parents) of the last step, for keep_path
@@ -699,34 +726,37 @@ class FastTarget:
 
     # ------------------------------------------------------------ the forward
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False,
+                 segments: list["Segment"] | None = None, ple_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T]; writes their K/V.
         `step`: a decode/verify step (a chain, or a tree described by anc_buf and path_buf; positions by depth,
         row j's K/V at slot pos[0] + j), run on the step kernels when they are on. Otherwise the
-        positions are consecutive."""
+        positions are consecutive.
+
+        `segments`: the rows belong to several sequences, each a FastTarget over this model's weights
+        with a cache of its own (server/fast_batch.py): segment s's rows lo..hi-1 are a step of
+        s.target at its kv_len, read its anc_buf / path_buf, write and attend to its cache only.
+        Default: every row is this target's, at `kv_len`. Everything but the cache writes and the
+        attention runs once over all rows, and is per row (the step kernels are batch-invariant),
+        so a sequence's logits do not depend on the others. `ple_rows`: the per-layer embedding
+        rows of a step whose table is on the host (default: this target's ple_buf)."""
         ops = self.ops
         T = ids.shape[0]
         from_buffers = step  # a step()'s inputs: the per-layer rows are in ple_buf (a graph cannot gather on the host)
         step = step and self.step_kernels
+        segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
         h = self.embed(ids)                                              # [T, hidden]
         if self.ple_dim:
-            rows = self.ple_buf[:T] if (from_buffers and self.ple_on_host) else self.embed_ple(ids)
+            if from_buffers and self.ple_on_host:
+                rows = self.ple_buf[:T] if ple_rows is None else ple_rows
+            else:
+                rows = self.embed_ple(ids)
             tok = rows.reshape(T, self.n_layers, self.ple_dim)
             proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers, self.ple_dim)
             ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), self.ple_norm.eps, tok,
                                  self.ple_input_scale)
-        # Where each row writes: pos[0] + row for a step (equal to pos for a chain), pos otherwise.
-        wpos = pos[:1] + self.row_index[:T] if from_buffers else pos
-        anc = self.anc_buf[:T]
-        # Sliding layers: record which position each written ring slot now holds (the write position,
-        # as a chain would: a tree's slot_pos is then what a chain step and a rollback leave).
-        slots = wpos % self.ring
-        self.slot_pos.index_copy_(0, slots, wpos)
-        if not step:  # the step kernels mask by position themselves
-            if from_buffers:
-                sliding_mask, full_mask = ops.step_masks(self.slot_pos, self.full_pos[:kv_len], pos, anc, self.window)
-            else:
-                sliding_mask, full_mask = ops.masks(self.slot_pos, self.full_pos[:kv_len], pos, self.window)
+        for seg in segments:
+            seg.prepare(pos, from_buffers, step, ops)
         cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
                    for s, (c, n) in self.rope.items()}
 
@@ -756,21 +786,12 @@ class FastTarget:
             if layer.source == layer.index:  # q, k and v normed (q and k rotated) in one kernel
                 q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), attn.q_norm.eps, _w(attn.k_norm),
                                             attn.k_norm.eps, _w(attn.v_norm), attn.v_norm.eps, cos, sin)
-                where = slots if layer.sliding else wpos
-                self.k_cache[layer.index].index_copy_(1, where, k.transpose(0, 1))
-                self.v_cache[layer.index].index_copy_(1, where, v.transpose(0, 1))
+                for seg in segments:
+                    seg.write_kv(layer, k, v)
             else:
                 q = ops.norm_rope(q_raw, _w(attn.q_norm), attn.q_norm.eps, cos, sin)
-            kc, vc = self.k_cache[layer.source], self.v_cache[layer.source]
-            if step:
-                a = self.step_attention[D](q, kc, vc, kv_len, pos, self.slot_pos if layer.sliding else None,
-                                           self.window, attn.scaling, self.path_buf)
-            else:
-                if layer.sliding:
-                    mask = sliding_mask
-                else:
-                    kc, vc, mask = kc[:, :kv_len], vc[:, :kv_len], full_mask
-                a = _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
+            parts = [seg.attend(layer, q, pos, step, ops) for seg in segments]
+            a = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = ops.residual_norm_rms(h, layer.o(a), _w(hf.post_attention_layernorm),
                                          hf.post_attention_layernorm.eps, None,
                                          _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
@@ -831,9 +852,13 @@ class FastTarget:
         self.pos, self._keep = begin, reuse
         self._last_step = None
         t0 = time.perf_counter()
+        if self.batch is not None and not self._joined:  # the other lanes' steps may wait for this one's
+            self.batch.join()
+            self._joined = True
         for at in range(begin, len(prompt_ids), self.prefill_rows):
             piece = prompt_ids[at:at + self.prefill_rows]
-            logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
+            with self.batch.lock if self.batch is not None else nullcontext():  # the other lanes' steps run between pieces
+                logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
         self.prefix.note_written(begin, prompt[begin:], len(prompt) - begin)
         self.pos = len(prompt_ids)
         self.timings.prefill_s += time.perf_counter() - t0
@@ -847,9 +872,21 @@ class FastTarget:
         if len(tokens) != self.pos:
             raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {self.pos}")
         self.prefix.finish(self.pos, generated, self._keep)
+        self._leave()
 
     def discard(self) -> None:
         self.prefix.discard()
+        self._leave()
+
+    @property
+    def batcher(self):
+        """The StepBatcher of the lanes this target is one of (its counters: /metrics), else None."""
+        return self.batch.batcher if self.batch is not None else None
+
+    def _leave(self) -> None:
+        if self._joined:
+            self._joined = False
+            self.batch.leave()
 
     def prefix_summary(self) -> dict | None:
         return self.prefix.summary()
@@ -865,7 +902,29 @@ class FastTarget:
     def step(self, ids: list[int], parents: list[int] | None = None) -> torch.Tensor:
         """Append 1..max_bucket tokens at the current position; their logits [n, vocab]. With
         `parents`, the rows are a token tree (see the module docstring and server/backend.py); a
-        row's logits equal those of the chain of its root path, bit for bit on the step kernels."""
+        row's logits equal those of the chain of its root path, bit for bit on the step kernels.
+        A lane (server/fast_batch.py) hands its step to the lanes' batcher, which may run it in one
+        forward with the other lanes' steps: the same logits, bit for bit on the step kernels."""
+        if self.batch is not None:
+            return self.batch.step(self, ids, parents)
+        return self.step_alone(ids, parents)
+
+    @torch.no_grad()
+    def step_alone(self, ids: list[int], parents: list[int] | None = None) -> torch.Tensor:
+        """`step` in a forward of this target's rows only (its captured graphs on CUDA)."""
+        n, T, kv_len = self._stage_step(ids, parents)
+        if self.capture:
+            graph, out = self._graph(T, kv_len)
+            graph.replay()
+            logits = out
+        else:
+            logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len, step=True)
+        self._after_step(ids, parents, T)
+        return logits[:n]
+
+    def _stage_step(self, ids: list[int], parents: list[int] | None) -> tuple[int, int, int]:
+        """A step's inputs into the static buffers (ids_buf, pos_buf, anc_buf, path_buf, ple_buf):
+        (tokens, bucket, kv_len). The cache is not touched."""
         n = len(ids)
         T = self._bucket(n)
         self._check_room(self.pos + T)
@@ -892,16 +951,13 @@ class FastTarget:
         self.anc_buf[:T].copy_(self._in_buf[2, :T])
         if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
             self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
-        if self.capture:
-            graph, out = self._graph(T, kv_len)
-            graph.replay()
-            logits = out
-        else:
-            logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len, step=True)
+        return n, T, kv_len
+
+    def _after_step(self, ids: list[int], parents: list[int] | None, T: int) -> None:
+        """What a step that wrote a bucket of T rows leaves: the prefix cache's record, keep_path's, the position."""
         self.prefix.note_written(self.pos, ids, T)
         self._last_step = (self.pos, list(ids), T, None if parents is None else list(parents))
-        self.pos += n
-        return logits[:n]
+        self.pos += len(ids)
 
     @torch.no_grad()
     def keep_path(self, path: list[int]) -> None:
@@ -1000,6 +1056,50 @@ class FastTarget:
         self.pos = saved_pos
         self.slot_pos.copy_(saved_slots)
         return time.perf_counter() - t0
+
+
+class Segment:
+    """Rows lo..hi-1 of a forward: one sequence's, `target`'s (its cache, ring positions, tree
+    buffers), at `kv_len`. The forward's per-sequence work: where its rows write, their masks off
+    the step kernels, their K/V writes and their attention."""
+
+    def __init__(self, target: "FastTarget", lo: int, hi: int, kv_len: int):
+        self.target, self.lo, self.hi, self.kv_len = target, lo, hi, kv_len
+
+    def prepare(self, pos: torch.Tensor, from_buffers: bool, step: bool, ops) -> None:
+        t, n = self.target, self.hi - self.lo
+        rows = pos[self.lo:self.hi]
+        # Where each row writes: rows[0] + row for a step (equal to rows for a chain), rows otherwise.
+        self.wpos = rows[:1] + t.row_index[:n] if from_buffers else rows
+        # Sliding layers: record which position each written ring slot now holds (the write position,
+        # as a chain would: a tree's slot_pos is then what a chain step and a rollback leave).
+        self.slots = self.wpos % t.ring
+        t.slot_pos.index_copy_(0, self.slots, self.wpos)
+        if not step:  # the step kernels mask by position themselves
+            if from_buffers:
+                self.masks = ops.step_masks(t.slot_pos, t.full_pos[:self.kv_len], rows, t.anc_buf[:n], t.window)
+            else:
+                self.masks = ops.masks(t.slot_pos, t.full_pos[:self.kv_len], rows, t.window)
+
+    def write_kv(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        where = self.slots if layer.sliding else self.wpos
+        self.target.k_cache[layer.index].index_copy_(1, where, k[self.lo:self.hi].transpose(0, 1))
+        self.target.v_cache[layer.index].index_copy_(1, where, v[self.lo:self.hi].transpose(0, 1))
+
+    def attend(self, layer: _Layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops) -> torch.Tensor:
+        t, attn = self.target, layer.hf.self_attn
+        kc, vc = t.k_cache[layer.source], t.v_cache[layer.source]
+        q = q[self.lo:self.hi]
+        if step:
+            return t.step_attention[layer.head_dim](q, kc, vc, self.kv_len, pos[self.lo:self.hi],
+                                                    t.slot_pos if layer.sliding else None, t.window, attn.scaling,
+                                                    t.path_buf)
+        sliding_mask, full_mask = self.masks
+        if layer.sliding:
+            mask = sliding_mask
+        else:
+            kc, vc, mask = kc[:, :self.kv_len], vc[:, :self.kv_len], full_mask
+        return _attention(q, kc, vc, mask, attn.scaling, ops.masked_softmax)
 
 
 def tree_rows(parents: list[int], n: int, T: int) -> tuple[np.ndarray, np.ndarray]:

@@ -35,10 +35,13 @@ DEFAULT_CHECKPOINT_EVERY = 4096
 
 
 class FastPrefixCache:
-    def __init__(self, fast, budget_bytes: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY):
+    def __init__(self, fast, budget_bytes: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+                 store: PrefixStore | None = None):
         self.fast = fast
-        self.enabled = budget_bytes > 0
-        self.store = PrefixStore(budget_bytes) if self.enabled else None
+        # `store`: kept sequences shared with other lanes over the same model (server/fast_batch.py;
+        # their caches have the same layout), else a store of this cache's own when budget_bytes > 0.
+        self.store = store if store is not None else (PrefixStore(budget_bytes) if budget_bytes > 0 else None)
+        self.enabled = self.store is not None
         self.checkpoint_every = checkpoint_every
         self.tokens = np.zeros(fast.max_len + fast.max_bucket, dtype=np.int32)  # id at each position
         self.live_len = 0          # the live sequence: positions 0..live_len-1 of the cache
@@ -55,14 +58,15 @@ class FastPrefixCache:
             self.reset()
             return 0
         live_shared = common_prefix(self.tokens[:self.live_len], prompt) if self.live_valid else 0
-        entry, shared = self.store.best(prompt)
-        if entry is not None and shared > live_shared:
-            self._stash_live()
-            self.store.pop(entry)
-            self._restore(entry)
-            live_shared = shared
-        elif self.live_valid and live_shared < self.live_len - self.live_generated:
-            self._stash_live()  # the prompt leaves it inside its prompt: another branch, keep a copy
+        with self.store.lock:  # a store shared by lanes: no other lane takes the entry between best and pop
+            entry, shared = self.store.best(prompt)
+            if entry is not None and shared > live_shared:
+                self._stash_live()
+                self.store.pop(entry)
+                self._restore(entry)
+                live_shared = shared
+            elif self.live_valid and live_shared < self.live_len - self.live_generated:
+                self._stash_live()  # the prompt leaves it inside its prompt: another branch, keep a copy
         start = self._resume(min(live_shared, len(prompt) - 1))
         self.store.record(start, len(prompt) - start)
         self.live_valid = False  # until finish: the live cache is being rewritten

@@ -347,6 +347,28 @@ def test_memory_plan_fits_a_cap(monkeypatch):
     assert big.context == 131072 and big.prefill_dense and big.prefill_rows == fp.DEFAULT_PREFILL_ROWS
 
 
+def test_memory_plan_fits_every_lane(monkeypatch):
+    """With lanes (--parallel on the fast path) every lane's cache and buffers fit the cap together,
+    prefill's activations once (one lane prefills at a time): the context is no longer than one
+    lane's; when not even 1024 tokens a lane fit, the planner refuses and says why."""
+    import server.fast_path as fp
+
+    model, held = _e4b_on_a_pretend_card(monkeypatch)
+    cap = 6 * 2**30
+    one = fp.plan_fast_memory(model, 8192, 8192, 0, cap)
+    for lanes in (2, 3):
+        plan = fp.plan_fast_memory(model, 8192, 8192, 0, cap, lanes=lanes)
+        per_lane, fixed_one = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows)
+        per_pos, fixed = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows, lanes=lanes)
+        assert plan.lanes == lanes and plan.per_pos == per_pos == lanes * per_lane
+        assert fixed_one < fixed < lanes * fixed_one  # prefill's activations counted once
+        assert plan.context <= one.context and plan.prefill_rows <= one.prefill_rows
+        assert held + plan.per_pos * plan.context + plan.reserve <= cap, plan.note
+        assert f"in {lanes} lanes" in plan.note
+    with pytest.raises(ValueError, match="do not fit"):
+        fp.plan_fast_memory(model, 32768, 32768, 0, cap, lanes=16)
+
+
 def test_step_buckets_stop_at_the_first_that_holds_a_step():
     """A FastTarget gets the buckets its engine's drafts can use: the pending token and up to
     max_draft drafted tokens fit the last one, and none past it (each costs graphs and scratch)."""

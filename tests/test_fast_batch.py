@@ -1,0 +1,178 @@
+"""Lanes of the GPU fast path (server/fast_batch.py): several requests' steps in one forward.
+
+On the CPU (fp32, no step kernels, uncaptured) a stacked forward rounds its matmuls differently from
+a lone one, so these check closeness of the logits and equality of the tokens; on CUDA with the step
+kernels the logits are equal bit for bit (the CUDA tests). Chains and trees, prompts past the sliding
+window, rejected drafts, the engine with --parallel, and a prefix cache shared by the lanes.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from server.fast_batch import FastBatch, LaneStep, fast_lanes
+from server.fast_path import FastTarget
+from tests.test_engine_lossless import engine_for, prompts_for, run, tiny_gemma4
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_gemma4(seed=5)
+
+
+def cpu_target(model, **kw) -> FastTarget:
+    return FastTarget(model, max_len=256, prefill_chunk=16, capture=False, min_kv_len=16, **kw)
+
+
+def steps_of(vocab: int, seed: int) -> list[tuple[list[int], list[int] | None]]:
+    """Three steps of one lane: a chain of 1, a tree of 5 (two branches), a chain of 7."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()
+    return [(ids(1), None), (ids(5), [-1, 0, 1, 0, 3]), (ids(7), None)]
+
+
+def test_batched_steps_match_each_lane_alone_cpu(tiny):
+    vocab = tiny.config.vocab_size
+    prompts = prompts_for(vocab, (5, 20, 45), seed=1)  # the window is 8: two prompts run past it
+    lanes = fast_lanes(cpu_target(tiny), 3)
+    alone = [cpu_target(tiny) for _ in prompts]
+    for lane, solo, prompt in zip(lanes, alone, prompts):
+        a, b = lane.start(prompt, reuse=False).logits, solo.start(prompt, reuse=False).logits
+        assert torch.equal(a, b)
+    batch = lanes[0].batch
+    assert isinstance(batch, FastBatch) and all(lane.batch is batch for lane in lanes)
+    plans = [steps_of(vocab, seed) for seed in range(3)]
+    for k in range(3):
+        got = batch.forward_batch([LaneStep(lane, *plan[k]) for lane, plan in zip(lanes, plans)])
+        for i, (solo, plan) in enumerate(zip(alone, plans)):
+            want = solo.step(*plan[k])
+            assert got[i].shape == want.shape
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got[i].argmax(-1), want.argmax(-1)), (k, i)
+            if plan[k][1] is not None:  # a tree: keep one root path, as a verify would
+                lanes[i].keep_path([0, 1, 2])
+                solo.keep_path([0, 1, 2])
+            assert lanes[i].position == solo.position
+        lanes[1].rollback(1)  # a rejected draft token in one lane only
+        alone[1].rollback(1)
+
+
+def greedy(backend, prompt: list[int], n: int, draft_every: int = 3) -> list[int]:
+    """Greedy tokens with 2-token guesses every few steps (wrong ones rolled back), through
+    start / step / rollback / finish as the engine calls them."""
+    out = [int(backend.start(prompt, reuse=True).logits.argmax())]
+    while len(out) < n:
+        guess = [out[-1], (out[-1] * 7 + 3) % 500 + 3, out[-1]] if len(out) % draft_every == 0 else [out[-1]]
+        logits = backend.step(guess)
+        target = logits.argmax(-1).tolist()
+        k = 0
+        while k < len(guess) - 1 and guess[k + 1] == target[k]:
+            k += 1
+        backend.rollback(len(guess) - 1 - k)
+        out += guess[1:k + 1] + [target[k]]
+    out = out[:n]
+    backend.rollback(backend.position - len(prompt) - len(out) + 1)
+    backend.finish(list(prompt) + out[:-1], len(out) - 1)
+    return out
+
+
+def test_lanes_in_threads_give_each_request_its_solo_tokens_cpu(tiny):
+    vocab = tiny.config.vocab_size
+    prompts = prompts_for(vocab, (4, 9, 17, 30, 12, 25), seed=2)
+    solo = cpu_target(tiny)
+    want = [greedy(solo, p, 24) for p in prompts]
+    lanes = fast_lanes(cpu_target(tiny), 4)
+    got: dict[int, list[int]] = {}
+    free = list(lanes)
+    lock = threading.Lock()
+
+    def worker(i: int, prompt: list[int]) -> None:
+        with lock:
+            lane = free.pop()
+        try:
+            got[i] = greedy(lane, prompt, 24)
+        finally:
+            with lock:
+                free.append(lane)
+
+    threads = [threading.Thread(target=worker, args=(i, p)) for i, p in enumerate(prompts[:4])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(prompts[4:], start=4):  # then more, on lanes that served one already
+        worker(i, p)
+    assert [got[i] for i in range(len(prompts))] == want
+    summary = lanes[0].batcher.summary()
+    assert summary["forwards"] > 0 and summary["peak_sequences"] >= 2, summary
+    assert summary["members"] == 0  # every request left the rendezvous
+
+
+def test_engine_parallel_on_the_fast_path_equals_solo_cpu(tiny):
+    vocab = tiny.config.vocab_size
+    prompts = prompts_for(vocab, (6, 15, 28, 40), seed=3)
+    solo = engine_for(tiny, backend=cpu_target(tiny))
+    want = [run(solo, p, max_tokens=20, draft=False)[0] for p in prompts]
+    engine = engine_for(tiny, backend=cpu_target(tiny), parallel=4)
+    assert engine.parallel == 4 and any("parallel: 4" in n for n in engine.notes)
+    got: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: got.__setitem__(i, run(engine, p, max_tokens=20, draft=False)[0]))
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(prompts))] == want
+    assert engine.batch_summary()["forwards"] > 0
+
+
+def test_lanes_share_the_prefix_cache_cpu(tiny):
+    """A conversation kept by one lane is resumed by another: the store is shared."""
+    vocab = tiny.config.vocab_size
+    first = cpu_target(tiny, prefix_budget_bytes=1 << 24)
+    lanes = fast_lanes(first, 2)
+    assert lanes[1].store is lanes[0].store
+    prompt = prompts_for(vocab, (30,), seed=4)[0]
+    reply = greedy(lanes[0], prompt, 10)
+    lanes[0].start(prompts_for(vocab, (12,), seed=5)[0], reuse=True)  # lane 0 moves on: its sequence is kept
+    lanes[0].discard()
+    follow = prompt + reply[:-1] + [7, 8, 9]
+    reused = lanes[1].start(follow, reuse=True).reused
+    assert reused >= len(prompt)  # resumed from the kept sequence, not prefilled from 0
+    ref = cpu_target(tiny)
+    torch.testing.assert_close(lanes[1].step([5]), (ref.start(follow, reuse=False), ref.step([5]))[1],
+                               rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lanes_n", [2, 8])
+def test_batched_steps_equal_each_lane_alone_cuda(lanes_n):
+    """On the step kernels a lane's logits in a shared forward are its lone step's, bit for bit,
+    chains and trees, 2 and 8 lanes (at most 64 rows a forward: 8 lanes' trees take two). Uncaptured
+    both ways (a captured step equals an uncaptured one: tests/test_fast_path.py)."""
+    from tests.test_fast_path import cuda_model
+
+    model = cuda_model(torch.bfloat16, quant=True)
+    vocab = model.config.vocab_size
+    make = lambda: FastTarget(model, max_len=512, prefill_chunk=64, min_kv_len=64, buckets=(2, 4, 8, 16),
+                              capture=False)
+    lanes = fast_lanes(make(), lanes_n)
+    alone = [make() for _ in range(lanes_n)]
+    prompts = prompts_for(vocab, [7 + 23 * i for i in range(lanes_n)], seed=6)
+    for lane, solo, prompt in zip(lanes, alone, prompts):
+        assert torch.equal(lane.start(prompt, reuse=False).logits, solo.start(prompt, reuse=False).logits)
+    plans = [steps_of(vocab, seed) for seed in range(lanes_n)]
+    for k in range(3):
+        got = lanes[0].batch.forward_batch([LaneStep(lane, *plan[k]) for lane, plan in zip(lanes, plans)])
+        for i, (solo, plan) in enumerate(zip(alone, plans)):
+            assert torch.equal(got[i], solo.step(*plan[k])), (k, i)
+            if plan[k][1] is not None:
+                lanes[i].keep_path([0, 1, 2])
+                solo.keep_path([0, 1, 2])
