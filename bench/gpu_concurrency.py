@@ -49,8 +49,9 @@ def build(tiny: bool, max_len: int):
     model = build_model(quant=True)
     model.model.embed_tokens_per_layer.to("cpu")
     torch.cuda.empty_cache()
-    return FastTarget(model, max_len=max_len, min_kv_len=1024, ple_on_host=True,
-                      buckets=(2, 4, 8, 16)), model.config.vocab_size
+    fast = FastTarget(model, max_len=max_len, min_kv_len=1024, ple_on_host=True, buckets=(2, 4, 8, 16))
+    fast.warmup()  # its graphs now, not inside the streams' threads (fast_lanes warms the other lanes)
+    return fast, model.config.vocab_size
 
 
 def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 15) -> tuple[list[int], float]:

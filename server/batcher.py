@@ -116,7 +116,8 @@ class StepBatcher:
         total = sum(p.rows.ids.shape[0] for p in batch)
         for p, logits in zip(batch, outs):
             p.logits, p.others, p.done = logits, (len(batch) - 1, total - p.rows.ids.shape[0]), True
-        seconds = time.perf_counter() - t0
+        # A model may say how long its forwards took, less any wait for a lock (server/fast_batch.py).
+        seconds = getattr(self.model, "last_forward_s", None) or (time.perf_counter() - t0)
         self._forward_s = seconds if self.forwards == 0 else 0.8 * self._forward_s + 0.2 * seconds
         if self.fixed_linger is None:
             self.linger_s = min(LINGER_MAX_S, max(LINGER_MIN_S, self._forward_s))

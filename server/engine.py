@@ -215,8 +215,8 @@ class Engine:
                                   "(--parallel to change)")
             return backend.lanes(n)
         if isinstance(backend, FastTarget) and asked is not None and asked > 1:
-            # Only when asked: each lane holds a cache of the first one's size (the planner does not
-            # yet share the card between lanes) and batched steps run uncaptured (server/fast_batch.py).
+            # Only when asked: each lane holds a cache of its own (the planner fitted them all) and
+            # batched steps run uncaptured, unmeasured on a GPU yet (server/fast_batch.py).
             from server.fast_batch import fast_lanes
 
             self.notes.append(f"parallel: {asked} requests at once on the fast path, each with a cache of its own, "

@@ -28,6 +28,7 @@ measurement. The engine builds lanes on the fast path only when asked (`--parall
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import torch
@@ -63,12 +64,17 @@ class FastBatch:
         self.batcher.leave()
 
     def step(self, lane, ids: list[int], parents: list[int] | None) -> torch.Tensor:
-        """The lane's step logits, from a forward that may carry other lanes' steps."""
+        """The lane's step logits, from a forward that may carry other lanes' steps. A step that
+        cannot run (too many tokens, past the cache) is refused here, before it joins a forward
+        that other lanes' steps share."""
+        lane._check_room(lane.pos + lane._bucket(len(ids)))
         return self.batcher.run(LaneStep(lane, ids, parents))[0]
 
     @torch.no_grad()
     def forward_batch(self, steps: list[LaneStep]) -> list[torch.Tensor]:
-        """Each step's logits [its tokens, vocab], in order; as many forwards as the rows need."""
+        """Each step's logits [its tokens, vocab], in order; as many forwards as the rows need.
+        `last_forward_s`: their time, without waiting for the lock (the batcher's linger reads it)."""
+        self.last_forward_s = 0.0
         out: list[torch.Tensor | None] = [None] * len(steps)
         group: list[int] = []
         rows = 0
@@ -84,29 +90,36 @@ class FastBatch:
         return out
 
     def _run(self, steps: list[LaneStep], group: list[int], out: list) -> None:
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                self._run_locked(steps, group, out)
+            finally:  # the forward's own time, not the wait for a prefill piece (the batcher's linger)
+                self.last_forward_s += time.perf_counter() - t0
+
+    def _run_locked(self, steps: list[LaneStep], group: list[int], out: list) -> None:
         from server.fast_path import Segment
 
-        with self.lock:
-            if len(group) == 1:  # alone: the lane's own path (its captured graphs on CUDA)
-                s = steps[group[0]]
-                out[group[0]] = s.lane.step_alone(s.ids.tolist(), s.parents)
-                return
-            segments, lo = [], 0
-            for i in group:
-                s = steps[i]
-                n, T, kv_len = s.lane._stage_step(s.ids.tolist(), s.parents)
-                segments.append(Segment(s.lane, lo, lo + T, kv_len))
-                lo += T
-            leader = steps[group[0]].lane
-            ids = torch.cat([seg.target.ids_buf[:seg.hi - seg.lo] for seg in segments])
-            pos = torch.cat([seg.target.pos_buf[:seg.hi - seg.lo] for seg in segments])
-            ple = (torch.cat([seg.target.ple_buf[:seg.hi - seg.lo] for seg in segments])
-                   if leader.ple_on_host else None)
-            logits = leader._forward(ids, pos, None, step=True, segments=segments, ple_rows=ple)
-            for i, seg in zip(group, segments):
-                s = steps[i]
-                s.lane._after_step(s.ids.tolist(), s.parents, seg.hi - seg.lo)
-                out[i] = logits[seg.lo:seg.lo + len(s.ids)]
+        if len(group) == 1:  # alone: the lane's own path (its captured graphs on CUDA)
+            s = steps[group[0]]
+            out[group[0]] = s.lane.step_alone(s.ids.tolist(), s.parents)
+            return
+        segments, lo = [], 0
+        for i in group:
+            s = steps[i]
+            n, T, kv_len = s.lane._stage_step(s.ids.tolist(), s.parents)
+            segments.append(Segment(s.lane, lo, lo + T, kv_len))
+            lo += T
+        leader = steps[group[0]].lane
+        ids = torch.cat([seg.target.ids_buf[:seg.hi - seg.lo] for seg in segments])
+        pos = torch.cat([seg.target.pos_buf[:seg.hi - seg.lo] for seg in segments])
+        ple = (torch.cat([seg.target.ple_buf[:seg.hi - seg.lo] for seg in segments])
+               if leader.ple_on_host else None)
+        logits = leader._forward(ids, pos, None, step=True, segments=segments, ple_rows=ple)
+        for i, seg in zip(group, segments):
+            s = steps[i]
+            s.lane._after_step(s.ids.tolist(), s.parents, seg.hi - seg.lo)
+            out[i] = logits[seg.lo:seg.lo + len(s.ids)]
 
 
 def fast_lanes(fast, n: int) -> list:
@@ -115,7 +128,14 @@ def fast_lanes(fast, n: int) -> list:
         return [fast]
     from server.fast_path import FastTarget
 
-    lanes = [fast] + [FastTarget(fast.model, **fast.settings, prefix_store=fast.store) for _ in range(n - 1)]
+    if fast.device.type == "cuda" and not fast.step_kernels:
+        raise ValueError(f"lanes need the batch-invariant step kernels ({fast.step_kernel_note}): without them a "
+                         "request's output would depend on the requests beside it")
+
+    # The others prefill through the shared dequantization scratch (bit for bit what a dense copy
+    # gives: tests/test_small_m_layout.py): one dense copy of the weights is enough for the card.
+    settings = dict(fast.settings, prefill_dense=False)
+    lanes = [fast] + [FastTarget(fast.model, **settings, prefix_store=fast.store) for _ in range(n - 1)]
     for lane in lanes[1:]:
         lane.warmup()  # its own graphs, as the first lane's were captured at start-up
     batch = FastBatch(lanes)

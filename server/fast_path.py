@@ -852,13 +852,13 @@ class FastTarget:
         self.pos, self._keep = begin, reuse
         self._last_step = None
         t0 = time.perf_counter()
-        if self.batch is not None and not self._joined:  # the other lanes' steps may wait for this one's
-            self.batch.join()
-            self._joined = True
         for at in range(begin, len(prompt_ids), self.prefill_rows):
             piece = prompt_ids[at:at + self.prefill_rows]
             with self.batch.lock if self.batch is not None else nullcontext():  # the other lanes' steps run between pieces
                 logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
+        if self.batch is not None and not self._joined:  # from now on the other lanes' steps wait (a while) for ours
+            self.batch.join()
+            self._joined = True
         self.prefix.note_written(begin, prompt[begin:], len(prompt) - begin)
         self.pos = len(prompt_ids)
         self.timings.prefill_s += time.perf_counter() - t0
@@ -869,10 +869,13 @@ class FastTarget:
         return self.start(prompt_ids, reuse=False).logits
 
     def finish(self, tokens, generated: int) -> None:
-        if len(tokens) != self.pos:
-            raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {self.pos}")
-        self.prefix.finish(self.pos, generated, self._keep)
-        self._leave()
+        try:
+            if len(tokens) != self.pos:
+                raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {self.pos}")
+            # a lane's sequence goes to the shared store too: the next turn may land on another lane
+            self.prefix.finish(self.pos, generated, self._keep, share=self.batch is not None)
+        finally:
+            self._leave()
 
     def discard(self) -> None:
         self.prefix.discard()

@@ -47,6 +47,7 @@ class FastPrefixCache:
         self.live_len = 0          # the live sequence: positions 0..live_len-1 of the cache
         self.live_generated = 0
         self.live_valid = False
+        self.live_stashed = False  # a copy of the live sequence is in the store (until it changes)
         self.max_written = 0
         self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -67,9 +68,10 @@ class FastPrefixCache:
                 live_shared = shared
             elif self.live_valid and live_shared < self.live_len - self.live_generated:
                 self._stash_live()  # the prompt leaves it inside its prompt: another branch, keep a copy
-        start = self._resume(min(live_shared, len(prompt) - 1))
-        self.store.record(start, len(prompt) - start)
+            start = self._resume(min(live_shared, len(prompt) - 1))
+            self.store.record(start, len(prompt) - start)
         self.live_valid = False  # until finish: the live cache is being rewritten
+        self.live_stashed = False
         return start
 
     def note_written(self, start: int, ids, span: int) -> None:
@@ -81,9 +83,14 @@ class FastPrefixCache:
         if self.enabled:
             self.checkpoints.setdefault(c, {})[layer] = (k.clone(), v.clone())
 
-    def finish(self, length: int, generated: int, keep: bool) -> None:
+    def finish(self, length: int, generated: int, keep: bool, share: bool = False) -> None:
+        """The live sequence is complete (`length` positions, the last `generated` generated). With
+        `share` (lanes: server/fast_batch.py) a copy goes to the shared store now, so that the next
+        turn finds it whichever lane serves it; the live cache stays reusable in place too."""
         self.live_len, self.live_generated = length, generated
         self.live_valid = keep and self.enabled and length > 0
+        if share:
+            self._stash_live()
 
     def discard(self) -> None:
         self.live_valid = False
@@ -95,6 +102,7 @@ class FastPrefixCache:
         self.max_written = 0
         self.live_len = self.live_generated = 0
         self.live_valid = False
+        self.live_stashed = False
 
     def summary(self) -> dict | None:
         if not self.enabled:
@@ -132,8 +140,8 @@ class FastPrefixCache:
     # ------------------------------------------------------------ snapshots
 
     def _stash_live(self) -> None:
-        """Keep a copy of the live sequence in the store (when it is valid and fits)."""
-        if not (self.enabled and self.live_valid and self.live_len > 0):
+        """Keep a copy of the live sequence in the store (when it is valid, fits, and is not there yet)."""
+        if not (self.enabled and self.live_valid and self.live_len > 0) or self.live_stashed:
             return
         fast, n = self.fast, self.live_len
         full = [i for i in fast.k_cache if not fast.layers[i].sliding]
@@ -150,7 +158,9 @@ class FastPrefixCache:
                   "checkpoints": dict(self.checkpoints)}
         except torch.OutOfMemoryError:
             return  # no room for a copy now: the sequence is simply not kept
-        self.store.put(KeptSequence(self.tokens[:n].copy(), kv, nbytes, self.live_generated))
+        with self.store.lock:  # lanes share the store (server/fast_batch.py)
+            self.store.put(KeptSequence(self.tokens[:n].copy(), kv, nbytes, self.live_generated))
+        self.live_stashed = True
 
     def _restore(self, entry: KeptSequence) -> None:
         fast, kv, n = self.fast, entry.kv, len(entry.tokens)

@@ -137,15 +137,24 @@ def test_lanes_share_the_prefix_cache_cpu(tiny):
     lanes = fast_lanes(first, 2)
     assert lanes[1].store is lanes[0].store
     prompt = prompts_for(vocab, (30,), seed=4)[0]
-    reply = greedy(lanes[0], prompt, 10)
-    lanes[0].start(prompts_for(vocab, (12,), seed=5)[0], reuse=True)  # lane 0 moves on: its sequence is kept
-    lanes[0].discard()
+    reply = greedy(lanes[0], prompt, 10)  # finish puts a copy in the shared store
+    assert len(lanes[0].store) == 1
     follow = prompt + reply[:-1] + [7, 8, 9]
     reused = lanes[1].start(follow, reuse=True).reused
     assert reused >= len(prompt)  # resumed from the kept sequence, not prefilled from 0
     ref = cpu_target(tiny)
     torch.testing.assert_close(lanes[1].step([5]), (ref.start(follow, reuse=False), ref.step([5]))[1],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_that_cannot_run_is_refused_before_it_joins_a_forward(tiny):
+    lanes = fast_lanes(cpu_target(tiny), 2)
+    lanes[0].start([2, 5, 6], reuse=False)
+    with pytest.raises(ValueError, match="bucket"):
+        lanes[0].step(list(range(3, 3 + lanes[0].max_bucket + 1)))
+    assert lanes[0].batcher.summary()["forwards"] == 0
+    lanes[0].discard()
+    assert lanes[0].batcher.summary()["members"] == 0
 
 
 # ---------------------------------------------------------------- CUDA
