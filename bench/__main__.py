@@ -251,10 +251,9 @@ def long_context(engine, drafter, tok, contexts: list[int], max_tokens: int) -> 
 
 
 def concurrency(index_dir: Path, streams: list[int], max_tokens: int) -> dict:
-    import threading
-
     from openai import OpenAI
 
+    from bench.concurrency import run_at_once
     from bench.server_bench import start_server
     from bench.workloads import prose_requests
 
@@ -273,13 +272,7 @@ def concurrency(index_dir: Path, streams: list[int], max_tokens: int) -> dict:
             out = {}
             for n in streams:
                 results: dict = {}
-                threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(reqs[i]))) for i in range(n)]
-                t0 = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - t0
+                wall = run_at_once([lambda i=i: results.__setitem__(i, ask(reqs[i])) for i in range(n)])
                 tokens = sum(results[i][1] for i in range(n))
                 out[str(n)] = {"throughput_tok_s": tokens / wall, "wall_s": wall,
                                "identical_to_solo": all(results[i][0] == solo[i][0] for i in range(n))}

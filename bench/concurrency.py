@@ -27,6 +27,17 @@ import numpy as np
 from bench.results import run_header, write_results
 
 
+def run_at_once(targets: list) -> float:
+    """One thread per callable, all started, all joined: the wall seconds from the first start to the last end."""
+    threads = [threading.Thread(target=t) for t in targets]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def _answer(message: dict) -> tuple:
     """What must equal the solo answer: the content and each call's name and arguments (a call's
     id is new in every response)."""
@@ -68,13 +79,7 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
                         return
                     answers[i] = ask(requests[i])
 
-            threads = [threading.Thread(target=stream) for _ in range(n)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
+            wall = run_at_once([stream] * n)
             latencies = [answers[i][2] for i in answers]
             out["streams"][str(n)] = {
                 "tokens_per_s": sum(a[1] for a in answers.values()) / wall, "wall_s": wall,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -67,6 +66,7 @@ def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 
 
 
 def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int) -> dict:
+    from bench.concurrency import run_at_once
     from bench.fast_greedy import oracle
 
     S = len(prompts)
@@ -82,13 +82,7 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
         except BaseException as e:  # reported, not swallowed
             errors.append(e)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(S)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_at_once([lambda i=i: stream(i) for i in range(S)])
     if errors:
         raise errors[0]
     after = lanes[0].batcher.summary() if lanes[0].batcher is not None else None
