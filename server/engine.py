@@ -7,8 +7,10 @@ came from the prefix cache, and whatever other requests run beside it; drafting 
 many forward passes it takes, and the cache how many prompt tokens are computed. The engine works
 on token ids; the tokenizer is used only to detokenize for stop strings and text deltas. Up to
 `engine.parallel` threads may call `generate` at once (the server's scheduler runs that many
-workers): each request takes a backend lane of its own (the CPU int8 path's lanes share forwards,
-server/batcher.py; other backends have one lane, and a second call waits for it).
+workers): each request takes a backend lane of its own, the free one whose cache holds most of its
+prompt (server/lane_pool.py). The CPU int8 path's lanes share forwards (server/batcher.py), and so
+do the GPU fast path's under --parallel (server/fast_batch.py); transformers' path has one lane,
+and a second call waits for it.
 
 The engine talks to the model only through a `server.backend.Backend`: the GPU fast path
 (`server.fast_path.FastTarget`: static KV cache, CUDA graphs) where it applies, else transformers
@@ -44,7 +46,6 @@ in the grammar (masks, advancing, draft checks; inside `forward_s` and `draft_s`
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, fields, replace
@@ -58,6 +59,7 @@ from server.backend import Backend, accept, measure_cost_curve
 from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 from server.engine_config import EngineConfig
 from server.grammar import Constraint, GrammarMatcher
+from server.lane_pool import LanePool
 from server.sampling import Sampler, SamplingParams, row_argmax
 
 log = logging.getLogger("sailfish.engine")
@@ -197,9 +199,7 @@ class Engine:
         # the drafter's shared state (index memo, overlay, context indexes) is used under one lock.
         lanes = self._lanes_of(self.backend)
         self.parallel = len(lanes)
-        self._free_lanes: queue.SimpleQueue = queue.SimpleQueue()
-        for lane in lanes:
-            self._free_lanes.put(lane)
+        self._lanes = LanePool(lanes)  # a request gets the free lane whose cache holds most of its prompt
         self._lock = threading.Lock()
         self._draft_lock = threading.Lock()
 
@@ -365,11 +365,11 @@ class Engine:
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context}")
         stats = RequestStats(prompt_tokens=len(prompt_ids))
-        lane = self._free_lanes.get()  # blocks while `parallel` requests run (the scheduler admits no more)
+        lane = self._lanes.take(prompt_ids)  # blocks while `parallel` requests run (the scheduler admits no more)
         try:
             yield from self._generate(prompt_ids, params, cancelled, stats, lane)
         finally:
-            self._free_lanes.put(lane)
+            self._lanes.give(lane)
             with self._lock:
                 self._totals["requests"] += 1
                 for f in fields(RequestStats):

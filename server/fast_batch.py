@@ -3,7 +3,9 @@
 Contract: `fast_lanes(fast, n)` gives n FastTargets (server/fast_path.py) over one model: `fast`
 first, then n-1 more built with its settings. Each lane is a whole backend (server/backend.py) with
 a static cache, ring and step buffers of its own; they share the weights (the step kernels' int4
-layout, built once), the prefix cache's kept sequences, and one `FastBatch`. With n > 1 each lane's
+layout, built once), the prefix cache's kept sequences (a lane's last sequence stays live in its
+own cache; the engine gives its next turn that lane: server/lane_pool.py, and it goes to the shared
+store when the lane takes another prompt), and one `FastBatch`. With n > 1 each lane's
 `step` goes through the FastBatch's StepBatcher (server/batcher.py, the CPU path's rendezvous):
 the steps that meet run as one forward (`FastBatch.forward_batch`), and every forward and prefill piece of the
 lanes holds `FastBatch.lock`, so that prefill pieces interleave with the others' steps and no two

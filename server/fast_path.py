@@ -872,14 +872,18 @@ class FastTarget:
         try:
             if len(tokens) != self.pos:
                 raise AssertionError(f"finish with {len(tokens)} tokens, but the cache holds {self.pos}")
-            # a lane's sequence goes to the shared store too: the next turn may land on another lane
-            self.prefix.finish(self.pos, generated, self._keep, share=self.batch is not None)
+            self.prefix.finish(self.pos, generated, self._keep)
         finally:
             self._leave()
 
     def discard(self) -> None:
         self.prefix.discard()
         self._leave()
+
+    def held_prefix(self, prompt_ids: list[int]) -> int:
+        """How many of the prompt's first tokens the live cache holds for it to resume in place
+        (server/lane_pool.py; FastPrefixCache.live_match says when it counts)."""
+        return self.prefix.live_match(prompt_ids)
 
     @property
     def batcher(self):

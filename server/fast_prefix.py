@@ -47,7 +47,6 @@ class FastPrefixCache:
         self.live_len = 0          # the live sequence: positions 0..live_len-1 of the cache
         self.live_generated = 0
         self.live_valid = False
-        self.live_stashed = False  # a copy of the live sequence is in the store (until it changes)
         self.max_written = 0
         self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -71,7 +70,6 @@ class FastPrefixCache:
             start = self._resume(min(live_shared, len(prompt) - 1))
             self.store.record(start, len(prompt) - start)
         self.live_valid = False  # until finish: the live cache is being rewritten
-        self.live_stashed = False
         return start
 
     def note_written(self, start: int, ids, span: int) -> None:
@@ -83,14 +81,19 @@ class FastPrefixCache:
         if self.enabled:
             self.checkpoints.setdefault(c, {})[layer] = (k.clone(), v.clone())
 
-    def finish(self, length: int, generated: int, keep: bool, share: bool = False) -> None:
-        """The live sequence is complete (`length` positions, the last `generated` generated). With
-        `share` (lanes: server/fast_batch.py) a copy goes to the shared store now, so that the next
-        turn finds it whichever lane serves it; the live cache stays reusable in place too."""
+    def finish(self, length: int, generated: int, keep: bool) -> None:
         self.live_len, self.live_generated = length, generated
         self.live_valid = keep and self.enabled and length > 0
-        if share:
-            self._stash_live()
+
+    def live_match(self, prompt) -> int:
+        """How many of the prompt's first tokens the live sequence holds, counted only when the
+        prompt continues it past its own prompt (an agent's next turn: resumed in place); 0 when
+        it leaves it earlier (a shared system prompt, another conversation), which would move the
+        live sequence to the store first, or when nothing is reusable."""
+        if not self.live_valid:
+            return 0
+        n = common_prefix(self.tokens[:self.live_len], np.asarray(prompt, dtype=np.int32))
+        return n if n >= self.live_len - self.live_generated else 0
 
     def discard(self) -> None:
         self.live_valid = False
@@ -102,7 +105,6 @@ class FastPrefixCache:
         self.max_written = 0
         self.live_len = self.live_generated = 0
         self.live_valid = False
-        self.live_stashed = False
 
     def summary(self) -> dict | None:
         if not self.enabled:
@@ -140,8 +142,8 @@ class FastPrefixCache:
     # ------------------------------------------------------------ snapshots
 
     def _stash_live(self) -> None:
-        """Keep a copy of the live sequence in the store (when it is valid, fits, and is not there yet)."""
-        if not (self.enabled and self.live_valid and self.live_len > 0) or self.live_stashed:
+        """Keep a copy of the live sequence in the store (when it is valid and fits)."""
+        if not (self.enabled and self.live_valid and self.live_len > 0):
             return
         fast, n = self.fast, self.live_len
         full = [i for i in fast.k_cache if not fast.layers[i].sliding]
@@ -160,7 +162,6 @@ class FastPrefixCache:
             return  # no room for a copy now: the sequence is simply not kept
         with self.store.lock:  # lanes share the store (server/fast_batch.py)
             self.store.put(KeptSequence(self.tokens[:n].copy(), kv, nbytes, self.live_generated))
-        self.live_stashed = True
 
     def _restore(self, entry: KeptSequence) -> None:
         fast, kv, n = self.fast, entry.kv, len(entry.tokens)

@@ -137,14 +137,33 @@ def test_lanes_share_the_prefix_cache_cpu(tiny):
     lanes = fast_lanes(first, 2)
     assert lanes[1].store is lanes[0].store
     prompt = prompts_for(vocab, (30,), seed=4)[0]
-    reply = greedy(lanes[0], prompt, 10)  # finish puts a copy in the shared store
-    assert len(lanes[0].store) == 1
+    reply = greedy(lanes[0], prompt, 10)
+    assert lanes[0].held_prefix(prompt + reply[:-1]) == len(prompt) + len(reply) - 1  # live in lane 0
+    assert lanes[0].held_prefix(prompt[:10] + [1, 2]) == 0  # leaves it inside its prompt: not counted
+    lanes[0].start(prompts_for(vocab, (12,), seed=5)[0], reuse=True)  # lane 0 moves on: its sequence is kept
+    lanes[0].discard()
+    assert len(lanes[0].store) == 1 and lanes[0].held_prefix(prompt) == 0
     follow = prompt + reply[:-1] + [7, 8, 9]
     reused = lanes[1].start(follow, reuse=True).reused
     assert reused >= len(prompt)  # resumed from the kept sequence, not prefilled from 0
     ref = cpu_target(tiny)
     torch.testing.assert_close(lanes[1].step([5]), (ref.start(follow, reuse=False), ref.step([5]))[1],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_gives_a_conversation_the_lane_that_holds_it_cpu(tiny):
+    """The next turn of a conversation goes to the lane whose cache holds the last one (resumed in
+    place, nothing copied or kept twice), whichever lane served it."""
+    vocab = tiny.config.vocab_size
+    engine = engine_for(tiny, backend=cpu_target(tiny, prefix_budget_bytes=1 << 24), parallel=3)
+    first = prompts_for(vocab, (20,), seed=7)[0]
+    other = prompts_for(vocab, (15,), seed=8)[0]
+    reply, *_, stats = run(engine, first, max_tokens=8, draft=False)
+    run(engine, other, max_tokens=4, draft=False)  # another conversation in between, on another lane
+    follow = first + reply + [11, 12]
+    *_, stats = run(engine, follow, max_tokens=4, draft=False)
+    assert stats.cached_tokens >= len(first) + len(reply) - 1, stats
+    assert len(engine.backend.store) == 0  # resumed in place: no copy was kept
 
 
 def test_a_step_that_cannot_run_is_refused_before_it_joins_a_forward(tiny):
