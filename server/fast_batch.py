@@ -53,7 +53,6 @@ class FastBatch:
     """Runs the steps of several lanes (FastTargets over one model) in shared forwards."""
 
     def __init__(self, lanes: list):
-        self.lanes = lanes
         self.lock = threading.RLock()  # one forward or prefill piece of any lane at a time
         self.max_rows = MAX_ROWS if lanes[0].step_kernels else 1 << 30
         self.batcher = StepBatcher(self)  # calls forward_batch with the steps that met

@@ -57,7 +57,7 @@ class FastPrefixCache:
             self._stash_live()  # measurements and no-reuse requests must not destroy a kept sequence
             self.reset()
             return 0
-        live_shared = common_prefix(self.tokens[:self.live_len], prompt) if self.live_valid else 0
+        live_shared = self._live_shared(prompt)
         with self.store.lock:  # a store shared by lanes: no other lane takes the entry between best and pop
             entry, shared = self.store.best(prompt)
             if entry is not None and shared > live_shared:
@@ -90,10 +90,12 @@ class FastPrefixCache:
         prompt continues it past its own prompt (an agent's next turn: resumed in place); 0 when
         it leaves it earlier (a shared system prompt, another conversation), which would move the
         live sequence to the store first, or when nothing is reusable."""
-        if not self.live_valid:
-            return 0
-        n = common_prefix(self.tokens[:self.live_len], np.asarray(prompt, dtype=np.int32))
+        n = self._live_shared(np.asarray(prompt, dtype=np.int32))
         return n if n >= self.live_len - self.live_generated else 0
+
+    def _live_shared(self, prompt: np.ndarray) -> int:
+        """The prompt's common prefix with the live sequence (0 when it is not reusable)."""
+        return common_prefix(self.tokens[:self.live_len], prompt) if self.live_valid else 0
 
     def discard(self) -> None:
         self.live_valid = False
