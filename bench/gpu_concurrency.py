@@ -1,6 +1,7 @@
 """Several streams at once on the GPU fast path's lanes: aggregate tokens/s, latency, identity.
 
-    python -m bench.gpu_concurrency [--streams 1,2,4,8,16] [--tokens 128] [--prompt 1000] [--plain] [--out DIR]
+    python -m bench.gpu_concurrency [--streams 1,2,4,8,16] [--tokens 128] [--prompt 1000] [--plain] [--rounds 3]
+                                    [--out DIR]
                                                                                     (GPU machine)
     python -m bench.gpu_concurrency --tiny                                          (any machine: a smoke run)
 
@@ -17,6 +18,11 @@ aggregate tokens/s = S x `--tokens` / wall, its ratio to one stream's, p50 of th
 times and its ratio to one stream's, the forwards the lanes' batcher ran and the most streams one
 carried, and whether every stream's tokens equal its reference. Issue bars (GPU, drafting on):
 4 streams >= 3x one stream's tokens/s and p50 latency <= 1.5x; 16 streams >= 8x; identical always.
+Each count runs one untimed round (it captures the stacked forwards' graphs: server/batch_step.py),
+then `--rounds` timed ones (median, range). Before the streams, a table of forward costs: one
+forward carrying S lanes' steps of T tokens each against a lone step of T tokens (S = 1).
+The lanes are built knowingly unproven (fast_lanes(..., unproven_on_cuda=True)): whether every
+stream keeps its solo tokens is what this measures.
 Writes DIR/gpu_concurrency.json and .md (default bench/results/); `--tiny` measures a tiny random
 Gemma 4 on the CPU instead (uncaptured, fp32): it checks the harness, and its times mean nothing.
 """
@@ -53,16 +59,17 @@ def build(tiny: bool, max_len: int):
     return fast, model.config.vocab_size
 
 
-def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 15) -> tuple[list[int], float]:
-    """(greedy tokens, seconds) of one stream on one lane; the lane leaves the rendezvous at the end."""
+def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 15) -> tuple[list[int], float, float]:
+    """(greedy tokens, seconds, seconds of them in its prefill) of one stream on one lane; the lane
+    leaves the rendezvous at the end."""
     from bench.fast_greedy import greedy_generate
 
-    t0 = time.perf_counter()
+    t0, prefill0 = time.perf_counter(), lane.timings.prefill_s
     try:
         out, _ = greedy_generate(lane, prompt, tokens, propose, max_draft=max_draft)
     finally:
         lane.discard()
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, lane.timings.prefill_s - prefill0
 
 
 def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int) -> dict:
@@ -89,9 +96,60 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
     return {"streams": S, "max_draft": 0 if plain else max_draft, "wall_s": wall,
             "aggregate_tps": S * tokens / wall, "stream_s": [r[1] for r in results],
             "p50_s": statistics.median(r[1] for r in results),
+            "prefill_p50_s": statistics.median(r[2] for r in results),
             "identical": [r[0] == references[i] for i, r in enumerate(results)],
+            "first_difference": {i: next(j for j, (a, b) in enumerate(zip(r[0], references[i])) if a != b)
+                                 for i, r in enumerate(results) if r[0] != references[i]},
             "forwards": None if after is None else after["forwards"] - before["forwards"],
             "peak_streams": None if after is None else after["peak_sequences"]}
+
+
+def forward_costs(lanes, prompts, shapes: list[tuple[int, int]], reps: int = 10) -> list[dict]:
+    """Milliseconds of one forward carrying S lanes' steps of T tokens each (S = 1: a lone step,
+    its captured graph), median and range of `reps` after one untimed (its graph's capture)."""
+    from server.fast_batch import LaneStep
+
+    for lane, prompt in zip(lanes, prompts):
+        lane.start(prompt, reuse=False)
+    out = []
+    try:
+        for S, T in shapes:
+            times = []
+            for rep in range(reps + 1):
+                steps = [LaneStep(lane, [7] * T, None) for lane in lanes[:S]]
+                _sync()
+                t0 = time.perf_counter()
+                lanes[0].batch.forward_batch(steps) if S > 1 else lanes[0].step_alone([7] * T)
+                _sync()
+                if rep:
+                    times.append((time.perf_counter() - t0) * 1e3)
+                for lane in lanes[:S]:
+                    lane.rollback(T)
+            out.append({"lanes": S, "tokens_each": T, "ms": statistics.median(times),
+                        "ms_range": [min(times), max(times)]})
+    finally:
+        for lane in lanes:
+            lane.discard()
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def summarize(warm: dict, rounds: list[dict]) -> dict:
+    """One stream count: the median round's figures, the spread of aggregate tokens/s, identity in every round."""
+    by_tps = sorted(rounds, key=lambda run: run["aggregate_tps"])
+    mid = dict(by_tps[len(by_tps) // 2])
+    mid["tps_range"] = [by_tps[0]["aggregate_tps"], by_tps[-1]["aggregate_tps"]]
+    mid["p50_s"] = statistics.median(run["p50_s"] for run in rounds)
+    mid["prefill_p50_s"] = statistics.median(run["prefill_p50_s"] for run in rounds)
+    mid["identical"] = [all(col) for col in zip(warm["identical"], *(run["identical"] for run in rounds))]
+    mid["identical_by_round"] = [warm["identical"]] + [run["identical"] for run in rounds]
+    mid["first_difference_by_round"] = [warm["first_difference"]] + [run["first_difference"] for run in rounds]
+    mid["first_round"] = {"aggregate_tps": warm["aggregate_tps"], "p50_s": warm["p50_s"]}
+    return mid
 
 
 def markdown(r: dict) -> str:
@@ -99,15 +157,32 @@ def markdown(r: dict) -> str:
     lines = ["# Several streams at once on the GPU fast path's lanes", "",
              f"{r['when']}, {r['machine']}, {r['device']}. Command: `{r['command']}`.", "",
              f"{r['model']}; prompts of {r['prompt']} random tokens, {r['tokens']} tokens a stream, greedy, "
-             + ("plain." if r["plain"] else "oracle drafts (the stream's own output, 20% of tokens wrong)."), "",
-             "| streams | max draft | aggregate tokens/s | x one stream | stream p50 (s) | p50 / one stream | "
-             "forwards | most streams in one forward (so far) | identical to solo |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             + ("plain." if r["plain"] else "oracle drafts (the stream's own output, 20% of tokens wrong).")
+             + f" Per count: one untimed round (it captures the stacked forwards' graphs), then {r['rounds']} "
+             "timed: the median round, the range of aggregate tokens/s, the median of the rounds' p50.", "",
+             "| streams | max draft | aggregate tokens/s (range) | x one stream | stream p50 (s) | p50 / one stream | "
+             "its prefill p50 (s) | "
+             "forwards | most streams in one forward (so far) | identical to solo (every round) | first round tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in r["runs"]:
-        lines.append(f"| {run['streams']} | {run['max_draft']} | {run['aggregate_tps']:.1f} | "
+        lo, hi = run["tps_range"]
+        lines.append(f"| {run['streams']} | {run['max_draft']} | {run['aggregate_tps']:.1f} ({lo:.0f}-{hi:.0f}) | "
                      f"{run['aggregate_tps'] / one['aggregate_tps']:.2f}x | {run['p50_s']:.2f} | "
-                     f"{run['p50_s'] / one['p50_s']:.2f}x | {run['forwards']} | {run['peak_streams']} | "
-                     f"{sum(run['identical'])}/{run['streams']} |")
+                     f"{run['p50_s'] / one['p50_s']:.2f}x | {run['prefill_p50_s']:.3f} | {run['forwards']} | {run['peak_streams']} | "
+                     f"{sum(run['identical'])}/{run['streams']} | {run['first_round']['aggregate_tps']:.1f} |")
+    if r.get("forward_costs"):
+        lines += ["", "One forward of S lanes' steps of T tokens each (S = 1: a lone step, its graph), "
+                      f"after {r['prompt']} tokens of prompt each:", "",
+                  "| lanes S | tokens each T | ms a forward (range) | x a lone step of T |", "|---|---|---|---|"]
+        lone = {c["tokens_each"]: c["ms"] for c in r["forward_costs"] if c["lanes"] == 1}
+        for c in r["forward_costs"]:
+            ratio = f"{c['ms'] / lone[c['tokens_each']]:.2f}x" if c["tokens_each"] in lone else "-"
+            lines.append(f"| {c['lanes']} | {c['tokens_each']} | {c['ms']:.2f} ({c['ms_range'][0]:.2f}-"
+                         f"{c['ms_range'][1]:.2f}) | {ratio} |")
+    if r.get("stacked"):
+        st = r["stacked"]
+        lines += ["", f"Stacked forwards (server/batch_step.py): {st['stacked_forwards']}, {st['graphs']} graphs "
+                      f"captured in {st['capture_s']:.1f} s, {st['replays']} replays."]
     return "\n".join(lines) + "\n"
 
 
@@ -117,27 +192,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--plain", action="store_true", help="no drafts")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per stream count, after an untimed one")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     if args.tiny and args.streams == "1,2,4,8,16":
-        args.streams, args.tokens, args.prompt = "1,2,4", 24, 40
+        args.streams, args.tokens, args.prompt, args.rounds = "1,2,4", 24, 40, 1
     counts = [int(c) for c in args.streams.split(",")]
     from bench.results import run_header, write_results
     from server.fast_batch import fast_lanes
 
     fast, vocab = build(args.tiny, args.prompt + args.tokens + 64)
-    lanes = fast_lanes(fast, max(counts))
+    lanes = fast_lanes(fast, max(counts), unproven_on_cuda=True)  # what it measures is whether they are
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
     references = [decode(lanes[0], p, args.tokens)[0] for p in prompts]
-    runs = [run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab) for S in counts]
+    shapes = [(S, T) for S in counts for T in sorted({2, min(16, 64 // S)})]
+    costs = forward_costs(lanes, prompts, shapes) if lanes[0].batch is not None else []
+    runs = []
+    for S in counts:  # a first, untimed round captures the stacked forwards' graphs (a server's steady state)
+        warm = run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab)
+        rounds = [run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab)
+                  for _ in range(args.rounds)]
+        runs.append(summarize(warm, rounds))
+    stacked = lanes[0].batch.stacked if lanes[0].batch is not None else None
     device = "CPU (tiny model)" if args.tiny else torch.cuda.get_device_name()
     r = {**run_header(), "command": "python -m bench.gpu_concurrency" + "".join(f" {a}" for a in argv),
          "device": device, "model": "a tiny random Gemma 4, fp32, uncaptured" if args.tiny else
          "E4B shape, random init, int4, per-layer table on the host", "prompt": args.prompt, "tokens": args.tokens,
-         "plain": args.plain, "runs": runs}
+         "plain": args.plain, "rounds": args.rounds, "runs": runs, "forward_costs": costs,
+         "stacked": None if stacked is None else stacked.summary()}
     md = markdown(r)
     write_results(args.out, "gpu_concurrency" + ("-tiny" if args.tiny else ""), r, md)
     print(md)

@@ -6,7 +6,8 @@ ends; `run(rows)` (a server.cpu_model.Rows: a prefill chunk, a step or a token t
 a forward carrying it has run, and returns its logits and the load the other lanes put on that
 forward (the cost model weighs a draft against it: server/cost_model.py). The forward carries
 every lane's pending rows: it runs as soon as every joined lane is waiting in `run`, or when the
-oldest waiting rows have waited `linger_s`, about one forward's time (a lane busy elsewhere,
+oldest waiting rows have waited `linger_s` (counted from the end of any forward that ran meanwhile),
+about one forward's time (a lane busy elsewhere,
 drafting or detokenizing, does not hold the others up for longer). The thread whose arrival completes the batch, or whose wait ran out, runs it; the
 others sleep until their rows are done. Requests join and leave between forwards, and a long
 prompt's prefill goes chunk by chunk, each chunk batched with the other lanes' steps (short chunks
@@ -54,6 +55,7 @@ class StepBatcher:
         self._pending: list[_Pending] = []
         self._members = 0
         self._running = False  # a forward is in flight (its lanes are not pending)
+        self._free_since = 0.0  # when the last forward ended (perf_counter)
         self.forwards = self.rows = self.sequences = 0
         self.last_sequences = self.peak_sequences = 0
 
@@ -80,7 +82,7 @@ class StepBatcher:
             while not me.done:
                 batch = self._take_batch()
                 if batch is None:
-                    oldest = self._pending[0].arrived if self._pending else me.arrived
+                    oldest = self._waiting_since(self._pending[0] if self._pending else me)
                     self._cv.wait(timeout=max(1e-4, oldest + self.linger_s - time.perf_counter()))
                     continue
                 self._running = True
@@ -90,6 +92,7 @@ class StepBatcher:
                 finally:
                     self._cv.acquire()
                     self._running = False
+                    self._free_since = time.perf_counter()
                     self._cv.notify_all()
         if me.error is not None:
             raise me.error
@@ -99,11 +102,18 @@ class StepBatcher:
         """The pending rows, when their forward should run now (see the module docstring)."""
         if self._running or not self._pending:
             return None
-        waited = time.perf_counter() - self._pending[0].arrived
+        waited = time.perf_counter() - self._waiting_since(self._pending[0])
         if len(self._pending) < self._members and waited < self.linger_s:
             return None
         batch, self._pending = self._pending, []
         return batch
+
+    def _waiting_since(self, pending: _Pending) -> float:
+        """When rows began to wait for lanes rather than for a forward: their arrival, or the end
+        of the forward that ran while they arrived. Counted from arrival, two lanes fall into
+        turns: each arrives while the other's forward runs, has waited its linger when it ends,
+        and runs alone (measured on the GPU fast path: 2 streams never shared a forward)."""
+        return max(pending.arrived, self._free_since)
 
     def _forward(self, batch: list[_Pending]) -> None:
         t0 = time.perf_counter()

@@ -8,9 +8,9 @@ many forward passes it takes, and the cache how many prompt tokens are computed.
 on token ids; the tokenizer is used only to detokenize for stop strings and text deltas. Up to
 `engine.parallel` threads may call `generate` at once (the server's scheduler runs that many
 workers): each request takes a backend lane of its own, the free one whose cache holds most of its
-prompt (server/lane_pool.py). The CPU int8 path's lanes share forwards (server/batcher.py), and so
-do the GPU fast path's under --parallel (server/fast_batch.py); transformers' path has one lane,
-and a second call waits for it.
+prompt (server/lane_pool.py). The CPU int8 path's lanes share forwards (server/batcher.py); on the
+GPU fast path --parallel above 1 is refused until its lanes (server/fast_batch.py) are proven
+lossless on the E4B shape; transformers' path has one lane, and a second call waits for it.
 
 The engine talks to the model only through a `server.backend.Backend`: the GPU fast path
 (`server.fast_path.FastTarget`: static KV cache, CUDA graphs) where it applies, else transformers
@@ -215,8 +215,8 @@ class Engine:
                                   "(--parallel to change)")
             return backend.lanes(n)
         if isinstance(backend, FastTarget) and asked is not None and asked > 1:
-            # Only when asked: each lane holds a cache of its own (the planner fitted them all) and
-            # batched steps run uncaptured, unmeasured on a GPU yet (server/fast_batch.py).
+            # Only when asked, and on the CPU only for now (on CUDA fast_lanes refuses: not yet
+            # proven lossless on the E4B shape, server/fast_batch.py): each lane holds a cache of its own.
             from server.fast_batch import fast_lanes
 
             self.notes.append(f"parallel: {asked} requests at once on the fast path, each with a cache of its own, "
@@ -322,6 +322,9 @@ class Engine:
         from server.fast_path import FastTarget, plan_fast_memory, step_buckets
 
         cfg = self.config
+        if (cfg.parallel or 1) > 1:  # refused before any memory is planned for lanes (server/fast_batch.py)
+            from server.fast_batch import UNPROVEN_ON_CUDA
+            raise ValueError(UNPROVEN_ON_CUDA)
         budget = (0 if not cfg.prefix_cache else cfg.prefix_cache_bytes)
         ple = getattr(self.model.model, "embed_tokens_per_layer", None)
         if ple is not None:  # Gemma 4's per-layer embeddings are looked up on the host: plan without them

@@ -309,7 +309,8 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
     int4 weights are counted once: the step layout replaces quanto's (released as it is built).
     `lanes` FastTargets over the weights (server/fast_batch.py) each hold the per-position part,
     the dequantization, split-K and graph buffers and a ring; prefill's activations are counted
-    once (one lane prefills at a time)."""
+    once (one lane prefills at a time); the stacked forward adds its attention scratch for 64 rows
+    and its graphs' logits buffer (64 rows)."""
     from server.fast_prefill import score_budget
     from server.step_attention import BLOCK_R, _block_s
 
@@ -335,9 +336,13 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
             ring_bytes += 2 * kv_heads * (window + max(512, max_bucket)) * d * elt
         else:
             per_pos += 2 * kv_heads * d * elt
-    for d, kv_heads in full_dims.items():  # step attention's fp32 scratch per key slot of full layers
-        rows = -(-(max_bucket * heads // kv_heads) // BLOCK_R) * BLOCK_R
-        per_pos += int(kv_heads * rows * (d + 2) * 4 / _block_s(d))
+    def scratch_per_pos(tokens: int) -> int:  # step attention's fp32 scratch per key slot of full layers
+        total = 0
+        for d, kv_heads in full_dims.items():
+            rows = -(-(tokens * heads // kv_heads) // BLOCK_R) * BLOCK_R
+            total += int(kv_heads * rows * (d + 2) * 4 / _block_s(d))
+        return total
+    per_pos += scratch_per_pos(max_bucket)
     per_pos += sum(2 * d * elt for d in rope_dims.values())   # cos and sin per layer type
     ple = (getattr(cfg, "hidden_size_per_layer_input", 0) or 0) * cfg.num_hidden_layers
     inter = max(getattr(cfg, "intermediate_size", 0) or 0, 1) * (2 if getattr(cfg, "use_double_wide_mlp", False) else 1)
@@ -352,7 +357,12 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
     graphs = sum(max(2, b) for b in buckets) * vocab * elt + 64 * 2**20
     split_k = 16 * 2**20
     fixed = prefill_rows * per_row + scores + lanes * (dequant + graphs + split_k + ring_bytes)
-    return max(per_pos, 1) * lanes, int(fixed)
+    per_pos = max(per_pos, 1) * lanes
+    if lanes > 1:  # the stacked forward (server/batch_step.py): its attention scratch for 64 rows and
+        # its graphs' logits
+        per_pos += scratch_per_pos(MAX_ROWS)
+        fixed += MAX_ROWS * vocab * elt
+    return per_pos, int(fixed)
 
 
 def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None,
@@ -932,8 +942,23 @@ class FastTarget:
     def _stage_step(self, ids: list[int], parents: list[int] | None) -> tuple[int, int, int]:
         """A step's inputs into the static buffers (ids_buf, pos_buf, anc_buf, path_buf, ple_buf):
         (tokens, bucket, kv_len). The cache is not touched."""
+        T = self._bucket(len(ids))
+        n, kv_len = self._stage_host(ids, parents, T)
+        host = self._host_in
+        self._in_buf[:, :T].copy_(host[:, :T])
+        self.ids_buf[:T].copy_(self._in_buf[0, :T])
+        self.pos_buf[:T].copy_(self._in_buf[1, :T])
+        self.anc_buf[:T].copy_(self._in_buf[2, :T])
+        if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
+            self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
+        return n, T, kv_len
+
+    def _stage_host(self, ids: list[int], parents: list[int] | None, T: int) -> tuple[int, int]:
+        """A step of T rows (its bucket or larger): ids, positions and ancestor bits into the host
+        rows `_host_in`, a tree's paths into path_buf; (tokens, kv_len)."""
         n = len(ids)
-        T = self._bucket(n)
+        if n > T:
+            raise ValueError(f"{n} tokens in a step of {T} rows")
         self._check_room(self.pos + T)
         kv_len = self._kv_len(self.pos + T)
         host = self._host_in
@@ -952,13 +977,7 @@ class FastTarget:
             self._host_path[:T, :T] = torch.from_numpy(tree_paths(parents, n, T))
             self.path_buf[:T].copy_(self._host_path[:T])
             self._path_is_chain = False
-        self._in_buf[:, :T].copy_(host[:, :T])
-        self.ids_buf[:T].copy_(self._in_buf[0, :T])
-        self.pos_buf[:T].copy_(self._in_buf[1, :T])
-        self.anc_buf[:T].copy_(self._in_buf[2, :T])
-        if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
-            self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
-        return n, T, kv_len
+        return n, kv_len
 
     def _after_step(self, ids: list[int], parents: list[int] | None, T: int) -> None:
         """What a step that wrote a bucket of T rows leaves: the prefix cache's record, keep_path's, the position."""
@@ -1005,29 +1024,7 @@ class FastTarget:
         if key not in self._graphs:
             t0 = time.perf_counter()
             ids, pos = self.ids_buf[:T], self.pos_buf[:T]
-            # Warm up on a side stream (allocator and library handles), then capture. The warm-up
-            # writes K/V at the current positions, which the replay rewrites identically.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(ids, pos, kv_len, step=True)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            # One logits buffer per bucket, shared by its graphs of every kv_len (a step's logits are
-            # read before the next step): the graphs' own outputs are freed to the pool, not kept
-            # (E4B at 32k: 7 kv_lens x 63 MiB of logits otherwise).
-            out = self._graph_out.get(T)
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(ids, pos, kv_len, step=True)
-                if out is None or out.shape != logits.shape or out.dtype != logits.dtype:
-                    out = torch.empty_like(logits)
-                    self._graph_out[T] = out
-                out.copy_(logits)
-            del logits
-            torch.cuda.synchronize()
-            self._graphs[key] = (graph, out)
+            self._graphs[key] = capture_graph(lambda: self._forward(ids, pos, kv_len, step=True), self, T)
             seconds = time.perf_counter() - t0
             self.timings.extra.setdefault("capture_s", {})[key] = seconds  # per (bucket, kv_len), for reports
             self.timings.capture_s += seconds
@@ -1063,6 +1060,38 @@ class FastTarget:
         self.pos = saved_pos
         self.slot_pos.copy_(saved_slots)
         return time.perf_counter() - t0
+
+
+def capture_graph(forward, target: FastTarget, out_key=None, out_rows: int | None = None) -> tuple:
+    """(CUDA graph, logits buffer) of `forward()` (a step's forward over static buffers), in
+    `target`'s graph pool. Warmed up first on a side stream (allocator and library handles): the
+    warm-up writes K/V at the current positions, which the replay rewrites identically. The logits
+    are copied into the first rows of a buffer kept per `out_key` (of `out_rows` rows or the
+    logits'; a lone lane's bucket: shared by its graphs of every kv_len, as a step's logits are
+    read before the next step; E4B at 32k: 7 kv_lens x 63 MiB of logits otherwise) or, for None,
+    one of its own; the graphs' own outputs go back to the pool.
+    Capture errors only on this thread's unsafe calls: another lane's thread may copy logits to
+    the host meanwhile (server/batch_step.py captures while serving)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if target._pool is None:
+        target._pool = torch.cuda.graph_pool_handle()
+    out = target._graph_out.get(out_key) if out_key is not None else None
+    with torch.cuda.graph(graph, pool=target._pool, capture_error_mode="thread_local"):
+        logits = forward()
+        rows = logits.shape[0]
+        if out is None or out.shape[0] < rows or out.shape[1:] != logits.shape[1:] or out.dtype != logits.dtype:
+            out = logits.new_empty((max(rows, out_rows or 0), *logits.shape[1:]))
+            if out_key is not None:
+                target._graph_out[out_key] = out
+        out[:rows].copy_(logits)
+    del logits
+    torch.cuda.synchronize()
+    return graph, out[:rows]
 
 
 class Segment:

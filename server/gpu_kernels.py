@@ -156,9 +156,50 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
     Each program's arithmetic is what it was as one of two kernels, so the partials are the same
     bits (checked under Triton's interpreter on the 35 cases of tests/test_step_attention_interpreted.py);
     one launch instead of two per layer."""
-    kvh = tl.program_id(0)
-    a = tl.program_id(1)
-    c = tl.program_id(2)
+    _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
+                  tl.program_id(0), tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
+                  scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
+                  G, D, SLIDING, BLOCK_R, BLOCK_S)
+
+
+@triton.jit
+def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_ptr, m_ptr, l_ptr, acc_ptr,
+                                      kv_heads, T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt,
+                                      stride_qh, stride_kh, stride_ks, stride_pt, stride_table, n_rows, n_chunks,
+                                      SLOT_POS_FIELD: tl.constexpr, PATH_FIELD: tl.constexpr,
+                                      G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """`_step_attention_partials` of several sequences' steps of T rows each, in one launch. Grid:
+    (segments x KV heads, R, as the lone kernel). Segment s owns query rows s*T.. of q and qpos
+    and its scratch rows from s*T*G on; its caches, ring positions and tree paths are the
+    addresses in row s of `table` (int64: fields k_field / v_field for this layer's K and V,
+    SLOT_POS_FIELD, PATH_FIELD). Each program is the lone kernel's program on the segment's
+    pointers, so a segment's partials are the bits of its step alone."""
+    seg = tl.program_id(0) // kv_heads
+    kvh = tl.program_id(0) % kv_heads
+    row = table_ptr + seg * stride_table
+    # Addresses read from memory carry no alignment the compiler can see (an argument's does: Triton
+    # specializes it), so without these hints every K/V load would be one element wide. Torch's
+    # allocations are aligned far past 16 bytes.
+    k_ptr = tl.multiple_of(tl.load(row + k_field).to(tl.pointer_type(q_ptr.dtype.element_ty)), 16)
+    v_ptr = tl.multiple_of(tl.load(row + v_field).to(tl.pointer_type(q_ptr.dtype.element_ty)), 16)
+    slot_pos_ptr = tl.multiple_of(tl.load(row + SLOT_POS_FIELD).to(tl.pointer_type(tl.int64)), 16)
+    path_ptr = tl.multiple_of(tl.load(row + PATH_FIELD).to(tl.pointer_type(tl.int64)), 16)
+    first_row = seg * T * G  # scratch rows: (kvh * n_rows + r) * n_chunks + chunk, r counted from here
+    _step_program(q_ptr + seg * T * stride_qt, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr + seg * T, path_ptr,
+                  m_ptr + first_row * n_chunks, l_ptr + first_row * n_chunks, acc_ptr + first_row * n_chunks * D,
+                  kvh, tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
+                  scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
+                  G, D, SLIDING, BLOCK_R, BLOCK_S)
+
+
+@triton.jit
+def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
+                  T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
+                  stride_ks, stride_pt, n_rows, n_chunks,
+                  G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (kvh, a, c) of `_step_attention_partials` (its docstring says what each does)."""
     start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
     first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
     if c < n_cache_chunks:  # row block a < R: its rows start before T * G
@@ -310,3 +351,27 @@ def _dequant_kernel(w_ptr, scale_ptr, offset_ptr, out_ptr, N, BLOCK_N: tl.conste
         code = ((packed >> (4 * j)) & 0xF).to(tl.float32)
         rows = group * 128 + 16 * j + sub
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], (code * scale + offset).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _write_slot_pos_segments(table_ptr, wpos_ptr, ring_slot_ptr, T, stride_table, SLOT_POS_FIELD: tl.constexpr):
+    """Stacked steps (server/batch_step.py): row r of segment r // T wrote position wpos[r] at ring
+    slot ring_slot[r]; record it in that segment's ring positions (its table row's SLOT_POS_FIELD)."""
+    r = tl.program_id(0)
+    slot_pos = tl.load(table_ptr + (r // T) * stride_table + SLOT_POS_FIELD).to(tl.pointer_type(tl.int64))
+    tl.store(slot_pos + tl.load(ring_slot_ptr + r), tl.load(wpos_ptr + r))
+
+
+@triton.jit
+def _write_kv_segments(k_ptr, v_ptr, table_ptr, k_field, v_field, slot_ptr, T, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_ch, stride_cs, stride_table, D: tl.constexpr):
+    """Stacked steps: row r's K and V of KV head `program_id(1)` into the caches of its segment
+    (r // T; table fields k_field / v_field) at slot slot[r]. A copy: the bits of index_copy_."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    row = table_ptr + (r // T) * stride_table
+    k_cache = tl.multiple_of(tl.load(row + k_field).to(tl.pointer_type(k_ptr.dtype.element_ty)), 16)
+    v_cache = tl.multiple_of(tl.load(row + v_field).to(tl.pointer_type(v_ptr.dtype.element_ty)), 16)
+    at = h * stride_ch + tl.load(slot_ptr + r) * stride_cs + tl.arange(0, D)
+    tl.store(k_cache + at, tl.load(k_ptr + r * stride_kt + h * stride_kh + tl.arange(0, D)))
+    tl.store(v_cache + at, tl.load(v_ptr + r * stride_vt + h * stride_vh + tl.arange(0, D)))

@@ -90,3 +90,37 @@ class StepAttention:
             self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
             G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4)
         return out
+
+    def segments(self, q: torch.Tensor, table: torch.Tensor, k_field: int, v_field: int, S: int, T: int,
+                 kv_len: int, qpos: torch.Tensor, sliding: bool, cache_slots: int, stride_kh: int, stride_ks: int,
+                 stride_pt: int, stride_table: int, slot_pos_field: int, path_field: int, window: int,
+                 scaling: float) -> torch.Tensor:
+        """S sequences' steps of T rows each (q [>= S*T, H, D], qpos [>= S*T]: segment s's rows from
+        s*T; rows past S*T belong to no segment and get zeros),
+        each over its own cache, ring positions and tree paths (the int64 addresses in row s of
+        `table`: server/batch_step.py), in one launch of the partials and one of the merge: [S*T, H*D],
+        segment s's rows the bits `__call__` gives its step alone (the same programs, on its pointers
+        and its own rows of the scratch, sized here for S*T <= max_tokens rows)."""
+        from server.gpu_kernels import _step_attention_combine, _step_attention_partials_segments
+        rows_out, H, D = q.shape
+        R = S * T
+        assert R <= rows_out and R * self.group <= self.n_rows
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        slots = cache_slots if sliding else kv_len
+        chunks = -(-slots // self.block_s)
+        own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
+        out = (torch.empty if rows_out == R else torch.zeros)((rows_out, H * D), dtype=q.dtype, device=q.device)
+        row_blocks = -(-(T * self.group) // BLOCK_R)
+        own_programs = own_chunks * -(-T // row_blocks)
+        _step_attention_partials_segments[(S * self.kv_heads, row_blocks, chunks + own_programs)](
+            q, table, k_field, v_field, qpos, self.m, self.l, self.acc, self.kv_heads,
+            T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), stride_kh, stride_ks,
+            stride_pt, stride_table, self.n_rows, self.n_chunks,
+            SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s,
+            num_warps=8 if D > 256 else 4)
+        _step_attention_combine[(self.kv_heads, R * self.group)](
+            self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
+            G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4)
+        return out

@@ -176,31 +176,51 @@ def test_a_step_that_cannot_run_is_refused_before_it_joins_a_forward(tiny):
     assert lanes[0].batcher.summary()["members"] == 0
 
 
+def test_lanes_on_cuda_are_refused_unless_asked_for_knowingly():
+    """The engine's --parallel on the GPU fast path is refused with the measurement behind it
+    (server/fast_batch.py UNPROVEN_ON_CUDA); the refusal comes before any lane is built."""
+    from types import SimpleNamespace
+
+    from server.fast_batch import UNPROVEN_ON_CUDA
+
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="not yet proven lossless") as refused:
+        fast_lanes(on_cuda, 2)
+    assert str(refused.value) == UNPROVEN_ON_CUDA and "--parallel 1" in UNPROVEN_ON_CUDA
+    assert fast_lanes(on_cuda, 1) == [on_cuda]
+
+
 # ---------------------------------------------------------------- CUDA
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("capture", [False, True])
 @pytest.mark.parametrize("lanes_n", [2, 8])
-def test_batched_steps_equal_each_lane_alone_cuda(lanes_n):
-    """On the step kernels a lane's logits in a shared forward are its lone step's, bit for bit,
-    chains and trees, 2 and 8 lanes (at most 64 rows a forward: 8 lanes' trees take two). Uncaptured
-    both ways (a captured step equals an uncaptured one: tests/test_fast_path.py)."""
+def test_batched_steps_equal_each_lane_alone_cuda(lanes_n, capture):
+    """On the step kernels a lane's logits in a shared forward (stacked: server/batch_step.py,
+    every step padded to the widest one's bucket, one kv_len, captured or not) are its lone
+    step's, bit for bit: chains and trees of different sizes in one forward, lanes at different
+    kv_len buckets, 2 and 8 lanes (at most 64 rows a forward: 8 lanes of 16 rows take two)."""
     from tests.test_fast_path import cuda_model
 
     model = cuda_model(torch.bfloat16, quant=True)
     vocab = model.config.vocab_size
     make = lambda: FastTarget(model, max_len=512, prefill_chunk=64, min_kv_len=64, buckets=(2, 4, 8, 16),
-                              capture=False)
-    lanes = fast_lanes(make(), lanes_n)
+                              capture=capture)
+    lanes = fast_lanes(make(), lanes_n, unproven_on_cuda=True)
+    assert lanes[0].batch.stacked is not None
     alone = [make() for _ in range(lanes_n)]
     prompts = prompts_for(vocab, [7 + 23 * i for i in range(lanes_n)], seed=6)
     for lane, solo, prompt in zip(lanes, alone, prompts):
         assert torch.equal(lane.start(prompt, reuse=False).logits, solo.start(prompt, reuse=False).logits)
     plans = [steps_of(vocab, seed) for seed in range(lanes_n)]
-    for k in range(3):
-        got = lanes[0].batch.forward_batch([LaneStep(lane, *plan[k]) for lane, plan in zip(lanes, plans)])
-        for i, (solo, plan) in enumerate(zip(alone, plans)):
-            assert torch.equal(got[i], solo.step(*plan[k])), (k, i)
-            if plan[k][1] is not None:
+    for k in range(6):
+        mine = [plan[(k + i) % 3] for i, plan in enumerate(plans)]  # a forward mixes 1, 5 and 7 tokens
+        got = lanes[0].batch.forward_batch([LaneStep(lane, *step) for lane, step in zip(lanes, mine)])
+        for i, (solo, step) in enumerate(zip(alone, mine)):
+            assert torch.equal(got[i], solo.step(*step)), (k, i)
+            if step[1] is not None:
                 lanes[i].keep_path([0, 1, 2])
                 solo.keep_path([0, 1, 2])
+    stacked = lanes[0].batch.stacked.summary()
+    assert stacked["stacked_forwards"] >= 6 and (stacked["replays"] == stacked["stacked_forwards"]) == capture

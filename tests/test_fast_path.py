@@ -356,15 +356,18 @@ def test_memory_plan_fits_every_lane(monkeypatch):
     model, held = _e4b_on_a_pretend_card(monkeypatch)
     cap = 6 * 2**30
     one = fp.plan_fast_memory(model, 8192, 8192, 0, cap)
+    stacked = set()  # the stacked forward's scratch per position (server/batch_step.py): once, any lanes
     for lanes in (2, 3):
         plan = fp.plan_fast_memory(model, 8192, 8192, 0, cap, lanes=lanes)
         per_lane, fixed_one = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows)
         per_pos, fixed = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows, lanes=lanes)
-        assert plan.lanes == lanes and plan.per_pos == per_pos == lanes * per_lane
+        assert plan.lanes == lanes and plan.per_pos == per_pos > lanes * per_lane
+        stacked.add(per_pos - lanes * per_lane)
         assert fixed_one < fixed < lanes * fixed_one  # prefill's activations counted once
         assert plan.context <= one.context and plan.prefill_rows <= one.prefill_rows
         assert held + plan.per_pos * plan.context + plan.reserve <= cap, plan.note
         assert f"in {lanes} lanes" in plan.note
+    assert len(stacked) == 1
     with pytest.raises(ValueError, match="do not fit"):
         fp.plan_fast_memory(model, 32768, 32768, 0, cap, lanes=16)
 

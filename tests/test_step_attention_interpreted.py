@@ -27,16 +27,22 @@ CASES = [(sliding, start, slots, T, tree)
          for T, tree in ((1, False), (5, False), (16, False), (64, False), (16, True), (40, True), (64, True))]
 
 
-def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
-    pytest.importorskip("triton")
+def interpreted(script: str, tmp_path):
+    """What `script`'s main(out) saved, run in a subprocess under Triton's interpreter."""
     import torch
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     out = tmp_path / "outputs.pt"
-    run = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    outputs = torch.load(out)
+    return torch.load(out)
+
+
+def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
+    pytest.importorskip("triton")
+
+    outputs = interpreted(__file__, tmp_path)
     assert len(outputs) == len(CASES)
     errors = {}
     for case, got in zip(CASES, outputs):

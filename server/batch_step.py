@@ -1,0 +1,175 @@
+"""Several lanes' steps as one forward on the step kernels: stacked rows, one launch per op, graphs.
+
+Contract: `StackedStep(lanes)` serves the lanes (FastTargets over one model with the step kernels on
+CUDA: server/fast_batch.py) of one FastBatch. `run(steps, T)` takes S steps (lane, ids, parents) of
+different lanes, pads each to T rows (a step bucket at least each one's own), runs one forward and
+returns each step's logits [its tokens, vocab], leaving each lane as its own step would (cache
+written, position advanced, prefix cache told). `fits(steps, T)`: every lane has room for T rows.
+The forward's rows are padded to a power of two (`_padded`): rows past S*T belong to no segment.
+
+How: segment s's rows are rows s*T..s*T+T-1 of the forward. Their ids, positions and where they
+write sit in one staging buffer, with one row of int64 addresses per segment (its K/V caches,
+ring positions, tree paths: the table). The per-sequence work runs once per layer for all
+segments: the K/V write and ring-position kernels scatter through the table, and
+server/step_attention.py's `segments` runs every segment's attention in one launch of the lone
+kernels' programs. So a forward of S steps launches what one step does, and the forward is captured
+once per (S, T) as a CUDA graph that reads the staging buffer: any S lanes, in any order, at any
+context, replay it. Full layers read up to the cache's end (kv_len = max_len: step attention skips
+the chunks past each query's position, so a larger kv_len reads the same keys in the same order).
+
+Why each lane's logits are its step's alone, bit for bit: the matmuls and norms are per row and
+batch-invariant (server/small_m_matmul.py, the compiled norms), each segment's attention is the
+lone kernel's programs on its own cache, and padding a step to a larger bucket adds rows no real
+row sees (rows attend to positions up to their own; a padded row writes past the step, where
+the next step writes before anything reads, and the ring holds a bucket more than the window).
+tests/test_fast_batch.py checks it on CUDA for 2 and 8 lanes against each lane alone (tiny model);
+tests/test_stacked_step_interpreted.py checks the kernels under Triton's interpreter and
+tests/test_stacked_step_ptx.py their load widths in the sm_90 PTX. Not yet proven on the E4B
+shape: server/fast_batch.py's UNPROVEN_ON_CUDA says what was measured.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from server.small_m_matmul import MAX_ROWS
+
+_IDS, _POS, _WPOS, _RING = range(4)  # staging rows of MAX_ROWS int64 each; the table follows
+
+
+class StackedStep:
+    def __init__(self, lanes: list):
+        from server.step_attention import StepAttention
+
+        self.lanes = lanes
+        lead = self.lead = lanes[0]
+        dev = lead.device
+        self.owners = sorted(lead.k_cache)               # cache-owning layers, in table order
+        self.k_field = {index: 2 * j for j, index in enumerate(self.owners)}
+        self.slot_pos_field, self.path_field = 2 * len(self.owners), 2 * len(self.owners) + 1
+        self.width = 2 * len(self.owners) + 2
+        for lane in lanes:  # each lane's table row: the addresses its segment reads and writes
+            lane.table_row = torch.tensor(
+                [t.data_ptr() for index in self.owners for t in (lane.k_cache[index], lane.v_cache[index])]
+                + [lane.slot_pos.data_ptr(), lane.path_buf.data_ptr()], dtype=torch.int64)
+        size = 4 * MAX_ROWS + len(lanes) * self.width
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        self.staged = torch.zeros(size, dtype=torch.int64, device=dev)
+        rows = self.staged[:4 * MAX_ROWS].view(4, MAX_ROWS)
+        self.ids, self.pos, self.wpos, self.ring_slot = rows[_IDS], rows[_POS], rows[_WPOS], rows[_RING]
+        self.table = self.staged[4 * MAX_ROWS:].view(len(lanes), self.width)
+        self.ple = (torch.zeros(MAX_ROWS, lead.embed_ple.width, dtype=lead.embed_ple.dtype, device=dev)
+                    if lead.ple_on_host else None)
+        self.attention = {d: StepAttention(a.kv_heads, a.group, d, a.n_chunks * a.block_s, MAX_ROWS, dev)
+                          for d, a in lead.step_attention.items()}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (S, T, kv_len)
+        self.capture_s = 0.0
+        self.capture_by_key: dict[str, float] = {}
+        self.runs = self.replays = 0
+
+    def fits(self, steps: list, T: int) -> bool:
+        return len(steps) * T <= MAX_ROWS and all(s.lane.pos + T <= s.lane.max_len for s in steps)
+
+    @torch.no_grad()
+    def run(self, steps: list, T: int) -> list[torch.Tensor]:
+        S = len(steps)
+        self.runs += 1
+        host = self.host
+        rows = host[:4 * MAX_ROWS].view(4, MAX_ROWS)
+        # Every segment's full layers read up to the cache's end: step attention skips the chunks
+        # past each row's position (the same keys, the same order), and one graph per (S, T) serves
+        # every context, not one per kv_len bucket (each capture costs a forward and more).
+        kv_len = self.lead.max_len
+        ns = []
+        for s, step in enumerate(steps):
+            lane, lo = step.lane, s * T
+            n, _ = lane._stage_host(step.ids.tolist(), step.parents, T)
+            ns.append(n)
+            rows[_IDS, lo:lo + T] = lane._host_in[0, :T]
+            rows[_POS, lo:lo + T] = lane._host_in[1, :T]
+            rows[_WPOS, lo:lo + T] = torch.arange(lane.pos, lane.pos + T)
+            rows[_RING, lo:lo + T] = rows[_WPOS, lo:lo + T] % lane.ring
+            host[4 * MAX_ROWS + s * self.width:4 * MAX_ROWS + (s + 1) * self.width] = lane.table_row
+        R = _padded(S * T)
+        rows[:, S * T:R] = 0  # rows of no segment (position 0): computed, written nowhere, read by no one
+        used = 4 * MAX_ROWS + S * self.width
+        self.staged[:used].copy_(host[:used])
+        if self.ple is not None:  # the per-layer rows, gathered on the host
+            self.lead.embed_ple.rows_into(rows[_IDS, :R], self.ple[:R])
+        if self.lead.capture:
+            graph, out = self._graph(S, T, kv_len)
+            graph.replay()
+            self.replays += 1
+            logits = out.clone()  # the lanes read their rows after the next forward may have run
+        else:
+            logits = self._forward(S, T, kv_len)
+        for s, step in enumerate(steps):
+            step.lane._after_step(step.ids.tolist(), step.parents, T)
+        return [logits[s * T:s * T + n] for s, n in enumerate(ns)]
+
+    def _forward(self, S: int, T: int, kv_len: int) -> torch.Tensor:
+        R = _padded(S * T)
+        return self.lead._forward(self.ids[:R], self.pos[:R], kv_len, step=True,
+                                  segments=[_Segments(self, S, T, kv_len)],
+                                  ple_rows=None if self.ple is None else self.ple[:R])
+
+    def _graph(self, S: int, T: int, kv_len: int):
+        key = (S, T, kv_len)
+        if key not in self.graphs:
+            from server.fast_path import capture_graph
+
+            t0 = time.perf_counter()
+            # one logits buffer of 64 rows shared by the stacked graphs (run() copies the rows out at once)
+            self.graphs[key] = capture_graph(lambda: self._forward(S, T, kv_len), self.lead, "stacked", MAX_ROWS)
+            self.capture_s += time.perf_counter() - t0
+            self.capture_by_key[f"{S}x{T}"] = round(time.perf_counter() - t0, 3)
+        return self.graphs[key]
+
+    def summary(self) -> dict:
+        return {"stacked_forwards": self.runs, "graphs": len(self.graphs), "capture_s": round(self.capture_s, 3),
+                "replays": self.replays, "capture_s_by_steps_x_rows": dict(self.capture_by_key)}
+
+
+def _padded(rows: int) -> int:
+    """The forward's row count: the power of two at or above `rows` (at most MAX_ROWS, itself one).
+    The compiled norms and elementwise ops then see the row counts of the lone steps' buckets,
+    whose compiled kernels they already are, rather than one per S x T (a recompile per new row
+    count, and torch.compile falls back to eager ops, other bits, past its cache limit)."""
+    return 1 << max(1, rows - 1).bit_length()
+
+
+class _Segments:
+    """The per-sequence work of a stacked forward (the interface of server/fast_path.py's Segment,
+    for all segments at once): S segments of T rows, positions and tables in the staging buffer."""
+
+    def __init__(self, stacked: StackedStep, S: int, T: int, kv_len: int):
+        self.stacked, self.S, self.T, self.kv_len = stacked, S, T, kv_len
+
+    def prepare(self, pos: torch.Tensor, from_buffers: bool, step: bool, ops) -> None:
+        from server.gpu_kernels import _write_slot_pos_segments
+
+        st = self.stacked
+        _write_slot_pos_segments[(self.S * self.T,)](st.table, st.wpos, st.ring_slot, self.T, st.width,
+                                                       SLOT_POS_FIELD=st.slot_pos_field)
+
+    def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        from server.gpu_kernels import _write_kv_segments
+
+        st = self.stacked
+        cache = st.lead.k_cache[layer.index]
+        where = st.ring_slot if layer.sliding else st.wpos
+        _write_kv_segments[(self.S * self.T, layer.kv_heads)](
+            k, v, st.table, st.k_field[layer.index], st.k_field[layer.index] + 1, where, self.T,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache.stride(0), cache.stride(1), st.width,
+            D=layer.head_dim)
+
+    def attend(self, layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops) -> torch.Tensor:
+        st = self.stacked
+        lead = st.lead
+        cache = lead.k_cache[layer.source]
+        field = st.k_field[layer.source]
+        return st.attention[layer.head_dim].segments(
+            q, st.table, field, field + 1, self.S, self.T, self.kv_len, pos,
+            layer.sliding, cache.shape[1], cache.stride(0), cache.stride(1), lead.path_buf.stride(0), st.width,
+            st.slot_pos_field, st.path_field, lead.window, layer.hf.self_attn.scaling)

@@ -1,0 +1,139 @@
+"""The stacked steps' kernels (server/batch_step.py: several lanes' steps in one launch per op),
+run by Triton's interpreter on the CPU against the lone step's kernels and plain copies.
+
+- `StepAttention.segments`: each segment's rows, over its own cache, ring and tree paths found
+  through a table of addresses, equal what the lone kernel gives that step alone, exactly (the
+  same programs; the merge is the torch twin of tests/test_step_attention_interpreted.py), with
+  chains and trees, different start positions and a shared kv_len larger than a segment's own.
+- The K/V write and ring-position kernels put each row where index_copy_ would.
+
+CI has no GPU; tests/test_fast_batch.py checks the bits of the whole stacked forward on CUDA.
+Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are defined.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+# (sliding, cache slots, T, [(start, tree) per segment])
+CASES = [(False, 320, 16, [(70, False), (127, True), (200, False)]),
+         (False, 320, 5, [(3, False), (250, True)]),
+         (True, 96, 16, [(70, False), (200, True), (150, False)]),
+         (True, 96, 4, [(10, True), (95, False), (33, False), (64, True)])]
+
+
+def test_stacked_attention_and_writes_match_each_step_alone(tmp_path):
+    pytest.importorskip("triton")
+    import torch
+
+    from tests.test_step_attention_interpreted import interpreted
+
+    results = interpreted(__file__, tmp_path)
+    assert len(results) == len(CASES)
+    for case, (stacked, alone, writes_ok) in zip(CASES, results):
+        assert len(stacked) == len(case[3]) + 1
+        for s, (a, b) in enumerate(zip(stacked, alone)):
+            assert torch.equal(a, b), (case, s, float((a - b).abs().max()))
+        assert writes_ok, case
+
+
+def segment_inputs(sliding, slots, T, start, tree, seed):
+    """One segment's step: q, k, v, ring positions, row positions and paths (padded to 64 x 64)."""
+    import random
+
+    import torch
+
+    from server.fast_path import tree_paths, tree_rows
+    from server.step_attention import chain_paths
+
+    g = torch.Generator().manual_seed(seed)
+    kv_heads, group, d = 2, 4, 64
+    k = torch.randn(kv_heads, slots, d, generator=g)
+    v = torch.randn(kv_heads, slots, d, generator=g)
+    q = torch.randn(T, kv_heads * group, d, generator=g)
+    slot_pos = torch.full((slots,), -1, dtype=torch.long)
+    if sliding:
+        for p in range(max(0, start + T - slots), start + T):
+            slot_pos[p % slots] = p
+    path = chain_paths(64)
+    if tree:
+        rng = random.Random(seed)
+        parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, T)]
+        depth, _ = tree_rows(parents, T, T)
+        path[:T, :T] = torch.from_numpy(tree_paths(parents, T, T))
+        qpos = torch.from_numpy(depth) + start
+    else:
+        qpos = torch.arange(start, start + T)
+    return q, k, v, slot_pos, qpos, path
+
+
+def main(out: str) -> int:
+    """Under the interpreter: per case, (stacked rows per segment, each step alone, writes right)."""
+    import torch
+
+    import server.gpu_kernels as kernels
+    from server.batch_step import _padded
+    from server.step_attention import StepAttention
+    from tests.test_step_attention_interpreted import _Merge
+
+    kernels._step_attention_combine = _Merge()
+    window, scaling = 40, 64 ** -0.5
+    results = []
+    for sliding, slots, T, segs in CASES:
+        inputs = [segment_inputs(sliding, slots, T, start, tree, 7 * i + start)
+                  for i, (start, tree) in enumerate(segs)]
+        kv_len = max(start + T for start, _ in segs)
+        alone = []
+        for (start, _), (q, k, v, slot_pos, qpos, path) in zip(segs, inputs):
+            attn = StepAttention(2, 4, 64, slots, 64, "cpu")
+            alone.append(attn(q, k, v, start + T, qpos, slot_pos if sliding else None, window, scaling, path))
+        table = torch.tensor([[k.data_ptr(), v.data_ptr(), sp.data_ptr(), path.data_ptr()]
+                              for q, k, v, sp, qpos, path in inputs], dtype=torch.int64)
+        R = len(segs) * T
+        pad = _padded(R) - R  # the stacked forward's rows past the segments' (server/batch_step.py)
+        q = torch.cat([i[0] for i in inputs] + [torch.randn(pad, 8, 64)])
+        qpos = torch.cat([i[4] for i in inputs] + [torch.zeros(pad, dtype=torch.long)])
+        k0 = inputs[0][1]
+        attn = StepAttention(2, 4, 64, slots, 64, "cpu")
+        got = attn.segments(q, table, 0, 1, len(segs), T, kv_len, qpos, sliding, slots, k0.stride(0), k0.stride(1),
+                            inputs[0][5].stride(0), table.stride(0), 2, 3, window, scaling)
+        stacked = [got[s * T:(s + 1) * T] for s in range(len(segs))]
+        stacked.append(got[R:])  # no segment's: zeros
+        alone.append(torch.zeros(pad, got.shape[1]))
+        results.append((stacked, alone, writes_right(inputs, table, sliding, slots, T, segs)))
+    torch.save(results, out)
+    return 0
+
+
+def writes_right(inputs, table, sliding, slots, T, segs) -> bool:
+    """The K/V write and ring-position kernels against index_copy_ on copies of the caches."""
+    import torch
+
+    from server.gpu_kernels import _write_kv_segments, _write_slot_pos_segments
+
+    S = len(segs)
+    g = torch.Generator().manual_seed(99)
+    new_k = torch.randn(S * T, 2, 64, generator=g)
+    new_v = torch.randn(S * T, 2, 64, generator=g)
+    wpos = torch.cat([torch.arange(start, start + T) for start, _ in segs])
+    ring = wpos % slots
+    where = ring if sliding else wpos
+    want = []
+    for s, (q, k, v, slot_pos, qpos, path) in enumerate(inputs):
+        rows = slice(s * T, (s + 1) * T)
+        wk, wv, wsp = k.clone(), v.clone(), slot_pos.clone()
+        wk.index_copy_(1, where[rows], new_k[rows].transpose(0, 1))
+        wv.index_copy_(1, where[rows], new_v[rows].transpose(0, 1))
+        wsp.index_copy_(0, ring[rows], wpos[rows])
+        want.append((wk, wv, wsp))
+    k0 = inputs[0][1]
+    _write_kv_segments[(S * T, 2)](new_k, new_v, table, 0, 1, where, T, new_k.stride(0), new_k.stride(1),
+                                   new_v.stride(0), new_v.stride(1), k0.stride(0), k0.stride(1), table.stride(0), D=64)
+    _write_slot_pos_segments[(S * T,)](table, wpos, ring, T, table.stride(0), SLOT_POS_FIELD=2)
+    return all(torch.equal(a, w) for (q, k, v, sp, qpos, path), (wk, wv, wsp) in zip(inputs, want)
+               for a, w in ((k, wk), (v, wv), (sp, wsp)))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,86 @@
+"""The stacked steps' kernels load and store as wide as the lone step's, checked in the PTX that
+Triton compiles for Hopper (sm_90), here on the CPU.
+
+Why: a stacked segment finds its caches through a table of addresses (server/batch_step.py). An
+address loaded from memory carries no alignment the compiler can see (a kernel argument's does:
+Triton specializes it), so without `tl.multiple_of` hints every K/V load is one bf16 wide: 1024
+scalar loads where the lone kernel issues 128-bit ones, which made a stacked forward of 2 lanes
+cost 2.2x a lone step on the H200 (bench.gpu_concurrency, before the hints). CI has no GPU; the PTX
+shows the instruction widths all the same.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+INTS = ("T", "S", "n_cache_chunks", "n_own_chunks", "window", "kv_heads", "k_field", "v_field")
+
+
+def _ptx_accesses(fn, sig: dict, constexprs: dict) -> Counter:
+    """Global load/store instructions by width in fn's sm_90 PTX; pointers and strides specialized
+    as Triton does for 16-divisible arguments."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(sig)
+    aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in INTS)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    try:
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # a Triton without its NVIDIA backend's compiler
+        pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
+    return Counter(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"]))
+
+
+def _lone_signature(consts: dict) -> dict:
+    sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}
+    sig.update({n: "*i64" for n in ("slot_pos_ptr", "qpos_ptr", "path_ptr")})
+    sig.update({n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")})
+    sig.update({n: "i32" for n in ("T", "S", "n_cache_chunks", "n_own_chunks", "window")})
+    sig["scaling"] = "fp32"
+    sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_pt", "n_rows",
+                                   "n_chunks")})
+    sig.update({n: "constexpr" for n in consts})
+    return sig
+
+
+def _segments_signature(consts: dict) -> dict:
+    sig = {"q_ptr": "*bf16", "table_ptr": "*i64", "k_field": "i32", "v_field": "i32", "qpos_ptr": "*i64"}
+    sig.update({n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")})
+    sig.update({n: "i32" for n in ("kv_heads", "T", "S", "n_cache_chunks", "n_own_chunks", "window")})
+    sig["scaling"] = "fp32"
+    sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_pt", "stride_table",
+                                   "n_rows", "n_chunks")})
+    sig.update({n: "constexpr" for n in consts})
+    return sig
+
+
+@pytest.mark.parametrize("sliding,head_dim", [(False, 512), (True, 256)])
+def test_stacked_attention_loads_keys_as_wide_as_the_lone_kernel(sliding, head_dim):
+    from server import gpu_kernels as kernels
+    from server.step_attention import BLOCK_R, _block_s
+
+    consts = dict(G=4, D=head_dim, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(head_dim))
+    lone = _ptx_accesses(kernels._step_attention_partials, _lone_signature(consts), consts)
+    seg_consts = dict(consts, SLOT_POS_FIELD=30, PATH_FIELD=31)
+    stacked = _ptx_accesses(kernels._step_attention_partials_segments, _segments_signature(seg_consts), seg_consts)
+    wide = [k for k in lone if ".v4" in k]
+    assert wide, lone  # the lone kernel's 128-bit K/V loads (the reference this checks against)
+    assert {k: stacked[k] for k in wide} == {k: lone[k] for k in wide}, (stacked, lone)
+    assert "ld.global.b16" not in stacked and "ld.global.u16" not in stacked, stacked
+
+
+def test_stacked_kv_write_stores_more_than_one_element_at_a_time():
+    from server import gpu_kernels as kernels
+
+    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i64", "k_field": "i32", "v_field": "i32",
+           "slot_ptr": "*i64", "T": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
+           "stride_vh": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_table": "i32", "D": "constexpr"}
+    accesses = _ptx_accesses(kernels._write_kv_segments, sig, {"D": 256})
+    stores = [k for k in accesses if k.startswith("st.")]
+    assert stores and all(not k.endswith(("b16", "u16")) for k in stores), accesses
