@@ -28,6 +28,8 @@ SECTIONS = [
      "python -m bench.cpu_path --requests 10 --llama-server PATH", "cpu_path.md", []),
     ("A CPU int8 forward, by part: a step and a verify", "python -m bench.cpu_step", "cpu_step.md", []),
     ("Several streams at once, bundled model, CPU", "python -m bench.concurrency", "concurrency.md", []),
+    ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; lanes refused by the server for now)",
+     "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
      ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),
     ("Sampled decoding, drafted vs plain with the same seeds, bundled model, CPU int8 path",
