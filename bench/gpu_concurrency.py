@@ -18,7 +18,8 @@ aggregate tokens/s = S x `--tokens` / wall, its ratio to one stream's, p50 of th
 times and its ratio to one stream's, the forwards the lanes' batcher ran and the most streams one
 carried, and whether every stream's tokens equal its reference. Issue bars (GPU, drafting on):
 4 streams >= 3x one stream's tokens/s and p50 latency <= 1.5x; 16 streams >= 8x; identical always.
-Each count runs one untimed round (it captures the stacked forwards' graphs: server/batch_step.py),
+First each stream drafted alone on its own lane (the largest count's drafts), against its plain
+reference: a difference there is drafting's or a lane's, not sharing's. Each count runs one untimed round (it captures the stacked forwards' graphs: server/batch_step.py),
 then `--rounds` timed ones (median, range). Before the streams, a table of forward costs: one
 forward carrying S lanes' steps of T tokens each against a lone step of T tokens (S = 1).
 The lanes are built knowingly unproven (fast_lanes(..., unproven_on_cuda=True)): whether every
@@ -170,6 +171,10 @@ def markdown(r: dict) -> str:
                      f"{run['aggregate_tps'] / one['aggregate_tps']:.2f}x | {run['p50_s']:.2f} | "
                      f"{run['p50_s'] / one['p50_s']:.2f}x | {run['prefill_p50_s']:.3f} | {run['forwards']} | {run['peak_streams']} | "
                      f"{sum(run['identical'])}/{run['streams']} | {run['first_round']['aggregate_tps']:.1f} |")
+    if r.get("drafted_alone"):
+        alone = r["drafted_alone"]
+        lines += ["", f"Each stream drafted alone on its own lane (max draft {alone['max_draft']}): "
+                      f"{sum(alone['identical'])}/{len(alone['identical'])} identical to its plain reference."]
     if r.get("forward_costs"):
         lines += ["", "One forward of S lanes' steps of T tokens each (S = 1: a lone step, its graph), "
                       f"after {r['prompt']} tokens of prompt each:", "",
@@ -208,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
     references = [decode(lanes[0], p, args.tokens)[0] for p in prompts]
+    # Each stream drafted alone on its own lane, with the drafts of the largest count: tells a
+    # difference that drafting or a lane's lone steps make from one that sharing forwards makes.
+    from bench.fast_greedy import oracle
+    solo_draft = min(15, 64 // max(counts) - 1)
+    alone = [decode(lane, p, args.tokens, oracle(ref, len(p), vocab=vocab, seed=i), solo_draft)[0]
+             for i, (lane, p, ref) in enumerate(zip(lanes, prompts, references))] if not args.plain else references
+    drafted_alone = {"max_draft": solo_draft, "identical": [a == ref for a, ref in zip(alone, references)]}
     shapes = [(S, T) for S in counts for T in sorted({2, min(16, 64 // S)})]
     costs = forward_costs(lanes, prompts, shapes) if lanes[0].batch is not None else []
     runs = []
@@ -222,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
          "device": device, "model": "a tiny random Gemma 4, fp32, uncaptured" if args.tiny else
          "E4B shape, random init, int4, per-layer table on the host", "prompt": args.prompt, "tokens": args.tokens,
          "plain": args.plain, "rounds": args.rounds, "runs": runs, "forward_costs": costs,
+         "drafted_alone": drafted_alone,
          "stacked": None if stacked is None else stacked.summary()}
     md = markdown(r)
     write_results(args.out, "gpu_concurrency" + ("-tiny" if args.tiny else ""), r, md)

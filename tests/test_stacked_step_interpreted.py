@@ -20,7 +20,9 @@ import pytest
 CASES = [(False, 320, 16, [(70, False), (127, True), (200, False)]),
          (False, 320, 5, [(3, False), (250, True)]),
          (True, 96, 16, [(70, False), (200, True), (150, False)]),
-         (True, 96, 4, [(10, True), (95, False), (33, False), (64, True)])]
+         (True, 96, 4, [(10, True), (95, False), (33, False), (64, True)]),
+         # a ring of three chunks, steps that wrap past its end and start in its middle chunk
+         (True, 300, 16, [(290, False), (500, True), (128, False), (899, True)])]
 
 
 def test_stacked_attention_and_writes_match_each_step_alone(tmp_path):
