@@ -115,14 +115,14 @@ def test_engine_through_fast_path_equals_eager_engine(tiny):
 
 # ---------------------------------------------------------------- CUDA
 
-def cuda_model(dtype, quant: bool, seed: int = 0, **overrides):
+def cuda_model(dtype, quant: bool, seed: int = 0, sliding_window: int = 8, **overrides):
     """Small, but with dimensions tinygemm takes (multiples of 128) when quantized."""
     kwargs = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=128, global_head_dim=256, hidden_size_per_layer_input=128, vocab_size=1024,
                   vocab_size_per_layer_input=1024, num_hidden_layers=6, num_kv_shared_layers=2,
                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
     kwargs.update(overrides)
-    model = tiny_gemma4(seed=seed, sliding_window=8, dtype=dtype, **kwargs).cuda()
+    model = tiny_gemma4(seed=seed, sliding_window=sliding_window, dtype=dtype, **kwargs).cuda()
     if quant:
         from optimum.quanto import freeze, qint4, quantize
         quantize(model, weights=qint4, exclude=["lm_head"])
