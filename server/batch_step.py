@@ -63,7 +63,7 @@ class StackedStep:
                     if lead.ple_on_host else None)
         self.attention = {d: StepAttention(a.kv_heads, a.group, d, a.n_chunks * a.block_s, MAX_ROWS, dev)
                           for d, a in lead.step_attention.items()}
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (S, T, kv_len)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by (S, T)
         self.capture_s = 0.0
         self.capture_by_key: dict[str, float] = {}
         self.runs = self.replays = 0
@@ -77,14 +77,11 @@ class StackedStep:
         self.runs += 1
         host = self.host
         rows = host[:4 * MAX_ROWS].view(4, MAX_ROWS)
-        # Every segment's full layers read up to the cache's end: step attention skips the chunks
-        # past each row's position (the same keys, the same order), and one graph per (S, T) serves
-        # every context, not one per kv_len bucket (each capture costs a forward and more).
-        kv_len = self.lead.max_len
+        ids = [step.ids.tolist() for step in steps]
         ns = []
         for s, step in enumerate(steps):
             lane, lo = step.lane, s * T
-            n, _ = lane._stage_host(step.ids.tolist(), step.parents, T)
+            n, _ = lane._stage_host(ids[s], step.parents, T)
             ns.append(n)
             rows[_IDS, lo:lo + T] = lane._host_in[0, :T]
             rows[_POS, lo:lo + T] = lane._host_in[1, :T]
@@ -98,32 +95,36 @@ class StackedStep:
         if self.ple is not None:  # the per-layer rows, gathered on the host
             self.lead.embed_ple.rows_into(rows[_IDS, :R], self.ple[:R])
         if self.lead.capture:
-            graph, out = self._graph(S, T, kv_len)
+            graph, out = self._graph(S, T)
             graph.replay()
             self.replays += 1
             logits = out.clone()  # the lanes read their rows after the next forward may have run
         else:
-            logits = self._forward(S, T, kv_len)
+            logits = self._forward(S, T)
         for s, step in enumerate(steps):
-            step.lane._after_step(step.ids.tolist(), step.parents, T)
+            step.lane._after_step(ids[s], step.parents, T)
         return [logits[s * T:s * T + n] for s, n in enumerate(ns)]
 
-    def _forward(self, S: int, T: int, kv_len: int) -> torch.Tensor:
-        R = _padded(S * T)
+    def _forward(self, S: int, T: int) -> torch.Tensor:
+        # Every segment's full layers read up to the cache's end: step attention skips the chunks
+        # past each row's position (the same keys, the same order), and one graph per (S, T) serves
+        # every context, not one per kv_len bucket (each capture costs a forward and more).
+        R, kv_len = _padded(S * T), self.lead.max_len
         return self.lead._forward(self.ids[:R], self.pos[:R], kv_len, step=True,
                                   segments=[_Segments(self, S, T, kv_len)],
                                   ple_rows=None if self.ple is None else self.ple[:R])
 
-    def _graph(self, S: int, T: int, kv_len: int):
-        key = (S, T, kv_len)
+    def _graph(self, S: int, T: int):
+        key = (S, T)
         if key not in self.graphs:
             from server.fast_path import capture_graph
 
             t0 = time.perf_counter()
             # one logits buffer of 64 rows shared by the stacked graphs (run() copies the rows out at once)
-            self.graphs[key] = capture_graph(lambda: self._forward(S, T, kv_len), self.lead, "stacked", MAX_ROWS)
-            self.capture_s += time.perf_counter() - t0
-            self.capture_by_key[f"{S}x{T}"] = round(time.perf_counter() - t0, 3)
+            self.graphs[key] = capture_graph(lambda: self._forward(S, T), self.lead, "stacked", MAX_ROWS)
+            seconds = time.perf_counter() - t0
+            self.capture_s += seconds
+            self.capture_by_key[f"{S}x{T}"] = round(seconds, 3)
         return self.graphs[key]
 
     def summary(self) -> dict:

@@ -14,7 +14,7 @@ forwards share the GPU's scratch buffers at once.
 One forward, several sequences: on the step kernels (CUDA) the steps are stacked
 (server/batch_step.py): each padded to the widest one's bucket, their rows run every op once, the
 per-sequence K/V writes and attention in one launch per layer through a table of each lane's cache
-addresses, and the forward is a CUDA graph per (steps, rows, kv_len) that any lanes replay. Elsewhere
+addresses, and the forward is a CUDA graph per (steps, rows) that any lanes replay. Elsewhere
 (`FastTarget._forward(..., segments=...)`, the CPU): each lane's rows write and attend to its own
 cache (fast_path.Segment), uncaptured. Why outputs do not change: on the step kernels every op is
 per row and batch-invariant (server/small_m_matmul.py, the compiled norms, the step attention's
@@ -109,17 +109,16 @@ class FastBatch:
         self.last_forward_s = 0.0
         out: list[torch.Tensor | None] = [None] * len(steps)
         group: list[int] = []
-        widest = 0
+        widest = total = 0  # the group's widest bucket and the sum of its buckets
         for i, s in enumerate(steps):
             need = s.lane._bucket(len(s.ids))
             # stacked, every step of a group takes the widest one's rows; otherwise its own
-            rows = (len(group) + 1) * max(widest, need) if self.stacked is not None else \
-                sum(steps[j].lane._bucket(len(steps[j].ids)) for j in group) + need
+            rows = (len(group) + 1) * max(widest, need) if self.stacked is not None else total + need
             if group and rows > self.max_rows:
                 self._run(steps, group, out)
-                group, widest = [], 0
+                group, widest, total = [], 0, 0
             group.append(i)
-            widest = max(widest, need)
+            widest, total = max(widest, need), total + need
         if group:
             self._run(steps, group, out)
         return out

@@ -65,7 +65,7 @@ class StepAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                  qpos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, scaling: float,
                  path: torch.Tensor | None = None) -> torch.Tensor:
-        from server.gpu_kernels import _step_attention_combine, _step_attention_partials
+        from server.gpu_kernels import _step_attention_partials
         T, H, D = q.shape
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -73,22 +73,14 @@ class StepAttention:
         assert path.stride(1) == 1 and path.shape[0] >= T and path.shape[1] >= T
         sliding = slot_pos is not None
         slots = k_cache.shape[1] if sliding else kv_len
-        chunks = -(-slots // self.block_s)
-        # chunks the step wrote into: T positions span at most this many (one more where a ring's
-        # last chunk is partial and the span wraps past it)
-        own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
+        chunks, own_chunks, grid = self._grid(T, slots, sliding)
         out = torch.empty((T, H * D), dtype=q.dtype, device=q.device)
-        warps = 8 if D > 256 else 4
-        row_blocks = -(-(T * self.group) // BLOCK_R)
-        own_programs = own_chunks * -(-T // row_blocks)  # each row block's share of the T tokens' own chunks
-        _step_attention_partials[(self.kv_heads, row_blocks, chunks + own_programs)](
+        _step_attention_partials[(self.kv_heads, *grid)](
             q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, path, self.m, self.l, self.acc,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             path.stride(0), self.n_rows, self.n_chunks,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=warps)
-        _step_attention_combine[(self.kv_heads, T * self.group)](
-            self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4)
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D))
+        self._merge(qpos, out, T, chunks, sliding, D)
         return out
 
     def segments(self, q: torch.Tensor, table: torch.Tensor, k_field: int, v_field: int, S: int, T: int,
@@ -101,26 +93,42 @@ class StepAttention:
         `table`: server/batch_step.py), in one launch of the partials and one of the merge: [S*T, H*D],
         segment s's rows the bits `__call__` gives its step alone (the same programs, on its pointers
         and its own rows of the scratch, sized here for S*T <= max_tokens rows)."""
-        from server.gpu_kernels import _step_attention_combine, _step_attention_partials_segments
+        from server.gpu_kernels import _step_attention_partials_segments
         rows_out, H, D = q.shape
         R = S * T
         assert R <= rows_out and R * self.group <= self.n_rows
         if q.stride(-1) != 1:
             q = q.contiguous()
         slots = cache_slots if sliding else kv_len
-        chunks = -(-slots // self.block_s)
-        own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
+        chunks, own_chunks, grid = self._grid(T, slots, sliding)
         out = (torch.empty if rows_out == R else torch.zeros)((rows_out, H * D), dtype=q.dtype, device=q.device)
-        row_blocks = -(-(T * self.group) // BLOCK_R)
-        own_programs = own_chunks * -(-T // row_blocks)
-        _step_attention_partials_segments[(S * self.kv_heads, row_blocks, chunks + own_programs)](
+        _step_attention_partials_segments[(S * self.kv_heads, *grid)](
             q, table, k_field, v_field, qpos, self.m, self.l, self.acc, self.kv_heads,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), stride_kh, stride_ks,
             stride_pt, stride_table, self.n_rows, self.n_chunks,
             SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s,
-            num_warps=8 if D > 256 else 4)
-        _step_attention_combine[(self.kv_heads, R * self.group)](
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D))
+        self._merge(qpos, out, R, chunks, sliding, D)
+        return out
+
+    def _grid(self, T: int, slots: int, sliding: bool) -> tuple[int, int, tuple[int, int]]:
+        """(chunks of the cache, chunks a step of T rows wrote into, the partials' grid past its
+        first axis: row blocks, chunks + the own-chunk programs)."""
+        chunks = -(-slots // self.block_s)
+        # chunks the step wrote into: T positions span at most this many (one more where a ring's
+        # last chunk is partial and the span wraps past it)
+        own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
+        row_blocks = -(-(T * self.group) // BLOCK_R)
+        own_programs = own_chunks * -(-T // row_blocks)  # each row block's share of the T tokens' own chunks
+        return chunks, own_chunks, (row_blocks, chunks + own_programs)
+
+    def _merge(self, qpos: torch.Tensor, out: torch.Tensor, rows: int, chunks: int, sliding: bool, D: int) -> None:
+        """The merge of the partials of `rows` query rows into out (the scratch's rows 0.. in order)."""
+        from server.gpu_kernels import _step_attention_combine
+        _step_attention_combine[(self.kv_heads, rows * self.group)](
             self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
             G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4)
-        return out
+
+
+def _warps(head_dim: int) -> int:
+    return 8 if head_dim > 256 else 4
