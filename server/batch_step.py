@@ -24,8 +24,8 @@ row sees (rows attend to positions up to their own; a padded row writes past the
 the next step writes before anything reads, and the ring holds a bucket more than the window).
 tests/test_fast_batch.py checks it on CUDA for 2 and 8 lanes against each lane alone (tiny model);
 tests/test_stacked_step_interpreted.py checks the kernels under Triton's interpreter and
-tests/test_stacked_step_ptx.py their load widths in the sm_90 PTX. Not yet proven on the E4B
-shape: server/fast_batch.py's UNPROVEN_ON_CUDA says what was measured.
+tests/test_stacked_step_ptx.py their load widths in the sm_90 PTX; bench.gpu_concurrency on the
+E4B shape (server/fast_batch.py's GPU_LANES_DO_NOT_PAY says what it measured).
 """
 from __future__ import annotations
 

@@ -323,8 +323,8 @@ class Engine:
 
         cfg = self.config
         if (cfg.parallel or 1) > 1:  # refused before any memory is planned for lanes (server/fast_batch.py)
-            from server.fast_batch import UNPROVEN_ON_CUDA
-            raise ValueError(UNPROVEN_ON_CUDA)
+            from server.fast_batch import GPU_LANES_DO_NOT_PAY
+            raise ValueError(GPU_LANES_DO_NOT_PAY)
         budget = (0 if not cfg.prefix_cache else cfg.prefix_cache_bytes)
         ple = getattr(self.model.model, "embed_tokens_per_layer", None)
         if ple is not None:  # Gemma 4's per-layer embeddings are looked up on the host: plan without them

@@ -1282,10 +1282,34 @@ _COMPILED: list[_Ops] = []
 
 def _compiled_ops() -> _Ops:
     if not _COMPILED:
-        import torch._dynamo
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _COMPILED.append(_Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True)))
+        _COMPILED.append(compile_ops())
     return _COMPILED[0]
+
+
+def compile_ops(backend="inductor") -> _Ops:
+    """The elementwise ops torch.compile'd (dynamic row counts) with the settings that keep every
+    step's rows on one compiled kernel per op, whatever the step's bucket. `backend`: tests count
+    compilations with one of their own.
+
+    Why the settings: an op is compiled again for inputs its guards reject, and two compilations
+    are two kernels whose fp32 sums may round differently; a row then gets other bits in a step of
+    another size, and drafted output leaves plain output. Measured on the H200 (E4B shape): by
+    duck sizing, a 2-row step's row count was taken for the same symbol as the 2 KV heads, so
+    bucket-2 steps (plain decoding) ran their own qkv-norm kernel, and a conversation's drafted
+    tokens left its plain ones after 69 tokens in one process and not in another (each kernel's
+    launch configuration had been picked by timing). Duck sizing off: the row count is its own
+    symbol, one kernel for 2..64 rows. Inductor's deterministic mode (where this torch has it):
+    configurations picked without timing, so the kernels, and the outputs, are the same in every
+    process."""
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.fx.experimental._config
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch.fx.experimental._config.use_duck_shape = False
+    if hasattr(torch._inductor.config, "deterministic"):
+        torch._inductor.config.deterministic = True
+    return _Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True, backend=backend))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

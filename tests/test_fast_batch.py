@@ -178,15 +178,15 @@ def test_a_step_that_cannot_run_is_refused_before_it_joins_a_forward(tiny):
 
 def test_lanes_on_cuda_are_refused_unless_asked_for_knowingly():
     """The engine's --parallel on the GPU fast path is refused with the measurement behind it
-    (server/fast_batch.py UNPROVEN_ON_CUDA); the refusal comes before any lane is built."""
+    (server/fast_batch.py GPU_LANES_DO_NOT_PAY); the refusal comes before any lane is built."""
     from types import SimpleNamespace
 
-    from server.fast_batch import UNPROVEN_ON_CUDA
+    from server.fast_batch import GPU_LANES_DO_NOT_PAY
 
     on_cuda = SimpleNamespace(device=torch.device("cuda"))
-    with pytest.raises(ValueError, match="not yet proven lossless") as refused:
+    with pytest.raises(ValueError, match="do not pay yet") as refused:
         fast_lanes(on_cuda, 2)
-    assert str(refused.value) == UNPROVEN_ON_CUDA and "--parallel 1" in UNPROVEN_ON_CUDA
+    assert str(refused.value) == GPU_LANES_DO_NOT_PAY and "--parallel 1" in GPU_LANES_DO_NOT_PAY
     assert fast_lanes(on_cuda, 1) == [on_cuda]
 
 
@@ -225,7 +225,7 @@ def _lanes_equal_alone(model, lanes_n: int, capture: bool, prompt_lens: list[int
     vocab = model.config.vocab_size
     make = lambda: FastTarget(model, max_len=max_len, prefill_chunk=64, min_kv_len=64, buckets=(2, 4, 8, 16),
                               capture=capture, ple_on_host=ple_on_host)
-    lanes = fast_lanes(make(), lanes_n, unproven_on_cuda=True)
+    lanes = fast_lanes(make(), lanes_n, even_on_cuda=True)
     assert lanes[0].batch.stacked is not None
     alone = [make() for _ in range(lanes_n)]
     prompts = prompts_for(vocab, prompt_lens, seed=6)
