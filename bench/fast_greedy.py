@@ -10,11 +10,13 @@ from server.fast_path import FastTarget
 
 
 def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propose=None,
-                    max_draft: int | None = None) -> tuple[list[int], int]:
+                    max_draft: int | None = None, reuse: bool = False) -> tuple[list[int], int]:
     """Greedy tokens after `prompt_ids` and the number of forwards after the prefill. With
-    `propose(context, room) -> list[int]`, drafts are verified (lossless: same tokens as without)."""
+    `propose(context, room) -> list[int]`, drafts are verified (lossless: same tokens as without).
+    `reuse`: the prefill resumes from the prefix cache (an agent's next turn), else from position 0."""
     max_draft = fast.max_bucket - 1 if max_draft is None else max_draft
-    out = [int(fast.prefill(prompt_ids).argmax())]
+    first = fast.start(prompt_ids, reuse=True).logits if reuse else fast.prefill(prompt_ids)
+    out = [int(first.argmax())]
     steps = 0
     while len(out) < max_new:
         room = min(max_new - len(out) - 1, max_draft)

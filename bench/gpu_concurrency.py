@@ -41,8 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(tiny: bool, max_len: int):
-    """(a FastTarget, its model's vocabulary size)."""
+def build(tiny: bool, max_len: int, prefix_bytes: int = 0):
+    """(a FastTarget, its model's vocabulary size); `prefix_bytes`: its prefix cache's budget (the
+    lanes share its store)."""
     from server.fast_path import FastTarget
 
     if tiny:
@@ -50,44 +51,64 @@ def build(tiny: bool, max_len: int):
 
         model = _tiny_gemma4()
         return FastTarget(model, max_len=max_len, prefill_chunk=32, capture=False, min_kv_len=64,
-                          buckets=(2, 4, 8, 16)), model.config.vocab_size
+                          buckets=(2, 4, 8, 16), prefix_budget_bytes=prefix_bytes), model.config.vocab_size
     from bench.gpu_e4b import build_model
 
     model = build_model(quant=True)
     model.model.embed_tokens_per_layer.to("cpu")
     torch.cuda.empty_cache()
-    fast = FastTarget(model, max_len=max_len, min_kv_len=1024, ple_on_host=True, buckets=(2, 4, 8, 16))
+    fast = FastTarget(model, max_len=max_len, min_kv_len=1024, ple_on_host=True, buckets=(2, 4, 8, 16),
+                      prefix_budget_bytes=prefix_bytes)
     fast.warmup()  # its graphs now, not inside the streams' threads (fast_lanes warms the other lanes)
     return fast, model.config.vocab_size
 
 
-def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 15) -> tuple[list[int], float, float]:
+def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 15,
+           reuse: bool = False) -> tuple[list[int], float, float]:
     """(greedy tokens, seconds, seconds of them in its prefill) of one stream on one lane; the lane
-    leaves the rendezvous at the end."""
+    leaves the rendezvous at the end. `reuse`: the prefill resumes from the prefix cache."""
     from bench.fast_greedy import greedy_generate
 
     t0, prefill0 = time.perf_counter(), lane.timings.prefill_s
     try:
-        out, _ = greedy_generate(lane, prompt, tokens, propose, max_draft=max_draft)
+        out, _ = greedy_generate(lane, prompt, tokens, propose, max_draft=max_draft, reuse=reuse)
     finally:
         lane.discard()
     return out, time.perf_counter() - t0, lane.timings.prefill_s - prefill0
 
 
-def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int) -> dict:
+def draft_cap(streams: int, rows: int) -> int:
+    """The most drafted tokens per stream when `streams` share forwards of about `rows` rows."""
+    return max(1, min(15, rows // streams - 1))
+
+
+def warm(lane, history: list[int]) -> None:
+    """The conversation so far served on `lane` and kept by its prefix cache (untimed): the next
+    turn's prefill resumes after it, as an agent's does."""
+    lane.start(history, reuse=True)
+    lane.finish(history, 0)
+
+
+def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int, rows: int = 64,
+                histories: list | None = None) -> dict:
     from bench.concurrency import run_at_once
     from bench.fast_greedy import oracle
 
     S = len(prompts)
-    max_draft = min(15, 64 // S - 1)
+    max_draft = draft_cap(S, rows)
+    if histories is not None:
+        for lane, history in zip(lanes, histories):
+            warm(lane, history)
     results: list = [None] * S
     errors: list = []
     before = dict(lanes[0].batcher.summary()) if lanes[0].batcher is not None else None
+    store = lanes[0].store  # the lanes' shared prefix store (None when the cache is off)
+    computed0 = store.summary()["computed_tokens"] if store is not None else 0
 
     def stream(i: int) -> None:
         try:
             propose = None if plain else oracle(references[i], len(prompts[i]), vocab=vocab, seed=i)
-            results[i] = decode(lanes[i], prompts[i], tokens, propose, max_draft)
+            results[i] = decode(lanes[i], prompts[i], tokens, propose, max_draft, reuse=histories is not None)
         except BaseException as e:  # reported, not swallowed
             errors.append(e)
 
@@ -102,6 +123,7 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
             "identical": [r[0] == references[i] for i, r in enumerate(results)],
             "first_difference": {i: next(j for j, (a, b) in enumerate(zip(r[0], references[i])) if a != b)
                                  for i, r in enumerate(results) if r[0] != references[i]},
+            "prompt_tokens_computed": None if store is None else store.summary()["computed_tokens"] - computed0,
             "forwards": None if after is None else after["forwards"] - before["forwards"],
             "peak_streams": None if after is None else after["peak_sequences"]}
 
@@ -140,17 +162,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def summarize(warm: dict, rounds: list[dict]) -> dict:
+def summarize(first: dict, rounds: list[dict]) -> dict:
     """One stream count: the median round's figures, the spread of aggregate tokens/s, identity in every round."""
     by_tps = sorted(rounds, key=lambda run: run["aggregate_tps"])
     mid = dict(by_tps[len(by_tps) // 2])
     mid["tps_range"] = [by_tps[0]["aggregate_tps"], by_tps[-1]["aggregate_tps"]]
     mid["p50_s"] = statistics.median(run["p50_s"] for run in rounds)
     mid["prefill_p50_s"] = statistics.median(run["prefill_p50_s"] for run in rounds)
-    mid["identical"] = [all(col) for col in zip(warm["identical"], *(run["identical"] for run in rounds))]
-    mid["identical_by_round"] = [warm["identical"]] + [run["identical"] for run in rounds]
-    mid["first_difference_by_round"] = [warm["first_difference"]] + [run["first_difference"] for run in rounds]
-    mid["first_round"] = {"aggregate_tps": warm["aggregate_tps"], "p50_s": warm["p50_s"]}
+    mid["identical"] = [all(col) for col in zip(first["identical"], *(run["identical"] for run in rounds))]
+    mid["identical_by_round"] = [first["identical"]] + [run["identical"] for run in rounds]
+    mid["first_difference_by_round"] = [first["first_difference"]] + [run["first_difference"] for run in rounds]
+    mid["first_round"] = {"aggregate_tps": first["aggregate_tps"], "p50_s": first["p50_s"]}
     return mid
 
 
@@ -158,8 +180,13 @@ def markdown(r: dict) -> str:
     one = r["runs"][0]
     lines = ["# Several streams at once on the GPU fast path's lanes", "",
              f"{r['when']}, {r['machine']}, {r['device']}. Command: `{r['command']}`.", "",
-             f"{r['model']}; prompts of {r['prompt']} random tokens, {r['tokens']} tokens a stream, greedy, "
+             f"{r['model']}; " + (f"prompts of {r['prompt']} random tokens" if not r.get("turn") else
+                                  f"each stream an agent's next turn: {r['prompt']} random tokens of conversation "
+                                  f"its lane's prefix cache holds (served untimed before each round) and {r['turn']} new")
+             + f", {r['tokens']} tokens a stream, greedy, "
              + ("plain." if r["plain"] else "oracle drafts (the stream's own output, 20% of tokens wrong).")
+             + f" Drafts of at most {r.get('rows', 64)} rows a forward in all (max draft per stream: "
+               f"{r.get('rows', 64)} / streams - 1, 1..15)."
              + f" Per count: one untimed round (it captures the stacked forwards' graphs), then {r['rounds']} "
              "timed: the median round, the range of aggregate tokens/s, the median of the rounds' p50.", "",
              "| streams | max draft | aggregate tokens/s (range) | x one stream | stream p50 (s) | p50 / one stream | "
@@ -198,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--plain", action="store_true", help="no drafts")
+    ap.add_argument("--rows", type=int, default=64,
+                    help="rows the streams' drafts fill a forward with: max draft per stream = rows / streams - 1 (1..15)")
+    ap.add_argument("--turn", type=int, default=0,
+                    help="each stream is an agent's next turn: --prompt tokens its lane's prefix cache holds, then "
+                         "this many new ones (default 0: every prompt prefilled from position 0)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per stream count, after an untimed one")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
+    ap.add_argument("--no-costs", action="store_true", help="skip the table of forward costs")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -209,36 +242,49 @@ def main(argv: list[str] | None = None) -> int:
     from bench.results import run_header, write_results
     from server.fast_batch import fast_lanes
 
-    fast, vocab = build(args.tiny, args.prompt + args.tokens + 64)
+    fast, vocab = build(args.tiny, args.prompt + args.turn + args.tokens + 64, 2**30 if args.turn else 0)
     lanes = fast_lanes(fast, max(counts), even_on_cuda=True)  # whether they pay is what it measures
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
-    references = [decode(lanes[0], p, args.tokens)[0] for p in prompts]
+    histories = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
+    prompts = ([h + torch.randint(3, vocab, (args.turn,), generator=g).tolist() for h in histories]
+               if args.turn else histories)
+    turns = histories if args.turn else None  # what each lane serves untimed before a stream's request
+    reuse = turns is not None
+
+    def solo(lane, i: int, propose=None, max_draft: int = 15) -> list[int]:
+        if reuse:
+            warm(lane, histories[i])
+        return decode(lane, prompts[i], args.tokens, propose, max_draft, reuse=reuse)[0]
+
+    references = [solo(lanes[0], i) for i in range(len(prompts))]
     # Each stream drafted alone on its own lane, with the drafts of the largest count: tells a
     # difference that drafting or a lane's lone steps make from one that sharing forwards makes.
     from bench.fast_greedy import oracle
-    solo_draft = min(15, 64 // max(counts) - 1)
-    alone = [decode(lane, p, args.tokens, oracle(ref, len(p), vocab=vocab, seed=i), solo_draft)[0]
+    solo_draft = draft_cap(max(counts), args.rows)
+    alone = [solo(lane, i, oracle(ref, len(p), vocab=vocab, seed=i), solo_draft)
              for i, (lane, p, ref) in enumerate(zip(lanes, prompts, references))] if not args.plain else references
     drafted_alone = {"max_draft": solo_draft, "identical": [a == ref for a, ref in zip(alone, references)]}
     shapes = [(S, T) for S in counts for T in sorted({2, min(16, 64 // S)})]
-    costs = forward_costs(lanes, prompts, shapes) if lanes[0].batch is not None else []
+    costs = forward_costs(lanes, prompts, shapes) if lanes[0].batch is not None and not args.no_costs else []
     runs = []
     for S in counts:  # a first, untimed round captures the stacked forwards' graphs (a server's steady state)
-        warm = run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab)
-        rounds = [run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab)
-                  for _ in range(args.rounds)]
-        runs.append(summarize(warm, rounds))
+        go = lambda: run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab, args.rows,
+                                 turns[:S] if turns else None)
+        first = go()
+        runs.append(summarize(first, [go() for _ in range(args.rounds)]))
     stacked = lanes[0].batch.stacked if lanes[0].batch is not None else None
     device = "CPU (tiny model)" if args.tiny else torch.cuda.get_device_name()
     r = {**run_header(), "command": "python -m bench.gpu_concurrency" + "".join(f" {a}" for a in argv),
          "device": device, "model": "a tiny random Gemma 4, fp32, uncaptured" if args.tiny else
          "E4B shape, random init, int4, per-layer table on the host", "prompt": args.prompt, "tokens": args.tokens,
-         "plain": args.plain, "rounds": args.rounds, "runs": runs, "forward_costs": costs,
+         "plain": args.plain, "rounds": args.rounds, "rows": args.rows, "turn": args.turn, "runs": runs,
+         "forward_costs": costs,
          "drafted_alone": drafted_alone,
          "stacked": None if stacked is None else stacked.summary()}
     md = markdown(r)
-    write_results(args.out, "gpu_concurrency" + ("-tiny" if args.tiny else ""), r, md)
+    name = "gpu_concurrency" + (f"-rows{args.rows}" if args.rows != 64 else "") + \
+        (f"-turn{args.turn}" if args.turn else "") + ("-tiny" if args.tiny else "")
+    write_results(args.out, name, r, md)
     print(md)
     return 0 if all(all(run["identical"]) for run in runs) else 1
 

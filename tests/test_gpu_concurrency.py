@@ -19,3 +19,19 @@ def test_gpu_concurrency_tiny_streams_are_identical_to_solo(tmp_path):
     assert (one["streams"], three["streams"]) == (1, 3) and all(one["identical"]) and all(three["identical"])
     assert three["forwards"] > 0 and three["peak_streams"] >= 2  # the streams shared forwards
     assert "| 3 |" in (tmp_path / "gpu_concurrency-tiny.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_concurrency_tiny_next_turns_resume_from_the_prefix_cache(tmp_path):
+    """--turn: each stream's request continues a conversation its lane served before, so its
+    prefill covers the new tokens only; --rows caps each stream's draft by the streams sharing."""
+    from bench import gpu_concurrency
+
+    assert gpu_concurrency.main(["--tiny", "--streams", "1,3", "--tokens", "16", "--prompt", "30", "--turn", "6",
+                                 "--rows", "8", "--no-costs", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "gpu_concurrency-rows8-turn6-tiny.json").read_text())
+    one, three = record["runs"]
+    assert all(one["identical"]) and all(three["identical"]) and three["peak_streams"] >= 2
+    assert (one["max_draft"], three["max_draft"]) == (7, 1) and record["forward_costs"] == []
+    assert three["prompt_tokens_computed"] == 3 * 6  # each request prefilled its 6 new tokens only
+    assert "6 new" in (tmp_path / "gpu_concurrency-rows8-turn6-tiny.md").read_text()
