@@ -1306,10 +1306,10 @@ def compile_ops(backend="inductor") -> _Ops:
     import torch.fx.experimental._config
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch.fx.experimental._config.use_duck_shape = False
-    if hasattr(torch._inductor.config, "deterministic"):
-        torch._inductor.config.deterministic = True
-    return _Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True, backend=backend))
+    torch.fx.experimental._config.use_duck_shape = False  # read by dynamo at each compilation: global
+    # inductor's settings for these compilations only
+    options = {"deterministic": True} if backend == "inductor" and hasattr(torch._inductor.config, "deterministic") else None
+    return _Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True, backend=backend, options=options))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
