@@ -185,8 +185,8 @@ def markdown(r: dict) -> str:
                                   f"its lane's prefix cache holds (served untimed before each round) and {r['turn']} new")
              + f", {r['tokens']} tokens a stream, greedy, "
              + ("plain." if r["plain"] else "oracle drafts (the stream's own output, 20% of tokens wrong).")
-             + f" Drafts of at most {r.get('rows', 64)} rows a forward in all (max draft per stream: "
-               f"{r.get('rows', 64)} / streams - 1, 1..15)."
+             + ("" if r["plain"] else f" Max draft per stream: {r.get('rows', 64)} / streams - 1, within 1..15 (the "
+                f"streams' drafts fill about {r.get('rows', 64)} rows a forward, and each stream adds at least 2).")
              + f" Per count: one untimed round (it captures the stacked forwards' graphs), then {r['rounds']} "
              "timed: the median round, the range of aggregate tokens/s, the median of the rounds' p50.", "",
              "| streams | max draft | aggregate tokens/s (range) | x one stream | stream p50 (s) | p50 / one stream | "

@@ -9,8 +9,9 @@ on token ids; the tokenizer is used only to detokenize for stop strings and text
 `engine.parallel` threads may call `generate` at once (the server's scheduler runs that many
 workers): each request takes a backend lane of its own, the free one whose cache holds most of its
 prompt (server/lane_pool.py). The CPU int8 path's lanes share forwards (server/batcher.py); on the
-GPU fast path --parallel above 1 is refused until its lanes (server/fast_batch.py) are proven
-lossless on the E4B shape; transformers' path has one lane, and a second call waits for it.
+GPU fast path --parallel above 1 is refused until its lanes (server/fast_batch.py) pay (they keep
+every output, measured on the E4B shape, but do not yet add throughput: GPU_LANES_DO_NOT_PAY);
+transformers' path has one lane, and a second call waits for it.
 
 The engine talks to the model only through a `server.backend.Backend`: the GPU fast path
 (`server.fast_path.FastTarget`: static KV cache, CUDA graphs) where it applies, else transformers
@@ -215,8 +216,8 @@ class Engine:
                                   "(--parallel to change)")
             return backend.lanes(n)
         if isinstance(backend, FastTarget) and asked is not None and asked > 1:
-            # Only when asked, and on the CPU only for now (on CUDA fast_lanes refuses: not yet
-            # proven lossless on the E4B shape, server/fast_batch.py): each lane holds a cache of its own.
+            # Only when asked, and on the CPU only for now (on CUDA fast_lanes refuses: they do not
+            # pay yet, server/fast_batch.py GPU_LANES_DO_NOT_PAY): each lane holds a cache of its own.
             from server.fast_batch import fast_lanes
 
             self.notes.append(f"parallel: {asked} requests at once on the fast path, each with a cache of its own, "

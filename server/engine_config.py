@@ -45,7 +45,7 @@ class EngineConfig:
     parallel: int | None = field(default=None, metadata={
         "min": 1, "help": "requests decoded at once, their steps sharing forwards (the CPU int8 path batches them; "
                 "each output stays the one it gets alone); more wait in arrival order (default: 4 on the CPU int8 "
-                "path, else 1; above 1 refused on the GPU fast path until its lanes are proven lossless)"})
+                "path, else 1; above 1 refused on the GPU fast path until its lanes add throughput)"})
     remeasure_cost: bool = field(default=False, metadata={
         "help": "measure the verify cost curve again even if one was kept for this model, device and path"})
     # not flags: set by code (tests, benchmarks, the server's loader)

@@ -181,7 +181,7 @@ class FastBatch:
 # (`even_on_cuda=True`).
 GPU_LANES_DO_NOT_PAY = ("--parallel on the GPU fast path is refused: lanes give every request its solo output but do "
                         "not pay yet (E4B shape on an H200, python -m bench.gpu_concurrency: 4 streams at once decode "
-                        "0.96x one stream's tokens/s, each waiting 3.7x its solo time, longer than served in turn); "
+                        "0.96x one stream's tokens/s, the median stream taking 3.7x its solo time, longer than served in turn); "
                         "serve one request at a time (--parallel 1)")
 
 

@@ -1298,18 +1298,23 @@ def compile_ops(backend="inductor") -> _Ops:
     bucket-2 steps (plain decoding) ran their own qkv-norm kernel, and a conversation's drafted
     tokens left its plain ones after 69 tokens in one process and not in another (each kernel's
     launch configuration had been picked by timing). Duck sizing off: the row count is its own
-    symbol, one kernel for 2..64 rows. Inductor's deterministic mode (where this torch has it):
-    configurations picked without timing, so the kernels, and the outputs, are the same in every
-    process."""
+    symbol, one kernel for 2..64 rows. Inductor's deterministic mode (where this torch has it: 2.11
+    on the GPU machine; without it, a warning): reduction kernels' configurations, which set the
+    order of their sums, picked without timing, so the kernels, and the outputs, are the same in
+    every process. Both settings are the process's, as the H200 runs measured them."""
     import torch._dynamo
     import torch._inductor.config
     import torch.fx.experimental._config
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch.fx.experimental._config.use_duck_shape = False  # read by dynamo at each compilation: global
-    # inductor's settings for these compilations only
-    options = {"deterministic": True} if backend == "inductor" and hasattr(torch._inductor.config, "deterministic") else None
-    return _Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True, backend=backend, options=options))
+    torch.fx.experimental._config.use_duck_shape = False
+    if hasattr(torch._inductor.config, "deterministic"):
+        torch._inductor.config.deterministic = True
+    else:
+        import warnings
+        warnings.warn(f"torch {torch.__version__} has no inductor deterministic mode: compiled kernels' launch "
+                      "configurations are picked by timing, so outputs may differ between processes")
+    return _Ops(lambda f: torch.compile(f, fullgraph=True, dynamic=True, backend=backend))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
