@@ -15,8 +15,7 @@ def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propo
     `propose(context, room) -> list[int]`, drafts are verified (lossless: same tokens as without).
     `reuse`: the prefill resumes from the prefix cache (an agent's next turn), else from position 0."""
     max_draft = fast.max_bucket - 1 if max_draft is None else max_draft
-    first = fast.start(prompt_ids, reuse=True).logits if reuse else fast.prefill(prompt_ids)
-    out = [int(first.argmax())]
+    out = [int(fast.start(prompt_ids, reuse=reuse).logits.argmax())]  # reuse=False: FastTarget.prefill
     steps = 0
     while len(out) < max_new:
         room = min(max_new - len(out) - 1, max_draft)

@@ -248,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     histories = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
     prompts = ([h + torch.randint(3, vocab, (args.turn,), generator=g).tolist() for h in histories]
                if args.turn else histories)
-    turns = histories if args.turn else None  # what each lane serves untimed before a stream's request
-    reuse = turns is not None
+    reuse = bool(args.turn)  # each lane serves its history untimed before a stream's request
 
     def solo(lane, i: int, propose=None, max_draft: int = 15) -> list[int]:
         if reuse:
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for S in counts:  # a first, untimed round captures the stacked forwards' graphs (a server's steady state)
         go = lambda: run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab, args.rows,
-                                 turns[:S] if turns else None)
+                                 histories[:S] if reuse else None)
         first = go()
         runs.append(summarize(first, [go() for _ in range(args.rounds)]))
     stacked = lanes[0].batch.stacked if lanes[0].batch is not None else None
