@@ -2,9 +2,13 @@
 
 Usage (GPU machine): python -m bench.gpu_memory [--out DIR] [--cap-gib 5] [--contexts 8192,32768]
                                               [--allocator expandable|default] [--buckets engine|all]
+                                              [--lm-head auto|bf16|int8|bf16,auto]
 Writes DIR/gpu_memory.json and DIR/gpu_memory.md (default bench/results/); `--allocator default`
 (PyTorch's fixed segments, the A/B against the server's expandable segments: server.cuda_allocator)
-adds `-default-allocator` to the names and `--buckets all` adds `-all-buckets`.
+adds `-default-allocator` to the names and `--buckets all` adds `-all-buckets`. `--lm-head`: the
+LM head as the engine picks it under the cap (auto: int8, server.fast_path.plan_fast_memory), or
+as asked; a list runs every context with each, in order (bf16 first: the int8 head moves the bf16
+table to the host for good), side by side in one table.
 
 Builds the model as bench/gpu_e4b.py does (random init from the E4B config, quanto int4, lm_head =
 tied bf16 embedding, the per-layer table on the host) and, for each context, the FastTarget the
@@ -110,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allocator", choices=("expandable", "default"), default="expandable",
                     help="the CUDA caching allocator: expandable segments, as the server sets them "
                          "(server.cuda_allocator), or PyTorch's default fixed segments (the A/B)")
+    ap.add_argument("--lm-head", default="auto",
+                    help="auto, bf16 or int8 (server.fast_path.plan_fast_memory's lm_head), or a list: bf16,auto")
     ap.add_argument("--buckets", choices=("engine", "all"), default="engine",
                     help="step buckets: the engine's for the default draft cap (server.fast_path.step_buckets), "
                          "or every one up to 64 rows (as before)")
     args = ap.parse_args(argv)
+    heads = args.lm_head.split(",")
+    if any(h not in ("auto", "bf16", "int8") for h in heads) or ("bf16" in heads and heads[-1] == "bf16" and len(heads) > 1):
+        ap.error("--lm-head: auto, bf16 or int8, bf16 before the others")
     import transformers
 
     from server.cuda_allocator import EXPANDABLE, configure_cuda_allocator
@@ -155,25 +164,32 @@ def main(argv: list[str] | None = None) -> int:
     r["buckets"] = list(buckets)
     r["runs"] = {}
     fast = None
-    for c in contexts:
+    for head, c in [(head, c) for head in heads for c in contexts]:
+        label = str(c) if len(heads) == 1 else f"{c}, {head} head"
         del fast
         fast = None
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         used.reset()
-        run: dict = {"before": mem(used)}
-        plan = plan_fast_memory(model, c, c, 0, gpu_memory=cap, buckets=buckets)
+        run: dict = {"before": mem(used), "context": c}
+        free, total = torch.cuda.mem_get_info()
+        run["outside_at_plan_GiB"] = (total - free - torch.cuda.memory_reserved()) / GIB  # CUDA context, libraries
+        plan = plan_fast_memory(model, c, c, 0, gpu_memory=cap, buckets=buckets, lm_head=head)
         run["plan"] = {"context": plan.context, "prefill_rows": plan.prefill_rows, "dense": plan.prefill_dense,
-                       "reserve_GiB": plan.reserve / GIB, "per_pos_KiB": plan.per_pos / 1024, "note": plan.note}
+                       "reserve_GiB": plan.reserve / GIB, "per_pos_KiB": plan.per_pos / 1024, "note": plan.note,
+                       "lm_head": "int8" if plan.lm_head_int8 else "bf16"}
         t = time.perf_counter()
-        fast = FastTarget(model, max_len=c + buckets[-1], buckets=buckets, min_kv_len=1024,
-                          ple_on_host=True, prefill_dense=False, prefill_rows=plan.prefill_rows)
+        # the context the plan serves, as the engine builds it (less than asked when it does not fit)
+        fast = FastTarget(model, max_len=plan.context + buckets[-1], buckets=buckets, min_kv_len=1024,
+                          ple_on_host=True, prefill_dense=False, prefill_rows=plan.prefill_rows,
+                          lm_head_int8=plan.lm_head_int8)
         torch.cuda.synchronize()
         run["build_s"] = time.perf_counter() - t
         run["built"] = mem(used) | {"max_allocated_GiB": torch.cuda.max_memory_allocated() / GIB}
         run["released_GiB"] = fast.released_bytes / GIB
         run["kv_cache_GiB"] = fast.cache_bytes() / GIB
+        run["lm_head_GiB"] = fast.lm_head_step.nbytes() / GIB
         run["step_linears_GiB"] = sum(lin.nbytes() for lin in fast.step_linears() if lin.int4) / GIB
         run["dense_copy_GiB"] = sum(lin.n * lin.k * 2 for lin in fast.step_linears() if lin.int4) / GIB
         run["prefill_scratch_MiB"] = fast.prefill_scratch_bytes / 2**20
@@ -185,13 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         run["warmup_s"] = fast.warmup()
         run["graphs"] = fast.timings.graphs
         run["warm"] = mem(used) | {"nvidia_smi_MiB": smi_used_mib()}
+        free, total = torch.cuda.mem_get_info()
+        run["outside_warm_GiB"] = (total - free - torch.cuda.memory_reserved()) / GIB
         # the start-up peak (building, then capturing every graph), apart from the serving peak below
         run["startup_peak"] = {"max_allocated_GiB": torch.cuda.max_memory_allocated() / GIB,
                                "max_reserved_GiB": torch.cuda.max_memory_reserved() / GIB,
                                "device_used_GiB": used.peak / GIB}
         run["graph_pool_MiB"] = (run["warm"]["allocated_GiB"] - run["built"]["allocated_GiB"]) * 1024
-        print(c, json.dumps(run, indent=0, default=str), flush=True)
-        p = prompts[c]
+        print(label, json.dumps(run, indent=0, default=str), flush=True)
+        p = prompts[c][:plan.context - GEN - 1]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         used.reset()
@@ -213,14 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         run["prefill_transient_GiB"] = run["peak"]["max_allocated_GiB"] - run["warm"]["allocated_GiB"]
         s, new_logits = timed_prefill(fast, p)
         run["prefill_tps"] = len(p) / s
-        run["logits_max_abs_diff_vs_tinygemm"] = max_abs(new_logits, ref_logits[c])
-        run["logits_argmax_same_as_tinygemm"] = bool(new_logits.argmax() == ref_logits[c].argmax())
-        print(c, "peak", run["peak"], "prefill tok/s", run["prefill_tps"], flush=True)
-        r["runs"][c] = run
+        if len(p) == len(prompts[c]):  # the reference's prompt (not when the plan cut the context)
+            run["logits_max_abs_diff_vs_tinygemm"] = max_abs(new_logits, ref_logits[c])
+            run["logits_argmax_same_as_tinygemm"] = bool(new_logits.argmax() == ref_logits[c].argmax())
+        print(label, "peak", run["peak"], "prefill tok/s", run["prefill_tps"], flush=True)
+        r["runs"][label] = run
 
     # The last FastTarget (longest context): the same prefill through other paths, speed and logits.
     c = longest
-    p = prompts[c]
+    p = prompts[c][:fast.max_context - GEN - 1]
     base_s, base = timed_prefill(fast, p)
     cmp: dict = {"context": c, "prompt": len(p), "prefill_rows": fast.prefill_rows, "new_tps": len(p) / base_s}
     rows, budget = fast.prefill_rows, fast.score_budget
@@ -247,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     fast.prefill_rows, fast.score_budget = rows, budget
     torch.cuda.empty_cache()
     cmp["tinygemm_tps"] = r["prefill_tps"]["tinygemm"][c]
-    cmp["max_abs_diff_vs_tinygemm"] = max_abs(base, ref_logits[c])
+    cmp["max_abs_diff_vs_tinygemm"] = max_abs(base, ref_logits[c]) if len(p) == len(prompts[c]) else float("nan")
     cmp["logit_range"] = [float(base.min()), float(base.max())]
     # prefill vs the step kernels for the last token
     fast.prefill(p[:-1])
@@ -270,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     r["command"] = "python -m bench.gpu_memory" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     name = "gpu_memory" + ("" if args.allocator == "expandable" else "-default-allocator") + \
-        ("" if args.buckets == "engine" else "-all-buckets")
+        ("" if args.buckets == "engine" else "-all-buckets") + ("" if heads == ["auto"] else "-head-" + "-".join(heads))
     (out / f"{name}.json").write_text(json.dumps(r, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(markdown(r))
     print(markdown(r))
@@ -286,8 +305,9 @@ def markdown(r: dict) -> str:
         "# GPU memory of the fast path, one int4 layout (Gemma 4 E4B shape, int4)",
         "",
         f"{r['device']}, torch {r['torch']}, transformers {r['transformers']}. Random-init E4B text config, quanto "
-        "int4 weights (group 128), lm_head = tied bf16 embedding, per-layer embeddings on the host. The FastTarget "
-        f"the engine builds under `--gpu-memory-mb {int(r['cap_GiB'] * 1024)}`: steps on the step kernels, prefill "
+        "int4 weights (group 128), lm_head = tied embedding, per-layer embeddings on the host. The FastTarget "
+        f"the engine builds under `--gpu-memory-mb {int(r['cap_GiB'] * 1024)}` (the LM head as the planner picks it: "
+        "auto is int8 under a cap, a scale per 128 features, the bf16 table then on the host): steps on the step kernels, prefill "
         "through the same int4 layout (each linear dequantized into one shared scratch, then cuBLAS), quanto's "
         f"tensors released, no dense prefill copy; step buckets {r.get('buckets', '2..64')}. CUDA allocator: {r.get('allocator', 'default')}. "
         f"Command: `{r.get('command', 'python -m bench.gpu_memory')}`.",
@@ -300,6 +320,7 @@ def markdown(r: dict) -> str:
         "|---|" + "---|" * len(ctx),
         "| after load (quanto int4 + bf16 embedding), allocated | " + " | ".join(
             f(r["after_load"]["allocated_GiB"]) for _ in ctx) + " |",
+        row("LM head (as planned), its GiB on the GPU", lambda x: f"{x['plan'].get('lm_head', 'bf16')} {x.get('lm_head_GiB', 0):.2f}"),
         row("after building the fast path, allocated", lambda x: f(x["built"]["allocated_GiB"])),
         row("after warm-up (all graphs), allocated", lambda x: f(x["warm"]["allocated_GiB"])),
         row("after warm-up, reserved", lambda x: f(x["warm"]["reserved_GiB"])),
@@ -319,14 +340,17 @@ def markdown(r: dict) -> str:
         row("prefill dequantization scratch", lambda x: f(x["prefill_scratch_MiB"] / 1024)),
         row("split-K scratch", lambda x: f(x["split_k_scratch_MiB"] / 1024)),
         row("RoPE tables", lambda x: f(x["rope_MiB"] / 1024)),
+        row("CUDA context and libraries (device used - reserved), at planning / after warm-up",
+            lambda x: f"{x.get('outside_at_plan_GiB', 0):.2f} / {x.get('outside_warm_GiB', 0):.2f}"),
         row("planner: context under the cap", lambda x: str(x["plan"]["context"])),
         row("planner: prefill piece (tokens)", lambda x: str(x["plan"]["prefill_rows"])),
         row("CUDA graphs (warm-up s)", lambda x: f"{x['graphs']} ({x['warmup_s']:.1f} s)"),
         row("prefill tokens/s (new path)", lambda x: f"{x['prefill_tps']:.0f}"),
         "| prefill tokens/s (tinygemm on quanto's tensors, before) | " + " | ".join(
-            f"{r['prefill_tps']['tinygemm'][c]:.0f}" for c in ctx) + " |",
+            f"{r['prefill_tps']['tinygemm'][runs[c].get('context', c)]:.0f}" for c in ctx) + " |",
         row("plain decode tokens/s at this context", lambda x: f"{x['decode_tps_at_context']:.1f}"),
-        row("prefill logits max abs diff vs tinygemm", lambda x: f"{x['logits_max_abs_diff_vs_tinygemm']:.3f}"),
+        row("prefill logits max abs diff vs tinygemm",
+            lambda x: f"{x['logits_max_abs_diff_vs_tinygemm']:.3f}" if "logits_max_abs_diff_vs_tinygemm" in x else "-"),
     ]
     cmp = r["prefill_compare"]
     rows = cmp["prefill_rows"]

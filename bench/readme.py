@@ -46,8 +46,13 @@ SECTIONS = [
      "python -m bench.small_m_bench (on the GPU machine)", "small_m.md", []),
     ("The GPU verify cost curve to 64 tokens (E4B shape, int4, H200)",
      "python -m bench.gpu_cost_curve (on the GPU machine)", "gpu_cost_curve.md", []),
-    ("GPU memory with one int4 layout: E4B shape at 8k and 32k context under a 5 GiB cap (H200)",
-     "python -m bench.gpu_memory (on the GPU machine)`; the old configuration beside it:\n"
+    ("GPU memory under a 5 GiB cap that counts the CUDA context: E4B shape at 8k and 32k context, bf16 "
+     "and int8 LM head (H200)",
+     "python -m bench.gpu_memory --lm-head bf16,auto (on the GPU machine)", "gpu_memory-head-bf16-auto.md", []),
+    ("The int8 LM head's cost in quality, on a real Gemma (bundled model, CPU)",
+     "python -m bench.lm_head_quality", "lm_head_quality.md", []),
+    ("GPU memory with one int4 layout, before the int8 head and before the cap counted the CUDA context (H200)",
+     "python -m bench.gpu_memory (on the GPU machine, an earlier build)`; the old configuration beside it:\n"
      "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
     ("The fast-path step, one step-attention launch a layer instead of two (E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab.md", []),

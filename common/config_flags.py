@@ -3,7 +3,7 @@
 Contract: `add_flags(parser_or_group, Config, prefix, aliases)` adds `--field-name` for every field of
 `Config` whose metadata does not say `cli: False` (type, default and help text from the field;
 booleans become `--x/--no-x`; a numeric field whose metadata has `min` refuses a smaller value, with
-argparse's usage error); values land in the namespace as "<prefix>.<field>". `aliases` maps a
+argparse's usage error; one whose metadata has `choices` takes only those); values land in the namespace as "<prefix>.<field>". `aliases` maps a
 field to extra flag names (kept names of older commands). `config_from(namespace, Config, prefix)`
 builds the dataclass back from the parsed values.
 """
@@ -19,7 +19,7 @@ def add_flags(p, config_cls, prefix: str | None = None, aliases: dict[str, list[
         if f.metadata.get("cli", True):
             add_flag(p, f.name, f.type, f.default, f.metadata.get("help", f.name),
                      dest=f"{prefix}.{f.name}" if prefix else f.name, aliases=(aliases or {}).get(f.name, ()),
-                     minimum=f.metadata.get("min"))
+                     minimum=f.metadata.get("min"), choices=f.metadata.get("choices"))
 
 
 def config_from(namespace: argparse.Namespace | dict, config_cls, prefix: str):
@@ -28,7 +28,8 @@ def config_from(namespace: argparse.Namespace | dict, config_cls, prefix: str):
     return replace(config_cls(), **ours)
 
 
-def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None, aliases=(), minimum=None) -> None:
+def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None, aliases=(), minimum=None,
+             choices=None) -> None:
     flags = ["--" + name.replace("_", "-"), *aliases]
     dest = dest or name
     typ = str(typ)
@@ -40,7 +41,8 @@ def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None
     if minimum is not None:
         conv = _at_least(conv, minimum)
     shown = f" (default {default})" if default is not None else ""
-    p.add_argument(*flags, dest=dest, type=conv, default=default, metavar=name.upper(), help=help_text + shown)
+    p.add_argument(*flags, dest=dest, type=conv, default=default, choices=choices,
+                   metavar=name.upper() if choices is None else None, help=help_text + shown)
 
 
 def _at_least(conv, minimum):

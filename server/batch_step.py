@@ -61,6 +61,8 @@ class StackedStep:
         self.table = self.staged[4 * MAX_ROWS:].view(len(lanes), self.width)
         self.ple = (torch.zeros(MAX_ROWS, lead.embed_ple.width, dtype=lead.embed_ple.dtype, device=dev)
                     if lead.ple_on_host else None)
+        self.embed_rows = (torch.zeros(MAX_ROWS, lead.embed.width, dtype=lead.embed.dtype, device=dev)
+                           if lead.embed_on_host else None)
         self.attention = {d: StepAttention(a.kv_heads, a.group, d, a.n_chunks * a.block_s, MAX_ROWS, dev)
                           for d, a in lead.step_attention.items()}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by (S, T)
@@ -94,6 +96,8 @@ class StackedStep:
         self.staged[:used].copy_(host[:used])
         if self.ple is not None:  # the per-layer rows, gathered on the host
             self.lead.embed_ple.rows_into(rows[_IDS, :R], self.ple[:R])
+        if self.embed_rows is not None:
+            self.lead.embed.rows_into(rows[_IDS, :R], self.embed_rows[:R])
         if self.lead.capture:
             graph, out = self._graph(S, T)
             graph.replay()
@@ -112,7 +116,8 @@ class StackedStep:
         R, kv_len = _padded(S * T), self.lead.max_len
         return self.lead._forward(self.ids[:R], self.pos[:R], kv_len, step=True,
                                   segments=[_Segments(self, S, T, kv_len)],
-                                  ple_rows=None if self.ple is None else self.ple[:R])
+                                  ple_rows=None if self.ple is None else self.ple[:R],
+                                  embed_rows=None if self.embed_rows is None else self.embed_rows[:R])
 
     def _graph(self, S: int, T: int):
         key = (S, T)

@@ -234,7 +234,9 @@ class Engine:
         from server.cost_cache import CostCurveCache, conditions
 
         cfg = self.config
-        device = next(self.model.parameters()).device
+        from server.fast_path import model_device
+
+        device = model_device(self.model)  # the embedding may be on the host (the int8 LM head)
         cond = conditions(self.model_id, device, next(self.model.parameters()).dtype, type(self.backend).__name__,
                           cfg.max_draft + 1, cfg.cost_context)
         cache = CostCurveCache(cfg.cost_cache) if cfg.cost_cache is not None else None
@@ -289,9 +291,11 @@ class Engine:
         if why_not is None:
             return self._build_fast_path()
         gpu_only = [flag for flag, value in (("--gpu-memory-mb", self.config.gpu_memory_mb),
-                                             ("--fast-max-context", self.config.fast_max_context)) if value is not None]
+                                             ("--fast-max-context", self.config.fast_max_context),
+                                             ("--lm-head", None if self.config.lm_head == "auto" else self.config.lm_head))
+                    if value is not None]
         if gpu_only:  # they size the GPU fast path: refused rather than ignored where it does not run
-            raise ValueError(f"{' and '.join(gpu_only)} {'size' if len(gpu_only) > 1 else 'sizes'} the GPU fast "
+            raise ValueError(f"{' and '.join(gpu_only)} {'shape' if len(gpu_only) > 1 else 'shapes'} the GPU fast "
                              f"path, which this run does not use ({why_not})")
         budget = self._prefix_budget(device)
         if device.type == "cpu" and self.config.cpu_int8:
@@ -334,12 +338,12 @@ class Engine:
         buckets = step_buckets(cfg.max_draft)  # only the steps this engine's drafts can take
         lanes = max(1, int(cfg.parallel or 1))  # --parallel N: N lanes, each with a cache (server/fast_batch.py)
         plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget, cfg.gpu_memory_bytes,
-                                buckets, lanes=lanes)
+                                buckets, lanes=lanes, lm_head=cfg.lm_head)
         # A padded step may write up to one bucket past the last committed position: room for it.
         fast = FastTarget(self.model, max_len=plan.context + buckets[-1], buckets=buckets,
                           min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes,
                           ple_on_host=ple is not None, prefill_rows=plan.prefill_rows,
-                          prefill_dense=plan.prefill_dense)
+                          prefill_dense=plan.prefill_dense, lm_head_int8=plan.lm_head_int8)
         seconds = fast.warmup()
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "

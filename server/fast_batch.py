@@ -164,7 +164,9 @@ class FastBatch:
         pos = torch.cat([seg.target.pos_buf[:seg.hi - seg.lo] for seg in segments])
         ple = (torch.cat([seg.target.ple_buf[:seg.hi - seg.lo] for seg in segments])
                if leader.ple_on_host else None)
-        logits = leader._forward(ids, pos, None, step=True, segments=segments, ple_rows=ple)
+        embed = (torch.cat([seg.target.embed_buf[:seg.hi - seg.lo] for seg in segments])
+                 if leader.embed_on_host else None)
+        logits = leader._forward(ids, pos, None, step=True, segments=segments, ple_rows=ple, embed_rows=embed)
         for i, seg in zip(group, segments):
             s = steps[i]
             s.lane._after_step(s.ids.tolist(), s.parents, seg.hi - seg.lo)

@@ -279,9 +279,46 @@ class FastMemoryPlan:
     reserve: int = 0                           # bytes set aside for what does not grow with the context
     per_pos: int = 0                           # bytes per context position (KV, step attention scratch, RoPE)
     lanes: int = 1                             # FastTargets planned for (reserve and per_pos count them all)
+    lm_head_int8: bool = False                 # FastTarget(lm_head_int8=...): the head in int8, the table on the host
 
 
 GIB = 2**30
+
+
+def model_device(model) -> torch.device:
+    """The device the model computes on: its first parameter neither on the host (a fast path moves
+    embedding tables there: HostRowTable) nor on the meta device (weights a fast path released:
+    release_module), else the first."""
+    params = list(model.parameters())
+    return next((p.device for p in params if p.device.type not in ("cpu", "meta")), params[0].device)
+# Under a cap, room kept for what the plan cannot count: the allocator's reserve above its peak
+# allocation (bench.gpu_memory, E4B shape at 32k: 0.23 GiB with expandable segments) and what the
+# CUDA context and libraries add after planning (kernels loaded at warm-up).
+CAP_SLACK = 256 * 2**20
+
+
+def int8_head_saving(model) -> int:
+    """GPU bytes FastTarget(lm_head_int8=True) frees: the bf16 head and the input table leave the
+    GPU (one tensor when tied, as in Gemma), the int8 codes and their scales come (0 when an
+    earlier fast path already did it)."""
+    head = model.lm_head
+    if hasattr(head, "_sailfish_int8"):
+        return 0
+    w, table = head.weight, model.model.embed_tokens.weight
+    on_gpu = lambda t: t.device.type != "cpu"   # (meta tensors: the planner's tests)
+    gone = w.numel() * w.element_size() if on_gpu(w) else 0
+    if on_gpu(table) and table is not w:
+        gone += table.numel() * table.element_size()
+    n, k = w.shape
+    from server.small_m_matmul import BLOCK_K
+    return gone - (n * k + (k // BLOCK_K) * n * w.element_size())
+
+
+def int8_head_fits(model) -> bool:
+    """Whether the LM head's shape tiles for the int8 step kernel."""
+    from server.small_m_matmul import BLOCK_K, _block_n
+    n, k = model.lm_head.weight.shape
+    return k % BLOCK_K == 0 and bool(_block_n(n))
 
 
 def _int4_weights(model) -> int:
@@ -366,9 +403,13 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
 
 
 def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int | None,
-                     gpu_memory: int | None = None, buckets: tuple = DEFAULT_BUCKETS, lanes: int = 1) -> FastMemoryPlan:
+                     gpu_memory: int | None = None, buckets: tuple = DEFAULT_BUCKETS, lanes: int = 1,
+                     lm_head: str = "auto") -> FastMemoryPlan:
     """Size the fast path from free GPU memory, or from `gpu_memory` (bytes this process may hold
-    on the GPU in all, the loaded weights included: --gpu-memory-mb): the model's whole context
+    on the GPU in all, as nvidia-smi counts it: the loaded weights, the CUDA context and libraries
+    (measured now, as the device's used memory less PyTorch's) and CAP_SLACK included:
+    --gpu-memory-mb). `lm_head`: "int8" (FastTarget's lm_head_int8: plan without the bf16 head),
+    "bf16", or "auto": int8 under a cap when the head's shape allows it. Then: the model's whole context
     when it fits (or `cap`), after a reserve for what does not grow with the context
     (`fast_memory_needs`, plus 5% of the card as slack without a cap), then the prefix cache:
     `prefix_bytes`, or by default 40% of what remains. Without a cap the context takes at most half
@@ -378,9 +419,18 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     context fit, and the dense copy is kept only if it still fits beside that context. `lanes`: that
     many FastTargets over the weights (server/fast_batch.py), each with its own cache, scratch and
     graphs: all of them fit, at one context."""
-    dev = next(model.parameters()).device
+    dev = model_device(model)
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)  # the loaded weights (host tables excluded: not here)
+    outside = max(0, total - free - torch.cuda.memory_reserved(dev))  # the CUDA context, libraries
+    if lm_head not in ("auto", "bf16", "int8"):
+        raise ValueError(f"lm_head {lm_head!r}: auto, bf16 or int8")
+    head_int8 = lm_head == "int8" or (lm_head == "auto" and gpu_memory is not None and int8_head_fits(model))
+    saved = int8_head_saving(model) if head_int8 else 0
+    held -= saved
+    asked_cap = gpu_memory
+    if gpu_memory is not None:  # the cap counts what nvidia-smi shows: the context and the slack too
+        gpu_memory = int(gpu_memory) - outside - CAP_SLACK
     context = min(max_context, cap or max_context)
     rows = DEFAULT_PREFILL_ROWS
     lanes = max(1, int(lanes))
@@ -409,7 +459,7 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
         room = min(free, int(gpu_memory) - held) - reserve
         if lanes > 1 and per_pos * 1024 > room:
             raise ValueError(f"{lanes} lanes (--parallel {lanes}) do not fit the fast path under a cap of "
-                             f"{gpu_memory / GIB:.2f} GiB: each needs its own cache and buffers, "
+                             f"{asked_cap / GIB:.2f} GiB: each needs its own cache and buffers, "
                              f"{(per_pos * 1024 + reserve) / GIB:.2f} GiB for 1024 tokens of context beside "
                              f"{held / GIB:.2f} GiB of weights; ask for fewer lanes or more memory")
         if per_pos * context > room:
@@ -417,8 +467,9 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
         use_dense = dense > 0 and room - per_pos * context >= dense
         if use_dense:
             room -= dense
-        what = (f"cap {gpu_memory / GIB:.2f} GiB (--gpu-memory-mb), {held / GIB:.2f} GiB of weights loaded, "
-                f"{free / GIB:.1f} GiB free")
+        what = (f"cap {asked_cap / GIB:.2f} GiB (--gpu-memory-mb) less "
+                f"{outside / GIB:.2f} GiB of CUDA context and libraries and {CAP_SLACK / GIB:.2f} GiB of slack, "
+                f"{held / GIB:.2f} GiB of weights, {free / GIB:.1f} GiB free")
     left = max(0, room - per_pos * context)
     budget = int(0.4 * left) if prefix_bytes is None else int(prefix_bytes)
     if gpu_memory is not None:
@@ -426,8 +477,10 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     note = (f"{what}; static KV and step scratch {per_pos * context / GIB:.2f} GiB for {context} tokens"
             + (f" in {lanes} lanes" if lanes > 1 else "") + "; "
             f"reserve {reserve / GIB:.2f} GiB (prefill in pieces of {rows} tokens, graphs, scratch)"
-            + (f"; dense prefill copy {dense / GIB:.2f} GiB" if use_dense else ""))
-    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos, lanes)
+            + (f"; dense prefill copy {dense / GIB:.2f} GiB" if use_dense else "")
+            + (f"; LM head int8 ({saved / GIB:.2f} GiB freed, the input embedding on the host)" if saved
+               else "; LM head int8 (made by an earlier fast path)" if head_int8 else ""))
+    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos, lanes, head_int8)
 
 
 class FastTarget:
@@ -437,12 +490,12 @@ class FastTarget:
                  prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
                  prefill_dense: bool | None = None, ple_on_host: bool = False,
                  prefill_rows: int = DEFAULT_PREFILL_ROWS, release_weights: bool = True,
-                 prefix_store=None):
+                 prefix_store=None, lm_head_int8: bool = False):
         # what another lane over this model is built with (server/fast_batch.py)
         self.settings = dict(max_len=max_len, buckets=buckets, prefill_chunk=prefill_chunk, capture=capture,
                              min_kv_len=min_kv_len, fuse=fuse, fuse_proj=fuse_proj, step_kernels=step_kernels,
                              checkpoint_every=checkpoint_every, prefill_dense=prefill_dense, ple_on_host=ple_on_host,
-                             prefill_rows=prefill_rows, release_weights=release_weights)
+                             prefill_rows=prefill_rows, release_weights=release_weights, lm_head_int8=lm_head_int8)
         lm = model
         self.model = model
         text = lm.model
@@ -452,7 +505,7 @@ class FastTarget:
         if getattr(cfg, "enable_moe_block", False):
             raise NotImplementedError("Gemma 4 MoE layers are not supported by the fast path")
         self.cfg = cfg
-        self.device = next(lm.parameters()).device
+        self.device = model_device(lm)
         self.embed = text.embed_tokens
         self.dtype = self.embed.weight.dtype
         self.buckets = tuple(sorted(buckets))
@@ -492,6 +545,9 @@ class FastTarget:
         self.released_bytes = 0      # quanto tensors freed from the GPU once re-laid out (see _build_step_kernels)
         self.prefill_scratch_bytes = 0
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
+        self.embed_on_host = False
+        if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
+            self._int8_head(lm, text)
         if not self.step_kernels and any(isinstance(lin, ReleasedLinear) for lin in self._all_linears()):
             self.step_kernel_note += ("; int4 weights from the step-kernel layout (an earlier fast path released "
                                       "quanto's), dequantized per call for cuBLAS")
@@ -589,6 +645,28 @@ class FastTarget:
                 raise ValueError(why_not)
             return False, f"{why_not}: steps use tinygemm/cuBLAS (not batch-invariant)"
         return True, "batch-invariant Triton step kernels (int4 small-M matmul, chunked attention)"
+
+    def _int8_head(self, lm, text) -> None:
+        """The LM head as int8 (server/small_m_matmul.quantize_int8: a scale per 128 features and
+        column; E4B: 0.63 GiB where the bf16 head takes 1.25) and the input embedding looked up on
+        the host (HostRowTable), so the bf16 table leaves the GPU: a tied head (Gemma's) is that
+        table. Logits change by the quantization (bench/lm_head_quality.py measures how much);
+        drafted output still equals plain output, both on this head. Kept on the HF module
+        (`_sailfish_int8`) for the other fast paths over this model (lanes). Without step kernels
+        (the CPU) the head is the int8 weights dequantized: the same W, a dense matmul."""
+        from server.small_m_matmul import quantize_int8
+
+        self.lm_head = None  # (its bf16 weight on the GPU) so that moving the table frees it
+        lm.lm_head.to("cpu")  # first, so the GPU never holds both heads; a tied head takes the table along
+        self.embed = HostRowTable(text.embed_tokens, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        head = getattr(lm.lm_head, "_sailfish_int8", None)
+        if head is None:  # quantized on the host (E4B: about 2 s), the result copied to the GPU
+            head = quantize_int8(lm.lm_head.weight.detach(), device=self.device)
+            lm.lm_head._sailfish_int8 = head
+        self.lm_head = head if self.step_kernels else DenseLinear(head.dequantize().contiguous())
+        self.embed_on_host = True
 
     def _all_linears(self) -> list:
         out = [self.lm_head] + ([self.ple_model_proj] if self.ple_dim else [])
@@ -730,6 +808,8 @@ class FastTarget:
         self._in_buf = torch.zeros(3, self.max_bucket, dtype=torch.long, device=dev)
         if self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
             self.ple_buf = torch.zeros(self.max_bucket, self.embed_ple.width, dtype=self.embed_ple.dtype, device=dev)
+        if self.embed_on_host:  # a step's embedding rows, likewise
+            self.embed_buf = torch.zeros(self.max_bucket, self.embed.width, dtype=self.embed.dtype, device=dev)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_cache.values(), *self.v_cache.values()))
@@ -737,7 +817,8 @@ class FastTarget:
     # ------------------------------------------------------------ the forward
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False,
-                 segments: list["Segment"] | None = None, ple_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 segments: list["Segment"] | None = None, ple_rows: torch.Tensor | None = None,
+                 embed_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] for tokens `ids` [T] at positions `pos` [T]; writes their K/V.
         `step`: a decode/verify step (a chain, or a tree described by anc_buf and path_buf; positions by depth,
         row j's K/V at slot pos[0] + j), run on the step kernels when they are on. Otherwise the
@@ -748,14 +829,18 @@ class FastTarget:
         s.target at its kv_len, read its anc_buf / path_buf, write and attend to its cache only.
         Default: every row is this target's, at `kv_len`. Everything but the cache writes and the
         attention runs once over all rows, and is per row (the step kernels are batch-invariant),
-        so a sequence's logits do not depend on the others. `ple_rows`: the per-layer embedding
-        rows of a step whose table is on the host (default: this target's ple_buf)."""
+        so a sequence's logits do not depend on the others. `ple_rows`, `embed_rows`: the per-layer
+        and the token embedding rows of a step whose tables are on the host (default: this
+        target's ple_buf, embed_buf)."""
         ops = self.ops
         T = ids.shape[0]
         from_buffers = step  # a step()'s inputs: the per-layer rows are in ple_buf (a graph cannot gather on the host)
         step = step and self.step_kernels
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
-        h = self.embed(ids)                                              # [T, hidden]
+        if from_buffers and self.embed_on_host:
+            h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]
+        else:
+            h = self.embed(ids)
         if self.ple_dim:
             if from_buffers and self.ple_on_host:
                 rows = self.ple_buf[:T] if ple_rows is None else ple_rows
@@ -951,6 +1036,8 @@ class FastTarget:
         self.anc_buf[:T].copy_(self._in_buf[2, :T])
         if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
             self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
+        if self.embed_on_host:
+            self.embed.rows_into(host[0, :T], self.embed_buf[:T])
         return n, T, kv_len
 
     def _stage_host(self, ids: list[int], parents: list[int] | None, T: int) -> tuple[int, int]:

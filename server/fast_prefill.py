@@ -207,6 +207,8 @@ def _rows(lin, x: torch.Tensor) -> torch.Tensor:
     dense = getattr(lin, "prefill_weight", None)
     if dense is not None:
         return x @ dense
+    if getattr(lin, "int8", False):      # the int8 LM head (fast_path._int8_head): the step kernel, for
+        return lin(x)                    # the last row (at most MAX_ROWS rows)
     if getattr(lin, "int4", False):      # a step-kernel SmallMLinear on int4 codes: W^T [K, N] per call
         scratch = getattr(lin, "prefill_scratch", None)
         if scratch is not None:

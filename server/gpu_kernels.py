@@ -39,8 +39,10 @@ def _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT: tl.constexpr, R
 def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
                     M, N, K, stride_xm, k_per_split,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[:M] = x @ W^T for one (N tile, K slice). Rows come in TILES tiles of BLOCK_M (16) rows, each
+                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INT8: tl.constexpr = False):
+    """y[:M] = x @ W^T for one (N tile, K slice). W is int4 (INT4), int8 (INT8: codes [K, N], one
+    scale per group of BLOCK_K features and column) or dense bf16 [N, K]. Rows come in TILES tiles of BLOCK_M (16) rows, each
     with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
     BLOCK_M is the partials' rows per K slice. A weight tile is loaded (and its int4 codes decoded)
     once for all row tiles. Invariant: row i's sums are the same instructions in the same order
@@ -77,9 +79,14 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     acc2 += tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w)
                 if TILES > 3:
                     acc3 += tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w)
-        else:  # dense bf16 W [N, K]: the tile W[cols, ks] transposed
+        else:
             ks = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None])
+            if INT8:  # codes [K, N] int8, W = code * scale (the group's scale, one per column)
+                codes = tl.load(w_ptr + ks[:, None] * N + cols[None, :])
+                scale = tl.load(scale_ptr + (k0 // BLOCK_K) * N + cols)[None, :]
+                w = (codes.to(tl.float32) * scale.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            else:  # dense bf16 W [N, K]: the tile W[cols, ks] transposed
+                w = tl.load(w_ptr + cols[None, :] * K + ks[:, None])
             acc0 += tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w)
             if TILES > 1:
                 acc1 += tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w)

@@ -1,9 +1,11 @@
 """Batch-invariant matmuls for decode and verify steps (1..64 rows) on the GPU, in Triton.
 
 Contract: `SmallMLinear.from_int4(packed, scale_shift, group_size, out_features)` (quanto's
-tinygemm-packed int4 weight, read once and re-laid out) or `SmallMLinear.from_dense(weight)`
-(bf16 [N, K], shared, not copied) gives a callable `y = lin(x)`, x [..., K] bf16 with at most
-`MAX_ROWS` rows, y [..., N] bf16.
+tinygemm-packed int4 weight, read once and re-laid out), `SmallMLinear.from_dense(weight)`
+(bf16 [N, K], shared, not copied) or `quantize_int8(weight)` (bf16 [N, K] quantized to int8, one
+scale per group of 128 input features and output column: the LM head of a small card, see
+server/fast_path.py) gives a callable `y = lin(x)`, x [..., K] bf16 with at most `MAX_ROWS` rows,
+y [..., N] bf16.
 
 Why not tinygemm (quanto's kernel): its int4 matmul time grows with the number of rows (E4B:
 2.4 ms a step for 1 row, 5.8 ms for 16), so a 16-token verify cost 1.8x a decode step; and cuBLAS /
@@ -35,6 +37,9 @@ Prefill reads the same layout: `dequantize_t` writes one linear's W^T into a scr
 by all linears (`share_prefill_scratch`, the size of the largest) for one cuBLAS GEMM over many
 rows, so no second int4 copy (quanto's) is kept beside this one.
 
+Int8 layout: `weight` int8 [K, N] (codes -127..127, contiguous along N as the int4 words are),
+`scale` bf16 [K/128, N]: W = code * scale, computed in fp32 and rounded once to bf16.
+
 Split-K: each (N tile, K slice) program writes its fp32 partial; the last program of an N tile to
 arrive (an atomic counter per tile) sums the slices in slice order and writes the output, then
 resets its counter, so one launch does the whole product and the order of the sum never depends on
@@ -60,7 +65,7 @@ def _block_n(n: int) -> int:
 
 def unsupported_shape(lin) -> str | None:
     """None when `as_small_m(lin)` works, else why not."""
-    if hasattr(lin, "step_layout"):   # server/fast_path.py's ReleasedLinear: already this layout
+    if isinstance(lin, SmallMLinear) or hasattr(lin, "step_layout"):   # server/fast_path.py's ReleasedLinear: already this layout
         return None
     if getattr(lin, "packed", None) is not None:
         k, n, group = lin.scale_shift.shape[0] * lin.group_size, lin.out_features, lin.group_size
@@ -76,7 +81,10 @@ def unsupported_shape(lin) -> str | None:
 
 
 def as_small_m(lin) -> "SmallMLinear":
-    """The step kernel of one of server/fast_path.py's linears (Int4Linear, DenseLinear, ReleasedLinear)."""
+    """The step kernel of one of server/fast_path.py's linears (Int4Linear, DenseLinear, ReleasedLinear),
+    or the SmallMLinear itself."""
+    if isinstance(lin, SmallMLinear):
+        return lin
     if hasattr(lin, "step_layout"):
         return lin.step_layout()
     if getattr(lin, "packed", None) is not None:
@@ -88,7 +96,7 @@ def as_small_m(lin) -> "SmallMLinear":
 def concat(parts: list) -> "SmallMLinear | None":
     """One SmallMLinear computing the parts' outputs side by side (one launch instead of several),
     or None when they differ in kind or input size. Copies the weights."""
-    if len({p.int4 for p in parts}) != 1 or len({p.k for p in parts}) != 1:
+    if len({p.int4 for p in parts}) != 1 or len({p.k for p in parts}) != 1 or any(p.int8 for p in parts):
         return None
     n = sum(p.n for p in parts)
     if parts[0].int4:
@@ -121,8 +129,9 @@ class SmallMLinear:
             raise ValueError(f"shape N={n}, K={k} does not tile by ({block_n}, {BLOCK_K})")
         self.weight, self.scale, self.offset = weight, scale, offset
         self.n, self.k, self.block_n, self.num_warps = n, k, block_n, num_warps
-        self.int4 = scale is not None
-        self.magic = magic and scale is not None and scale.dtype == torch.bfloat16
+        self.int8 = weight.dtype == torch.int8
+        self.int4 = scale is not None and not self.int8
+        self.magic = magic and self.int4 and scale.dtype == torch.bfloat16
         self.num_stages = num_stages
         self.split = _plan(n, k, block_n, target_programs)
         # The split-K scratch: one buffer shared by a model's linears (`share_partials`), else this
@@ -166,9 +175,10 @@ class SmallMLinear:
         tiles = max(1, -(-m // TILE_M))
         grid = (self.n // self.block_n, self.split)
         _small_m_kernel[grid](
-            x2, self.weight, self.scale if self.int4 else self.weight, self.offset if self.int4 else self.weight,
+            x2, self.weight, self.scale if self.scale is not None else self.weight,
+            self.offset if self.int4 else self.weight,
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
-            INT4=self.int4, SPLIT=self.split, MAGIC=self.magic, TILES=tiles, ROWS=tiles * TILE_M,
+            INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles, ROWS=tiles * TILE_M,
             BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
             num_warps=self.num_warps, num_stages=self.num_stages)
         return out.reshape(*lead, self.n)
@@ -179,6 +189,9 @@ class SmallMLinear:
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] as the kernel sees it (bf16): for tests and reference products."""
+        if self.int8:
+            scale = self.scale.float().repeat_interleave(BLOCK_K, 0)
+            return (self.weight.float() * scale).to(self.scale.dtype).t()
         if not self.int4:
             return self.weight
         codes = unpack_codes(self.weight).to(torch.float32)
@@ -203,6 +216,28 @@ class SmallMLinear:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.offset) if t is not None)
+
+
+def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 16384, device=None) -> SmallMLinear:
+    """W [N, K] (bf16) as an int8 SmallMLinear: per group of BLOCK_K input features and output
+    column, scale = max |w| / 127 (rounded to the weight's dtype first, so that code * scale is
+    what the kernel computes), code = round(w / scale). Computed on W's device in chunks of rows, so
+    the fp32 temporaries stay small (E4B's 262,144 x 2,560 head: 160 MiB at a time); the result
+    lives on `device` (default: W's), so a head quantized on the host never shares the GPU with
+    its bf16 original."""
+    n, k = weight.shape
+    if k % BLOCK_K or not _block_n(n):
+        raise ValueError(f"a {n}x{k} weight does not tile by (32, {BLOCK_K})")
+    device = weight.device if device is None else torch.device(device)
+    codes = torch.empty((k, n), dtype=torch.int8, device=device)
+    scale = torch.empty((k // BLOCK_K, n), dtype=weight.dtype, device=device)
+    for lo in range(0, n, rows_per_chunk):
+        w = weight[lo:lo + rows_per_chunk].float().view(-1, k // BLOCK_K, BLOCK_K)
+        s = (w.abs().amax(-1, keepdim=True) / 127).to(weight.dtype).float()
+        q = torch.where(s > 0, w / s.clamp_min(torch.finfo(torch.float32).tiny), 0).round_().clamp_(-127, 127)
+        codes[:, lo:lo + w.shape[0]] = q.view(-1, k).to(torch.int8).t().to(device)
+        scale[:, lo:lo + w.shape[0]] = s[..., 0].to(weight.dtype).t().to(device)
+    return SmallMLinear(codes, scale, None, n, k)
 
 
 def share_prefill_scratch(linears: list) -> int:

@@ -214,10 +214,11 @@ tiny_test = pytest.mark.usefixtures("one_thread")
 
 @tiny_test
 @pytest.mark.parametrize("flags", [{"gpu_memory_mb": 4096}, {"fast_max_context": 4096},
-                                   {"gpu_memory_mb": 4096, "fast_max_context": 4096}])
+                                   {"gpu_memory_mb": 4096, "fast_max_context": 4096}, {"lm_head": "int8"},
+                                   {"lm_head": "bf16"}])
 def test_gpu_sizing_flags_are_refused_off_the_gpu_fast_path(tiny, flags):
-    """--gpu-memory-mb and --fast-max-context size the GPU fast path: on a run without it (here the
-    CPU) they are refused with the reason, not ignored."""
+    """--gpu-memory-mb, --fast-max-context and --lm-head (but auto) shape the GPU fast path: on a run
+    without it (here the CPU) they are refused with the reason, not ignored."""
     with pytest.raises(ValueError, match="the GPU fast path, which this run does not use") as refused:
         engine_for(tiny, **flags)
     for flag in flags:

@@ -35,11 +35,16 @@ def steps_of(vocab: int, seed: int) -> list[tuple[list[int], list[int] | None]]:
     return [(ids(1), None), (ids(5), [-1, 0, 1, 0, 3]), (ids(7), None)]
 
 
-def test_batched_steps_match_each_lane_alone_cpu(tiny):
-    vocab = tiny.config.vocab_size
+@pytest.mark.parametrize("int8_head", [False, True])
+def test_batched_steps_match_each_lane_alone_cpu(tiny, int8_head):
+    """With the int8 head (a model whose hidden size tiles it), every lane stages its own
+    embedding rows from the host table."""
+    model = tiny_gemma4(seed=5, hidden_size=128, intermediate_size=256) if int8_head else tiny
+    vocab = model.config.vocab_size
     prompts = prompts_for(vocab, (5, 20, 45), seed=1)  # the window is 8: two prompts run past it
-    lanes = fast_lanes(cpu_target(tiny), 3)
-    alone = [cpu_target(tiny) for _ in prompts]
+    lanes = fast_lanes(cpu_target(model, lm_head_int8=int8_head), 3)
+    assert all(lane.embed_on_host == int8_head for lane in lanes)
+    alone = [cpu_target(model, lm_head_int8=int8_head) for _ in prompts]
     for lane, solo, prompt in zip(lanes, alone, prompts):
         a, b = lane.start(prompt, reuse=False).logits, solo.start(prompt, reuse=False).logits
         assert torch.equal(a, b)
@@ -211,20 +216,22 @@ def test_batched_steps_equal_each_lane_alone_cuda(lanes_n, capture):
 def test_batched_steps_equal_each_lane_alone_past_a_wrapped_ring_cuda():
     """The same on E4B's proportions where the tiny model differs: 4 query heads per KV head, a
     512-wide full-attention head (64-slot chunks, 8 warps), a sliding ring of three chunks that
-    every prompt has wrapped, the per-layer table on the host. (On the E4B shape, streams first
+    every prompt has wrapped, the per-layer table on the host, and the int8 LM head with the
+    embedding table on the host (each lane's rows staged for the stacked forward). (On the E4B shape, streams first
     left their solo tokens past the ring's size: bench/results/gpu_concurrency.md.)"""
     from tests.test_fast_path import cuda_model
 
     model = cuda_model(torch.bfloat16, quant=True, sliding_window=200, num_attention_heads=8, global_head_dim=512)
-    _lanes_equal_alone(model, 4, True, [300, 333, 410, 517], max_len=1024, rounds=6, ple_on_host=True)
+    _lanes_equal_alone(model, 4, True, [300, 333, 410, 517], max_len=1024, rounds=6, ple_on_host=True,
+                       lm_head_int8=True)
 
 
 def _lanes_equal_alone(model, lanes_n: int, capture: bool, prompt_lens: list[int], max_len: int, rounds: int,
-                       ple_on_host: bool = False) -> None:
+                       ple_on_host: bool = False, lm_head_int8: bool = False) -> None:
     """Lanes' steps in shared forwards against the same steps of lone FastTargets, logits bit for bit."""
     vocab = model.config.vocab_size
     make = lambda: FastTarget(model, max_len=max_len, prefill_chunk=64, min_kv_len=64, buckets=(2, 4, 8, 16),
-                              capture=capture, ple_on_host=ple_on_host)
+                              capture=capture, ple_on_host=ple_on_host, lm_head_int8=lm_head_int8)
     lanes = fast_lanes(make(), lanes_n, even_on_cuda=True)
     assert lanes[0].batch.stacked is not None
     alone = [make() for _ in range(lanes_n)]

@@ -5,7 +5,8 @@ split-K and not, inputs with a row stride wider than K (a column slice of a wide
 Why: CI has no GPU, so tests/test_step_kernel_rows.py skips there; this checks the kernel's index
 arithmetic (row tiles, K slices, the partials' sum in slice order, row strides) on every
 CI run. The interpreter computes in numpy and does not emulate bfloat16, so the inputs are float32
-and the int4 decoding (bf16 bit tricks) is left to the CUDA tests. Runs in a subprocess:
+and the int4 decoding (bf16 bit tricks) is left to the CUDA tests; the int8 path's decoding (code
+times its group's scale) runs here in float32. Runs in a subprocess:
 TRITON_INTERPRET must be set before the kernels are defined.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # (N, K, rows, split target): target_programs 1 keeps one K slice, 64 cuts K into several
 CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 5, 16, 40, 64) for target in (1, 64)]
+# int8 codes with a scale per group of 128 features (server.small_m_matmul.quantize_int8: the LM head of small cards)
+INT8_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 384)) for m in (1, 17, 64) for target in (1, 64)]
 
 
 def test_small_m_kernel_rows_and_slices():
@@ -28,7 +31,7 @@ def test_small_m_kernel_rows_and_slices():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok") == len(CASES), run.stdout[-2000:]
+    assert run.stdout.count("ok") == len(CASES) + len(INT8_CASES), run.stdout[-2000:]
 
 
 def _interpreter_takes_numpy_2_scalars() -> None:
@@ -50,7 +53,7 @@ def _main() -> int:
     import torch
 
     _interpreter_takes_numpy_2_scalars()
-    from server.small_m_matmul import SmallMLinear
+    from server.small_m_matmul import SmallMLinear, quantize_int8
 
     for n, k, m, target in CASES:
         g = torch.Generator().manual_seed(n + k + m)
@@ -63,6 +66,20 @@ def _main() -> int:
         assert err < 1e-5, (n, k, m, target, lin.split, err)
         assert target == 1 or lin.split > 1
         print("ok", n, k, m, lin.split)
+    for n, k, m, target in INT8_CASES:
+        g = torch.Generator().manual_seed(7 * n + k + m)
+        w = torch.randn(n, k, generator=g)
+        lin = quantize_int8(w, rows_per_chunk=40)  # chunks that do not divide N: the column offsets
+        lin = SmallMLinear(lin.weight, lin.scale, None, n, k, target_programs=target)
+        assert lin.int8 and not lin.int4 and lin.weight.shape == (k, n)
+        deq = lin.dequantize()
+        assert ((deq - w).abs() <= lin.scale.repeat_interleave(128, 0).t() / 2 + 1e-6).all()  # half a step at most
+        x = torch.randn(m, k, generator=g)
+        got = lin(x)
+        want = x.double() @ deq.double().t()
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-5, ("int8", n, k, m, target, lin.split, err)
+        print("ok int8", n, k, m, lin.split)
     return 0
 
 

@@ -1,0 +1,121 @@
+"""The fast path's int8 LM head (FastTarget(lm_head_int8=True), server/small_m_matmul.quantize_int8):
+the quantization itself, the fast path's logits against transformers' forward on the same (dequantized)
+head, the input embedding looked up on the host, drafted output equal to plain output, and the
+planner's accounting. CPU tests run the head as its dequantized weights (no step kernels there); the
+CUDA tests (skipped without a GPU) run the int8 step kernel, captured, and check batch invariance
+and the GPU memory it frees."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bench.fast_greedy import greedy_generate, oracle
+from server.fast_path import FastTarget, HostRowTable, int8_head_saving
+from server.small_m_matmul import BLOCK_K, SmallMLinear, quantize_int8
+from tests.test_engine_lossless import tiny_gemma4
+from tests.test_fast_path import cuda_model, hf_logits, prompt_of
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def test_quantize_int8_layout_and_error():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(320, 384, generator=g) * torch.rand(320, 1, generator=g)).to(torch.bfloat16)
+    w[5, :BLOCK_K] = 0  # an all-zero group: scale 0, codes 0, no division by zero
+    lin = quantize_int8(w, rows_per_chunk=100)  # chunks that do not divide the rows
+    assert lin.int8 and not lin.int4 and lin.weight.dtype == torch.int8 and lin.weight.shape == (384, 320)
+    assert lin.scale.shape == (3, 320) and lin.scale.dtype == torch.bfloat16
+    assert lin.weight.abs().max() <= 127 and lin.nbytes() == 384 * 320 + 3 * 320 * 2
+    assert torch.equal(quantize_int8(w).weight, lin.weight)  # chunking changes nothing
+    deq = lin.dequantize()
+    assert deq.shape == w.shape and deq.dtype == torch.bfloat16
+    assert torch.equal(deq[5, :BLOCK_K], torch.zeros(BLOCK_K, dtype=torch.bfloat16))
+    step = lin.scale.float().repeat_interleave(BLOCK_K, 0).t()
+    # half a quantization step, plus the bf16 rounding of the dequantized value
+    assert ((deq.float() - w.float()).abs() <= step / 2 + w.float().abs() / 128 + 1e-6).all()
+    # the largest |w| of each group is a code of +-127: the whole range is used
+    codes = lin.weight.t().reshape(320, 3, BLOCK_K).abs().amax(-1)
+    assert (codes[lin.scale.t() > 0] == 127).all()
+
+
+def head_model():
+    """A tiny Gemma 4 whose hidden size tiles the int8 kernel (K: 128) and whose head is tied."""
+    model = tiny_gemma4(seed=4, hidden_size=128, intermediate_size=256)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def with_head(model, weight: torch.Tensor):
+    """A copy of `model` whose LM head is `weight` (untied): transformers' forward, for reference."""
+    ref = copy.deepcopy(model)
+    ref.lm_head.weight = torch.nn.Parameter(weight.to(ref.lm_head.weight.dtype).clone(), requires_grad=False)
+    ref.config.tie_word_embeddings = False
+    return ref
+
+
+def test_int8_head_matches_transformers_on_the_dequantized_head():
+    model = head_model()
+    want_head = quantize_int8(model.lm_head.weight.detach()).dequantize()
+    ref = with_head(model, want_head)
+    fast = FastTarget(model, max_len=128, prefill_chunk=16, capture=False, min_kv_len=16, lm_head_int8=True)
+    assert fast.embed_on_host and isinstance(fast.embed, HostRowTable)
+    assert hasattr(model.lm_head, "_sailfish_int8")
+    ids = prompt_of(60, model.config.vocab_size, seed=2)
+    want = hf_logits(ref, ids)
+    torch.testing.assert_close(fast.prefill(ids[:33]).float(), want[32], rtol=1e-4, atol=1e-4)
+    at = 33
+    for n in (1, 4, 16, 6):  # steps read the embedding rows staged from the host table
+        torch.testing.assert_close(fast.step(ids[at:at + n]).float(), want[at:at + n], rtol=1e-4, atol=1e-4)
+        at += n
+    # the head differs from the bf16 one by the quantization only
+    plain = hf_logits(model, ids)
+    assert 0 < (want - plain).abs().max() < 0.05 * plain.abs().max()
+
+
+def test_int8_head_drafted_equals_plain_and_later_fast_paths_keep_it():
+    model = head_model()
+    fast = FastTarget(model, max_len=256, prefill_chunk=16, capture=False, min_kv_len=32, lm_head_int8=True)
+    vocab = model.config.vocab_size
+    for seed, plen in ((0, 9), (1, 50)):
+        prompt = prompt_of(plen, vocab, seed)
+        plain, plain_steps = greedy_generate(fast, prompt, 60)
+        drafted, steps = greedy_generate(fast, prompt, 60, oracle(plain, plen, 0.25, vocab, seed))
+        assert drafted == plain and steps < plain_steps
+    # A second fast path over the same model (a lane, a rebuilt engine) takes the int8 head the
+    # first one made, even unasked: the bf16 head left the GPU.
+    again = FastTarget(model, max_len=256, prefill_chunk=16, capture=False, min_kv_len=32)
+    assert again.embed_on_host
+    assert greedy_generate(again, prompt, 60)[0] == plain
+
+
+@needs_cuda
+def test_int8_head_cuda_frees_memory_and_stays_batch_invariant():
+    model = cuda_model(torch.bfloat16, quant=True, seed=3)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    want_head = quantize_int8(model.lm_head.weight.detach()).dequantize()
+    saving = int8_head_saving(model)
+    head_bytes = model.lm_head.weight.numel() * 2
+    assert saving == head_bytes - head_bytes // 2 - head_bytes // BLOCK_K
+    fast = FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64, lm_head_int8=True)
+    assert fast.step_kernels and isinstance(fast.lm_head_step, SmallMLinear) and fast.lm_head_step.int8
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert int8_head_saving(model) == 0
+    ids = prompt_of(230, model.config.vocab_size, seed=6)
+    fast.prefill(ids[:150])
+    batched = fast.step(ids[150:214]).float().clone()
+    fast.rollback(64)
+    singles = torch.stack([fast.step([t])[0].float().clone() for t in ids[150:214]])
+    assert torch.equal(batched, singles)
+    vocab = model.config.vocab_size
+    for seed, plen in ((0, 9), (1, 100)):
+        prompt = prompt_of(plen, vocab, seed)
+        plain, plain_steps = greedy_generate(fast, prompt, 100)
+        drafted, steps = greedy_generate(fast, prompt, 100, oracle(plain, plen, 0.2, vocab, seed))
+        assert drafted == plain and steps < plain_steps
+    # the int8 kernel's product equals a dense product on the dequantized head, to rounding
+    x = torch.randn(5, want_head.shape[1], device="cuda", dtype=torch.bfloat16)
+    got, want = fast.lm_head_step(x).float(), (x.float() @ want_head.float().t())
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
