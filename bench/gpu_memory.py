@@ -6,7 +6,7 @@ Usage (GPU machine): python -m bench.gpu_memory [--out DIR] [--cap-gib 5] [--con
 Writes DIR/gpu_memory.json and DIR/gpu_memory.md (default bench/results/); `--allocator default`
 (PyTorch's fixed segments, the A/B against the server's expandable segments: server.cuda_allocator)
 adds `-default-allocator` to the names and `--buckets all` adds `-all-buckets`. `--lm-head`: the
-LM head as the engine picks it under the cap (auto: int8, server.fast_path.plan_fast_memory), or
+LM head as the engine picks it under the cap (auto: int8, server.fast_memory.plan_fast_memory), or
 as asked; a list runs every context with each, in order (bf16 first: the int8 head moves the bf16
 table to the host for good), side by side in one table.
 
@@ -43,7 +43,8 @@ import torch
 from bench.fast_greedy import greedy_generate, oracle
 from bench.gpu_e4b import build_model, timed_generate
 from ngram.drafter import DrafterConfig
-from server.fast_path import DEFAULT_BUCKETS, FastTarget, plan_fast_memory, step_buckets
+from server.fast_memory import plan_fast_memory
+from server.fast_path import DEFAULT_BUCKETS, FastTarget, step_buckets
 from server.fast_prefill import score_budget
 
 GIB = 2**30
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the CUDA caching allocator: expandable segments, as the server sets them "
                          "(server.cuda_allocator), or PyTorch's default fixed segments (the A/B)")
     ap.add_argument("--lm-head", default="auto",
-                    help="auto, bf16 or int8 (server.fast_path.plan_fast_memory's lm_head), or a list: bf16,auto")
+                    help="auto, bf16 or int8 (server.fast_memory.plan_fast_memory's lm_head), or a list: bf16,auto")
     ap.add_argument("--buckets", choices=("engine", "all"), default="engine",
                     help="step buckets: the engine's for the default draft cap (server.fast_path.step_buckets), "
                          "or every one up to 64 rows (as before)")

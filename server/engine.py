@@ -324,7 +324,8 @@ class Engine:
         return backend
 
     def _build_fast_path(self):
-        from server.fast_path import FastTarget, plan_fast_memory, step_buckets
+        from server.fast_memory import plan_fast_memory
+        from server.fast_path import FastTarget, step_buckets
 
         cfg = self.config
         if (cfg.parallel or 1) > 1:  # refused before any memory is planned for lanes (server/fast_batch.py)

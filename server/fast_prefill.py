@@ -182,7 +182,7 @@ def keep_dense_weights(fast, asked: bool | None) -> str:
     bf16 scratch the size of the largest (`share_prefill_scratch`), then one cuBLAS GEMM reads it. A
     dense W^T of every int4 weight is kept instead (no dequantization per call, 2 bytes a weight: 7.4
     GiB on E4B) when asked, or when `asked` is None and it takes under a quarter of free GPU memory
-    (the engine decides from its memory plan, server/fast_path.py's `plan_fast_memory`: never under
+    (the engine decides from its memory plan, server/fast_memory.py's `plan_fast_memory`: never under
     a memory cap it does not fit). Both give the same W^T bit for bit. A note says which."""
     from server.small_m_matmul import share_prefill_scratch
 

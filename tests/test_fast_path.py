@@ -332,38 +332,39 @@ def test_memory_plan_fits_a_cap(monkeypatch):
     weights, the static cache with its step scratch and the reserve fit the cap, the prefill piece
     shrinks before the context does, and no dense prefill copy is taken; without a cap the dense copy
     is taken on a big card and the context is the model's whole context."""
+    import server.fast_memory as fm
     import server.fast_path as fp
 
     model, held = _e4b_on_a_pretend_card(monkeypatch)
-    saving = fp.int8_head_saving(model)
+    saving = fm.int8_head_saving(model)
     assert saving == 262144 * 2560 * 2 - 262144 * 2560 - 262144 * 20 * 2  # bf16 head out, int8 codes and scales in
     cap = 5 * 2**30
     for context in (8192, 32768):
         # auto: the int8 head under a cap; the engine's buckets for its default draft cap (2..32)
-        plan = fp.plan_fast_memory(model, context, context, None, cap, buckets=fp.step_buckets(16))
+        plan = fm.plan_fast_memory(model, context, context, None, cap, buckets=fp.step_buckets(16))
         assert plan.lm_head_int8 and plan.context == context and not plan.prefill_dense, plan.note
         assert spent(plan, held, saving) + plan.prefix_bytes <= cap, plan.note
         assert plan.prefill_rows < fp.DEFAULT_PREFILL_ROWS
         assert "CUDA context" in plan.note and "LM head int8" in plan.note
     # the bf16 head leaves no room for 32k under 5 GiB once the CUDA context is counted
-    bf16 = fp.plan_fast_memory(model, 32768, 32768, None, cap, buckets=fp.step_buckets(16), lm_head="bf16")
+    bf16 = fm.plan_fast_memory(model, 32768, 32768, None, cap, buckets=fp.step_buckets(16), lm_head="bf16")
     assert not bf16.lm_head_int8 and bf16.context < 32768 and spent(bf16, held, saving) <= cap
-    small = fp.plan_fast_memory(model, 32768, 32768, None, 4 * 2**30)
+    small = fm.plan_fast_memory(model, 32768, 32768, None, 4 * 2**30)
     assert small.context < 32768 and small.prefill_rows == fp.SMALL_PREFILL_ROWS
-    big = fp.plan_fast_memory(model, 131072, None, None)
+    big = fm.plan_fast_memory(model, 131072, None, None)
     assert big.context == 131072 and big.prefill_dense and big.prefill_rows == fp.DEFAULT_PREFILL_ROWS
     assert not big.lm_head_int8  # no cap: the bf16 head, unless asked
-    assert fp.plan_fast_memory(model, 131072, None, None, lm_head="int8").lm_head_int8
+    assert fm.plan_fast_memory(model, 131072, None, None, lm_head="int8").lm_head_int8
     with pytest.raises(ValueError, match="lm_head"):
-        fp.plan_fast_memory(model, 8192, None, None, lm_head="int4")
+        fm.plan_fast_memory(model, 8192, None, None, lm_head="int4")
 
 
 def spent(plan, held: int, saving: int) -> int:
     """What a plan holds on the pretend card: the weights (less what the int8 head frees), the CUDA
     context, the cap's slack, the static cache and scratch, the reserve."""
-    import server.fast_path as fp
+    import server.fast_memory as fm
 
-    return (held - (saving if plan.lm_head_int8 else 0) + PRETEND_CONTEXT + fp.CAP_SLACK
+    return (held - (saving if plan.lm_head_int8 else 0) + PRETEND_CONTEXT + fm.CAP_SLACK
             + plan.per_pos * plan.context + plan.reserve)
 
 
@@ -371,25 +372,26 @@ def test_memory_plan_fits_every_lane(monkeypatch):
     """With lanes (--parallel on the fast path) every lane's cache and buffers fit the cap together,
     prefill's activations once (one lane prefills at a time): the context is no longer than one
     lane's; when not even 1024 tokens a lane fit, the planner refuses and says why."""
+    import server.fast_memory as fm
     import server.fast_path as fp
 
     model, held = _e4b_on_a_pretend_card(monkeypatch)
     cap = 6 * 2**30
-    one = fp.plan_fast_memory(model, 8192, 8192, 0, cap)
+    one = fm.plan_fast_memory(model, 8192, 8192, 0, cap)
     stacked = set()  # the stacked forward's scratch per position (server/batch_step.py): once, any lanes
     for lanes in (2, 3):
-        plan = fp.plan_fast_memory(model, 8192, 8192, 0, cap, lanes=lanes)
-        per_lane, fixed_one = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows)
-        per_pos, fixed = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows, lanes=lanes)
+        plan = fm.plan_fast_memory(model, 8192, 8192, 0, cap, lanes=lanes)
+        per_lane, fixed_one = fm.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows)
+        per_pos, fixed = fm.fast_memory_needs(model, fp.DEFAULT_BUCKETS, plan.prefill_rows, lanes=lanes)
         assert plan.lanes == lanes and plan.per_pos == per_pos > lanes * per_lane
         stacked.add(per_pos - lanes * per_lane)
         assert fixed_one < fixed < lanes * fixed_one  # prefill's activations counted once
         assert plan.context <= one.context and plan.prefill_rows <= one.prefill_rows
-        assert spent(plan, held, fp.int8_head_saving(model)) <= cap, plan.note
+        assert spent(plan, held, fm.int8_head_saving(model)) <= cap, plan.note
         assert f"in {lanes} lanes" in plan.note
     assert len(stacked) == 1
     with pytest.raises(ValueError, match="do not fit"):
-        fp.plan_fast_memory(model, 32768, 32768, 0, cap, lanes=16)
+        fm.plan_fast_memory(model, 32768, 32768, 0, cap, lanes=16)
 
 
 def test_step_buckets_stop_at_the_first_that_holds_a_step():
@@ -411,18 +413,19 @@ def test_memory_plan_counts_only_the_buckets_built(monkeypatch):
     """Planned with the engine's buckets (to 32 rows for the default draft cap), the step
     attention's per-position scratch is half that of 64 rows, so under the same cap the whole 32k
     context fits, which it does not with every bucket to 64 rows."""
+    import server.fast_memory as fm
     import server.fast_path as fp
 
     model, held = _e4b_on_a_pretend_card(monkeypatch)
-    every = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30)
-    engine = fp.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30, fp.step_buckets(16))
-    per_pos_64, _ = fp.fast_memory_needs(model, fp.DEFAULT_BUCKETS)
-    per_pos_32, _ = fp.fast_memory_needs(model, fp.step_buckets(16))
+    every = fm.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30)
+    engine = fm.plan_fast_memory(model, 32768, 32768, None, 5 * 2**30, fp.step_buckets(16))
+    per_pos_64, _ = fm.fast_memory_needs(model, fp.DEFAULT_BUCKETS)
+    per_pos_32, _ = fm.fast_memory_needs(model, fp.step_buckets(16))
     # E4B's full layers: 2 KV heads x 128 query rows (32 tokens x 4 heads) x (512 + 2) fp32 / 64 keys a chunk
     assert per_pos_64 - per_pos_32 == 2 * 128 * 514 * 4 // 64
     assert engine.per_pos == per_pos_32 < every.per_pos
     assert engine.context == 32768 > every.context and engine.prefill_rows >= every.prefill_rows
-    assert spent(engine, held, fp.int8_head_saving(model)) <= 5 * 2**30
+    assert spent(engine, held, fm.int8_head_saving(model)) <= 5 * 2**30
 
 
 PRETEND_CONTEXT = 800 * 2**20
@@ -435,7 +438,7 @@ def _e4b_on_a_pretend_card(monkeypatch):
     import json
     from pathlib import Path
 
-    import server.fast_path as fp
+    import server.fast_memory as fm
     from transformers import Gemma4ForCausalLM
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
@@ -448,5 +451,5 @@ def _e4b_on_a_pretend_card(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (140 * 2**30 - held - PRETEND_CONTEXT, 140 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: held)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: held)
-    monkeypatch.setattr(fp, "_int4_weights", lambda m: int4)
+    monkeypatch.setattr(fm, "_int4_weights", lambda m: int4)
     return model, held

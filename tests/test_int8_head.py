@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bench.fast_greedy import greedy_generate, oracle
-from server.fast_path import FastTarget, HostRowTable, int8_head_saving
+from server.fast_memory import int8_head_saving
+from server.fast_path import FastTarget, HostRowTable
 from server.small_m_matmul import BLOCK_K, SmallMLinear, quantize_int8
 from tests.test_engine_lossless import tiny_gemma4
 from tests.test_fast_path import cuda_model, hf_logits, prompt_of
@@ -75,15 +76,22 @@ def test_int8_head_matches_transformers_on_the_dequantized_head():
     assert 0 < (want - plain).abs().max() < 0.05 * plain.abs().max()
 
 
+def drafted_equals_plain(fast, prompt_lens, n: int, wrong: float) -> tuple[list[int], list[int]]:
+    """Greedy tokens with oracle drafts (a share `wrong` of them wrong) equal plain greedy tokens, in
+    fewer steps, for a prompt of each length; returns the last (prompt, plain tokens)."""
+    vocab = fast.cfg.vocab_size
+    for seed, plen in enumerate(prompt_lens):
+        prompt = prompt_of(plen, vocab, seed)
+        plain, plain_steps = greedy_generate(fast, prompt, n)
+        drafted, steps = greedy_generate(fast, prompt, n, oracle(plain, plen, wrong, vocab, seed))
+        assert drafted == plain and steps < plain_steps
+    return prompt, plain
+
+
 def test_int8_head_drafted_equals_plain_and_later_fast_paths_keep_it():
     model = head_model()
     fast = FastTarget(model, max_len=256, prefill_chunk=16, capture=False, min_kv_len=32, lm_head_int8=True)
-    vocab = model.config.vocab_size
-    for seed, plen in ((0, 9), (1, 50)):
-        prompt = prompt_of(plen, vocab, seed)
-        plain, plain_steps = greedy_generate(fast, prompt, 60)
-        drafted, steps = greedy_generate(fast, prompt, 60, oracle(plain, plen, 0.25, vocab, seed))
-        assert drafted == plain and steps < plain_steps
+    prompt, plain = drafted_equals_plain(fast, (9, 50), 60, wrong=0.25)
     # A second fast path over the same model (a lane, a rebuilt engine) takes the int8 head the
     # first one made, even unasked: the bf16 head left the GPU.
     again = FastTarget(model, max_len=256, prefill_chunk=16, capture=False, min_kv_len=32)
@@ -109,12 +117,7 @@ def test_int8_head_cuda_frees_memory_and_stays_batch_invariant():
     fast.rollback(64)
     singles = torch.stack([fast.step([t])[0].float().clone() for t in ids[150:214]])
     assert torch.equal(batched, singles)
-    vocab = model.config.vocab_size
-    for seed, plen in ((0, 9), (1, 100)):
-        prompt = prompt_of(plen, vocab, seed)
-        plain, plain_steps = greedy_generate(fast, prompt, 100)
-        drafted, steps = greedy_generate(fast, prompt, 100, oracle(plain, plen, 0.2, vocab, seed))
-        assert drafted == plain and steps < plain_steps
+    drafted_equals_plain(fast, (9, 100), 100, wrong=0.2)
     # the int8 kernel's product equals a dense product on the dequantized head, to rounding
     x = torch.randn(5, want_head.shape[1], device="cuda", dtype=torch.bfloat16)
     got, want = fast.lm_head_step(x).float(), (x.float() @ want_head.float().t())
