@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                          "or every one up to 64 rows (as before)")
     args = ap.parse_args(argv)
     heads = args.lm_head.split(",")
-    if any(h not in ("auto", "bf16", "int8") for h in heads) or ("bf16" in heads and heads[-1] == "bf16" and len(heads) > 1):
-        ap.error("--lm-head: auto, bf16 or int8, bf16 before the others")
+    first_int8 = next((i for i, h in enumerate(heads) if h != "bf16"), len(heads))
+    if any(h not in ("auto", "bf16", "int8") for h in heads) or "bf16" in heads[first_int8:]:
+        ap.error("--lm-head: auto, bf16 or int8, every bf16 before the others (the int8 head is for good)")
     import transformers
 
     from server.cuda_allocator import EXPANDABLE, configure_cuda_allocator

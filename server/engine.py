@@ -276,8 +276,9 @@ class Engine:
     def _build_backend(self) -> Backend:
         """The fast path when it applies (graphs captured here), else transformers; notes say why."""
         from server.eager_backend import EagerBackend
+        from server.fast_path import model_device
 
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)  # (an earlier fast path may have moved the embedding to the host)
         why_not = None
         if not self.config.fast_path:
             why_not = "eager path: fast path off (--no-fast-path)"
@@ -324,7 +325,7 @@ class Engine:
         return backend
 
     def _build_fast_path(self):
-        from server.fast_memory import plan_fast_memory
+        from server.fast_memory import plan_fast_memory, settle_after_warmup
         from server.fast_path import FastTarget, step_buckets
 
         cfg = self.config
@@ -346,9 +347,12 @@ class Engine:
                           ple_on_host=ple is not None, prefill_rows=plan.prefill_rows,
                           prefill_dense=plan.prefill_dense, lm_head_int8=plan.lm_head_int8)
         seconds = fast.warmup()
+        settled = settle_after_warmup(fast, plan)
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "
                           f"{fast.cache_bytes() / 2**30:.2f} GiB; {plan.note}); {fast.step_kernel_note}; {fast.prefill_note}")
+        if settled:
+            self.notes.append(f"GPU memory: {settled}")
         self.notes.append(_prefix_note(plan.prefix_bytes))
         return fast
 

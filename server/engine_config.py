@@ -34,11 +34,12 @@ class EngineConfig:
     gpu_memory_mb: float | None = field(default=None, metadata={
         "min": 1, "help": "cap on the GPU memory the fast path plans for, in MiB, the loaded weights included (default: "
                 "the card's free memory): the context, the prefix cache and prefill's working memory are sized "
-                "to fit it, with the CUDA context and libraries (what nvidia-smi shows for the process)"})
+                "to fit it, with the CUDA context and libraries (measured as the card's used memory less "
+                "PyTorch's: other processes on the card count too)"})
     lm_head: str = field(default="auto", metadata={
         "choices": ("auto", "bf16", "int8"), "help": "the GPU fast path's LM head: int8 (a scale per 128 features; "
                 "frees 0.6 GiB on E4B, the input embedding looked up on the host) or bf16; auto: int8 under "
-                "--gpu-memory-mb, else bf16"})
+                "--gpu-memory-mb where the step kernels run it (Triton, bf16, a head that tiles), else bf16"})
     prefix_cache: bool = field(default=True, metadata={
         "help": "keep finished sequences' KV and prefill only what a new prompt adds "
                 "(--no-prefix-cache: every prompt from position 0)"})

@@ -29,6 +29,8 @@ class FastMemoryPlan:
     per_pos: int = 0                           # bytes per context position (KV, step attention scratch, RoPE)
     lanes: int = 1                             # FastTargets planned for (reserve and per_pos count them all)
     lm_head_int8: bool = False                 # FastTarget(lm_head_int8=...): the head in int8, the table on the host
+    cap: int | None = None                     # --gpu-memory-mb in bytes (None: no cap)
+    outside: int = 0                           # the CUDA context and libraries when planned (see settle_after_warmup)
 
 
 GIB = 2**30
@@ -57,11 +59,22 @@ def int8_head_saving(model) -> int:
     return gone - (n * k + (k // BLOCK_K) * n * w.element_size())
 
 
-def int8_head_fits(model) -> bool:
-    """Whether the LM head's shape tiles for the int8 step kernel."""
+def int8_head_unfit(model) -> str | None:
+    """None when the int8 head saves GPU memory here, else why not: it needs the step kernels
+    (Triton, bf16 weights; without them the head is dequantized back to a bf16 copy) and a head
+    whose shape tiles for them."""
     from server.small_m_matmul import BLOCK_K, _block_n
-    n, k = model.lm_head.weight.shape
-    return k % BLOCK_K == 0 and bool(_block_n(n))
+    w = model.lm_head.weight
+    n, k = w.shape
+    if k % BLOCK_K or not _block_n(n):
+        return f"the LM head's {n}x{k} shape does not tile for the int8 step kernel (by 32 x {BLOCK_K})"
+    if w.dtype != torch.bfloat16:
+        return f"the int8 head runs on the step kernels, which take bf16 models (this one is {w.dtype})"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the int8 head runs on the step kernels, which need Triton"
+    return None
 
 
 def _int4_weights(model) -> int:
@@ -165,12 +178,19 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     dev = model_device(model)
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)  # the loaded weights (host tables excluded: not here)
-    outside = max(0, total - free - torch.cuda.memory_reserved(dev))  # the CUDA context, libraries
+    # The CUDA context and libraries: what the card shows used less what PyTorch holds here (so other
+    # processes on the card count too; nvidia-smi's per-process figure needs NVML)
+    outside = max(0, total - free - torch.cuda.memory_reserved(dev))
     if lm_head not in ("auto", "bf16", "int8"):
         raise ValueError(f"lm_head {lm_head!r}: auto, bf16 or int8")
-    head_int8 = lm_head == "int8" or (lm_head == "auto" and gpu_memory is not None and int8_head_fits(model))
+    unfit = int8_head_unfit(model)
+    if lm_head == "int8" and unfit is not None:
+        raise ValueError(f"--lm-head int8: {unfit}")
+    already = hasattr(model.lm_head, "_sailfish_int8")  # an earlier fast path made it: every later one uses it
+    head_int8 = already or lm_head == "int8" or (lm_head == "auto" and gpu_memory is not None and unfit is None)
     saved = int8_head_saving(model) if head_int8 else 0
     held -= saved
+    free += saved  # the bf16 table leaves the card before anything planned here is allocated
     asked_cap = gpu_memory
     if gpu_memory is not None:  # the cap counts what nvidia-smi shows: the context and the slack too
         gpu_memory = int(gpu_memory) - outside - CAP_SLACK
@@ -223,4 +243,29 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
             + (f"; dense prefill copy {dense / GIB:.2f} GiB" if use_dense else "")
             + (f"; LM head int8 ({saved / GIB:.2f} GiB freed, the input embedding on the host)" if saved
                else "; LM head int8 (made by an earlier fast path)" if head_int8 else ""))
-    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos, lanes, head_int8)
+    return FastMemoryPlan(context, budget, note, rows, use_dense, reserve, per_pos, lanes, head_int8, asked_cap, outside)
+
+
+def settle_after_warmup(fast, plan: FastMemoryPlan) -> str:
+    """Under a cap, after the fast path's warm-up: what the CUDA context and libraries grew by since
+    planning (kernels loaded, CUDA graphs instantiated: 0.13 GiB in bench.gpu_memory's first column)
+    is taken back from the prefix cache's budget, the one planned part that can shrink without a
+    rebuild. The note says what was measured, and by how much serving may still go over the cap's
+    count when the budget could not absorb it. Empty without a cap or off CUDA."""
+    if plan.cap is None or fast.device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(fast.device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(fast.device))
+    note = f"CUDA context and libraries {plan.outside / GIB:.2f} GiB when planned, {outside / GIB:.2f} GiB after warm-up"
+    grew = outside - plan.outside
+    if grew <= 0:
+        return note
+    store = fast.store
+    taken = min(grew, store.budget) if store is not None else 0
+    if taken:
+        store.budget -= taken
+        note += f"; the prefix cache's budget gave back {taken / GIB:.2f} GiB (now {store.budget / GIB:.2f} GiB)"
+    if grew > taken:
+        note += (f"; serving may go {(grew - taken) / GIB:.2f} GiB past the {plan.cap / GIB:.2f} GiB cap "
+                 f"(beyond its {CAP_SLACK / 2**20:.0f} MiB of slack): lower --gpu-memory-mb or --fast-max-context")
+    return note

@@ -446,22 +446,34 @@ class FastTarget:
         """The LM head as int8 (server/small_m_matmul.quantize_int8: a scale per 128 features and
         column; E4B: 0.63 GiB where the bf16 head takes 1.25) and the input embedding looked up on
         the host (HostRowTable), so the bf16 table leaves the GPU: a tied head (Gemma's) is that
-        table. Logits change by the quantization (bench/lm_head_quality.py measures how much);
-        drafted output still equals plain output, both on this head. Kept on the HF module
-        (`_sailfish_int8`) for the other fast paths over this model (lanes). Without step kernels
-        (the CPU) the head is the int8 weights dequantized: the same W, a dense matmul."""
-        from server.small_m_matmul import quantize_int8
+        table. It moves first and is quantized on the host, so the GPU never holds both heads nor
+        the quantization's fp32 temporaries. Logits change by the quantization
+        (bench/lm_head_quality.py measures how much); drafted output still equals plain output, both
+        on this head. The codes and scales are kept on the HF module (`_sailfish_int8`) for the
+        other fast paths over this model (lanes), each with a SmallMLinear of its own (its split-K
+        counter and scratch). Without step kernels the head is the int8 weights dequantized (on the
+        host, then one bf16 copy on the device): the same W, a dense matmul, no memory saved."""
+        from server.small_m_matmul import SmallMLinear, quantize_int8
 
         self.lm_head = None  # (its bf16 weight on the GPU) so that moving the table frees it
-        lm.lm_head.to("cpu")  # first, so the GPU never holds both heads; a tied head takes the table along
+        lm.lm_head.to("cpu")  # a tied head takes the table along
         self.embed = HostRowTable(text.embed_tokens, self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        head = getattr(lm.lm_head, "_sailfish_int8", None)
-        if head is None:  # quantized on the host (E4B: about 2 s), the result copied to the GPU
-            head = quantize_int8(lm.lm_head.weight.detach(), device=self.device)
-            lm.lm_head._sailfish_int8 = head
-        self.lm_head = head if self.step_kernels else DenseLinear(head.dequantize().contiguous())
+        kept = getattr(lm.lm_head, "_sailfish_int8", None)
+        if kept is None:  # quantized on the host (E4B: 2-8 s), the codes then copied to the GPU
+            host = quantize_int8(lm.lm_head.weight.detach())
+            kept = (host.weight, host.scale)
+            if self.step_kernels:
+                kept = tuple(t.to(self.device) for t in kept)
+            lm.lm_head._sailfish_int8 = kept
+        codes, scale = kept
+        k, n = codes.shape
+        if self.step_kernels and codes.device == self.device:
+            self.lm_head = SmallMLinear(codes, scale, None, n, k)
+        else:
+            self.lm_head = DenseLinear(SmallMLinear(codes.cpu(), scale.cpu(), None, n, k).dequantize()
+                                       .contiguous().to(self.device))
         self.embed_on_host = True
 
     def _all_linears(self) -> list:

@@ -357,6 +357,10 @@ def test_memory_plan_fits_a_cap(monkeypatch):
     assert fm.plan_fast_memory(model, 131072, None, None, lm_head="int8").lm_head_int8
     with pytest.raises(ValueError, match="lm_head"):
         fm.plan_fast_memory(model, 8192, None, None, lm_head="int4")
+    # where free memory binds (a small card), what the int8 head frees counts as free memory too
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2 * 2**30, 8 * 2**30))
+    narrow = {head: fm.plan_fast_memory(model, 131072, None, None, lm_head=head) for head in ("bf16", "int8")}
+    assert narrow["int8"].context > narrow["bf16"].context
 
 
 def spent(plan, held: int, saving: int) -> int:

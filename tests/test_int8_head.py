@@ -111,6 +111,11 @@ def test_int8_head_cuda_frees_memory_and_stays_batch_invariant():
     assert fast.step_kernels and isinstance(fast.lm_head_step, SmallMLinear) and fast.lm_head_step.int8
     assert model.model.embed_tokens.weight.device.type == "cpu"
     assert int8_head_saving(model) == 0
+    import gc
+    gc.collect()  # no tensor on the GPU still holds the bf16 table (a stale alias would keep it there)
+    table = model.model.embed_tokens.weight
+    assert not [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda and t.shape == table.shape
+                and t.dtype == table.dtype]
     ids = prompt_of(230, model.config.vocab_size, seed=6)
     fast.prefill(ids[:150])
     batched = fast.step(ids[150:214]).float().clone()
@@ -122,3 +127,32 @@ def test_int8_head_cuda_frees_memory_and_stays_batch_invariant():
     x = torch.randn(5, want_head.shape[1], device="cuda", dtype=torch.bfloat16)
     got, want = fast.lm_head_step(x).float(), (x.float() @ want_head.float().t())
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_the_int8_head_is_planned_only_where_it_saves_memory():
+    from server.fast_memory import int8_head_unfit
+
+    assert int8_head_unfit(tiny_gemma4(seed=1, hidden_size=128).to(torch.bfloat16)) is None
+    assert "bf16" in int8_head_unfit(tiny_gemma4(seed=1, hidden_size=128))          # fp32: no step kernels
+    assert "does not tile" in int8_head_unfit(tiny_gemma4(seed=1).to(torch.bfloat16))  # hidden 64
+
+
+def test_warm_up_growth_of_the_cuda_context_comes_out_of_the_prefix_budget(monkeypatch):
+    """After warm-up the CUDA context has grown past what the plan measured: the prefix cache's
+    budget gives the difference back, and what it cannot is said with the flags that help."""
+    from types import SimpleNamespace
+
+    from server.fast_memory import FastMemoryPlan, settle_after_warmup
+    from server.prefix_store import PrefixStore
+
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10 * GiB, 16 * GiB))  # 6 GiB used
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 * GiB)           # so 1 GiB outside
+    plan = FastMemoryPlan(8192, GiB // 2, "", cap=6 * GiB, outside=GiB - GiB // 4)        # planned with 0.75
+    fast = SimpleNamespace(device=torch.device("cuda"), store=PrefixStore(GiB // 2))
+    note = settle_after_warmup(fast, plan)
+    assert fast.store.budget == GiB // 4 and "gave back 0.25 GiB" in note and "past" not in note
+    fast = SimpleNamespace(device=torch.device("cuda"), store=PrefixStore(GiB // 8))
+    note = settle_after_warmup(fast, plan)
+    assert fast.store.budget == 0 and "0.12 GiB past the 6.00 GiB cap" in note and "--gpu-memory-mb" in note
+    assert settle_after_warmup(fast, FastMemoryPlan(8192, 0, "", outside=0)) == ""  # no cap: nothing to settle
