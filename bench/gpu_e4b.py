@@ -125,6 +125,23 @@ class IdTokenizer:
         return "".join(f"<{int(i)}>" for i in ids)
 
 
+class CharTokenizer:
+    """Token i decodes as one character: the engine's text bookkeeping, cheaply, without a vocabulary
+    (no stop strings are set where it serves)."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(0x4E00 + int(i) % 20000) for i in ids)
+
+
+def random_e4b_target(model):
+    """The random-init E4B model as the engine's LoadedTarget (what server.model_loading gives)."""
+    from server.model_loading import LoadedTarget
+
+    return LoadedTarget(model, CharTokenizer(), "gemma4-e4b-shape-random-int4", "int4", torch.bfloat16,
+                        torch.device("cuda"), [])
+
+
 class OracleDrafter:
     """Proposes the recorded continuation `reference` from the current point (engine interface)."""
 

@@ -32,25 +32,17 @@ def one(cap_mib: float, context: int, lm_head: str) -> dict:
     """In this (fresh) process: build the engine under the cap, serve one long prompt, measure."""
     import torch
 
-    from bench.gpu_e4b import build_model
+    from bench.gpu_e4b import build_model, random_e4b_target
     from bench.gpu_memory import UsedMemory
     from server.cuda_allocator import configure_cuda_allocator
     from server.engine import Engine, EngineConfig, GenerationParams
-    from server.model_loading import LoadedTarget
 
     configure_cuda_allocator([])  # as server.model_loading does, before any weight reaches the card
     used = UsedMemory()
     model = build_model(quant=True)
     after_load = used.now() / GIB
 
-    class _Tok:  # token ids only: no stop strings are set
-        eos_token_id = None
-
-        def decode(self, ids, skip_special_tokens=False):
-            return "".join(chr(0x4E00 + int(i) % 20000) for i in ids)
-
-    target = LoadedTarget(model, _Tok(), "gemma4-e4b-shape-random-int4", "int4", torch.bfloat16,
-                          torch.device("cuda"), [])
+    target = random_e4b_target(model)
     t = time.perf_counter()
     engine = Engine(target, None, EngineConfig(gpu_memory_mb=cap_mib, fast_max_context=context, lm_head=lm_head))
     r = {"context_asked": context, "lm_head": lm_head, "after_load_GiB": after_load,

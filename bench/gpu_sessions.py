@@ -142,10 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile one cached turn (printed)")
     args = ap.parse_args(argv)
 
-    from bench.gpu_e4b import build_model, make_peaked
+    from bench.gpu_e4b import build_model, make_peaked, random_e4b_target
     from ngram.drafter import NgramDrafter
     from server.engine import Engine, EngineConfig
-    from server.model_loading import LoadedTarget
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}
     import transformers
@@ -158,14 +157,7 @@ def main(argv=None) -> int:
     res["mem_after_load_GiB"] = torch.cuda.memory_allocated() / GIB
     vocab = model.config.vocab_size
 
-    class _Tok:  # token ids only: the engine detokenizes for stop strings, none are set here
-        eos_token_id = None
-
-        def decode(self, ids, skip_special_tokens=False):
-            return "".join(chr(0x4E00 + int(i) % 20000) for i in ids)
-
-    target = LoadedTarget(model, _Tok(), "gemma4-e4b-shape-random-int4", "int4", torch.bfloat16,
-                          torch.device("cuda"), [])
+    target = random_e4b_target(model)
     t = time.perf_counter()
     engine = Engine(target, None, EngineConfig(fast_max_context=16384 if args.quick else None))
     res["engine_build_s"] = time.perf_counter() - t
