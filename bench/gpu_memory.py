@@ -43,7 +43,7 @@ import torch
 from bench.fast_greedy import greedy_generate, oracle
 from bench.gpu_e4b import build_model, timed_generate
 from ngram.drafter import DrafterConfig
-from server.fast_memory import plan_fast_memory
+from server.fast_memory import outside_memory, plan_fast_memory
 from server.fast_path import DEFAULT_BUCKETS, FastTarget, step_buckets
 from server.fast_prefill import score_budget
 
@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.reset_peak_memory_stats()
         used.reset()
         run: dict = {"before": mem(used), "context": c}
-        free, total = torch.cuda.mem_get_info()
-        run["outside_at_plan_GiB"] = (total - free - torch.cuda.memory_reserved()) / GIB  # CUDA context, libraries
+        run["outside_at_plan_GiB"] = outside_memory(torch.device("cuda")) / GIB  # CUDA context, libraries
         plan = plan_fast_memory(model, c, c, 0, gpu_memory=cap, buckets=buckets, lm_head=head)
         run["plan"] = {"context": plan.context, "prefill_rows": plan.prefill_rows, "dense": plan.prefill_dense,
                        "reserve_GiB": plan.reserve / GIB, "per_pos_KiB": plan.per_pos / 1024, "note": plan.note,
@@ -203,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         run["warmup_s"] = fast.warmup()
         run["graphs"] = fast.timings.graphs
         run["warm"] = mem(used) | {"nvidia_smi_MiB": smi_used_mib()}
-        free, total = torch.cuda.mem_get_info()
-        run["outside_warm_GiB"] = (total - free - torch.cuda.memory_reserved()) / GIB
+        run["outside_warm_GiB"] = outside_memory(torch.device("cuda")) / GIB
         # the start-up peak (building, then capturing every graph), apart from the serving peak below
         run["startup_peak"] = {"max_allocated_GiB": torch.cuda.max_memory_allocated() / GIB,
                                "max_reserved_GiB": torch.cuda.max_memory_reserved() / GIB,

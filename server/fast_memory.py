@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from server.fast_path import DEFAULT_BUCKETS, DEFAULT_PREFILL_ROWS, SMALL_PREFILL_ROWS, model_device
-from server.small_m_matmul import MAX_ROWS
+from server.small_m_matmul import BLOCK_K, MAX_ROWS, unsupported_shape
 
 
 @dataclass
@@ -37,9 +37,17 @@ GIB = 2**30
 
 
 # Under a cap, room kept for what the plan cannot count: the allocator's reserve above its peak
-# allocation (bench.gpu_memory, E4B shape at 32k: 0.23 GiB with expandable segments) and what the
-# CUDA context and libraries add after planning (kernels loaded at warm-up).
+# allocation (bench.gpu_memory, E4B shape at 32k with expandable segments: 0.23 GiB with the bf16
+# head, 0.28 with the int8 one). What the CUDA context grows by after planning is settled after
+# warm-up (settle_after_warmup).
 CAP_SLACK = 256 * 2**20
+
+
+def outside_memory(device) -> int:
+    """The CUDA context and libraries: what the card shows used less what PyTorch holds in this
+    process (so other processes on the card count too; nvidia-smi's per-process figure needs NVML)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
 def int8_head_saving(model) -> int:
@@ -55,7 +63,6 @@ def int8_head_saving(model) -> int:
     if on_gpu(table) and table is not w:
         gone += table.numel() * table.element_size()
     n, k = w.shape
-    from server.small_m_matmul import BLOCK_K
     return gone - (n * k + (k // BLOCK_K) * n * w.element_size())
 
 
@@ -63,13 +70,8 @@ def int8_head_unfit(model) -> str | None:
     """None when the int8 head saves GPU memory here, else why not: it needs the step kernels
     (Triton, bf16 weights; without them the head is dequantized back to a bf16 copy) and a head
     whose shape tiles for them."""
-    from server.small_m_matmul import BLOCK_K, _block_n
-    w = model.lm_head.weight
-    n, k = w.shape
-    if k % BLOCK_K or not _block_n(n):
-        return f"the LM head's {n}x{k} shape does not tile for the int8 step kernel (by 32 x {BLOCK_K})"
-    if w.dtype != torch.bfloat16:
-        return f"the int8 head runs on the step kernels, which take bf16 models (this one is {w.dtype})"
+    if (why := unsupported_shape(model.lm_head)) is not None:
+        return f"the int8 head runs on the step kernels, which do not take the LM head: {why}"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -165,7 +167,8 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     on the GPU in all, as nvidia-smi counts it: the loaded weights, the CUDA context and libraries
     (measured now, as the device's used memory less PyTorch's) and CAP_SLACK included:
     --gpu-memory-mb). `lm_head`: "int8" (FastTarget's lm_head_int8: plan without the bf16 head),
-    "bf16", or "auto": int8 under a cap when the head's shape allows it. Then: the model's whole context
+    "bf16", or "auto": int8 under a cap where the step kernels can run it (`int8_head_unfit`); a head
+    an earlier fast path made int8 stays int8. Then: the model's whole context
     when it fits (or `cap`), after a reserve for what does not grow with the context
     (`fast_memory_needs`, plus 5% of the card as slack without a cap), then the prefix cache:
     `prefix_bytes`, or by default 40% of what remains. Without a cap the context takes at most half
@@ -178,9 +181,7 @@ def plan_fast_memory(model, max_context: int, cap: int | None, prefix_bytes: int
     dev = model_device(model)
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)  # the loaded weights (host tables excluded: not here)
-    # The CUDA context and libraries: what the card shows used less what PyTorch holds here (so other
-    # processes on the card count too; nvidia-smi's per-process figure needs NVML)
-    outside = max(0, total - free - torch.cuda.memory_reserved(dev))
+    outside = outside_memory(dev)
     if lm_head not in ("auto", "bf16", "int8"):
         raise ValueError(f"lm_head {lm_head!r}: auto, bf16 or int8")
     unfit = int8_head_unfit(model)
@@ -254,8 +255,7 @@ def settle_after_warmup(fast, plan: FastMemoryPlan) -> str:
     count when the budget could not absorb it. Empty without a cap or off CUDA."""
     if plan.cap is None or fast.device.type != "cuda":
         return ""
-    free, total = torch.cuda.mem_get_info(fast.device)
-    outside = max(0, total - free - torch.cuda.memory_reserved(fast.device))
+    outside = outside_memory(fast.device)
     note = f"CUDA context and libraries {plan.outside / GIB:.2f} GiB when planned, {outside / GIB:.2f} GiB after warm-up"
     grew = outside - plan.outside
     if grew <= 0:

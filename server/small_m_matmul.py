@@ -218,25 +218,22 @@ class SmallMLinear:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.offset) if t is not None)
 
 
-def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 16384, device=None) -> SmallMLinear:
+def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 16384) -> SmallMLinear:
     """W [N, K] (bf16) as an int8 SmallMLinear: per group of BLOCK_K input features and output
     column, scale = max |w| / 127 (rounded to the weight's dtype first, so that code * scale is
     what the kernel computes), code = round(w / scale). Computed on W's device in chunks of rows, so
-    the fp32 temporaries stay small (E4B's 262,144 x 2,560 head: 160 MiB at a time); the result
-    lives on `device` (default: W's), so a head quantized on the host never shares the GPU with
-    its bf16 original."""
+    the fp32 temporaries stay small (E4B's 262,144 x 2,560 head: 160 MiB at a time)."""
     n, k = weight.shape
     if k % BLOCK_K or not _block_n(n):
         raise ValueError(f"a {n}x{k} weight does not tile by (32, {BLOCK_K})")
-    device = weight.device if device is None else torch.device(device)
-    codes = torch.empty((k, n), dtype=torch.int8, device=device)
-    scale = torch.empty((k // BLOCK_K, n), dtype=weight.dtype, device=device)
+    codes = torch.empty((k, n), dtype=torch.int8, device=weight.device)
+    scale = torch.empty((k // BLOCK_K, n), dtype=weight.dtype, device=weight.device)
     for lo in range(0, n, rows_per_chunk):
         w = weight[lo:lo + rows_per_chunk].float().view(-1, k // BLOCK_K, BLOCK_K)
         s = (w.abs().amax(-1, keepdim=True) / 127).to(weight.dtype).float()
         q = torch.where(s > 0, w / s.clamp_min(torch.finfo(torch.float32).tiny), 0).round_().clamp_(-127, 127)
-        codes[:, lo:lo + w.shape[0]] = q.view(-1, k).to(torch.int8).t().to(device)
-        scale[:, lo:lo + w.shape[0]] = s[..., 0].to(weight.dtype).t().to(device)
+        codes[:, lo:lo + w.shape[0]] = q.view(-1, k).to(torch.int8).t()
+        scale[:, lo:lo + w.shape[0]] = s[..., 0].to(weight.dtype).t()
     return SmallMLinear(codes, scale, None, n, k)
 
 
