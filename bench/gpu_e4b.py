@@ -73,7 +73,11 @@ def copy_bandwidth() -> float:
     return 2 * 2 * n / statistics.median(times)
 
 
-def build_model(quant: bool, dtype=torch.bfloat16):
+def build_model(quant: bool, dtype=torch.bfloat16, on_host: bool = False):
+    """The random-init E4B text model on the GPU (quanto int4 when `quant`). `on_host`: unquantized
+    and in host memory, as transformers' from_pretrained leaves a checkpoint for the server's loader
+    (server.model_loading.place_on_device); built on the GPU (random init is slow on the host), moved
+    off, the cache emptied."""
     from transformers import Gemma4ForCausalLM
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
@@ -88,6 +92,10 @@ def build_model(quant: bool, dtype=torch.bfloat16):
     finally:
         torch.set_default_dtype(prev)
     model.generation_config.eos_token_id = None
+    if on_host:
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        return model
     if quant:
         from optimum.quanto import freeze, qint4, quantize
         quantize(model, weights=qint4, exclude=["lm_head"])

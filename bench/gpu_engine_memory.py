@@ -4,8 +4,10 @@ bench/gpu_memory.py builds FastTargets one after another in one process, whose C
 loaded its kernels before the later plans measure it. A server plans right after loading, before
 any kernel of the fast path is loaded, so it measures a smaller context and its warm-up adds the
 difference (server.fast_memory.settle_after_warmup takes it from the prefix cache's budget). This
-measures what a user gets: for each context, a new process builds the Engine as the server does
-(random-init E4B shape, quanto int4, `EngineConfig(gpu_memory_mb=..., fast_max_context=context,
+measures what a user gets: for each context, a new process places the model on the GPU as the
+server's loader does (server.model_loading.place_on_device: a decoder layer at a time, quantized
+there, the per-layer table left on the host) and builds the Engine as the server does (random-init
+E4B shape, quanto int4, `EngineConfig(gpu_memory_mb=..., fast_max_context=context,
 lm_head=...)`), then prefills a prompt of the context's length less 65 tokens and decodes 64,
 polling the device's used memory every 2 ms (what nvidia-smi shows) from before the engine is
 built. Records the start-up and serving peaks, the engine's notes (the plan, the LM head, what the
@@ -38,14 +40,21 @@ def one(cap_mib: float, context: int, lm_head: str) -> dict:
     from server.engine import Engine, EngineConfig, GenerationParams
 
     configure_cuda_allocator([])  # as server.model_loading does, before any weight reaches the card
+    from server.model_loading import place_on_device
+
+    model = build_model(quant=False, on_host=True)  # what from_pretrained gives the loader
     used = UsedMemory()
-    model = build_model(quant=True)
+    t = time.perf_counter()
+    place_on_device(model, torch.device("cuda"), "int4")  # as the server's loader does
     after_load = used.now() / GIB
+    load_peak = used.peak / GIB
+    load_s = time.perf_counter() - t
 
     target = random_e4b_target(model)
     t = time.perf_counter()
     engine = Engine(target, None, EngineConfig(gpu_memory_mb=cap_mib, fast_max_context=context, lm_head=lm_head))
-    r = {"context_asked": context, "lm_head": lm_head, "after_load_GiB": after_load,
+    r = {"context_asked": context, "lm_head": lm_head, "after_load_GiB": after_load, "load_peak_GiB": load_peak,
+         "place_s": load_s,
          "engine_build_s": time.perf_counter() - t, "engine_notes": engine.notes,
          "context_served": engine.max_context, "startup_peak_GiB": used.peak / GIB, "warm_GiB": used.now() / GIB}
     used.reset()
@@ -98,10 +107,11 @@ def markdown(r: dict) -> str:
              f"({r['device']}, torch {r['torch']})", "",
              f"Command: `{r['command']}`. Device used = what nvidia-smi shows (the CUDA context included), "
              "polled every 2 ms.", "",
-             "| context asked | served | LM head | start-up peak GiB | serving peak GiB | prefill + 64 tokens s |",
-             "|---|---|---|---|---|---|"]
+             "| context asked | served | LM head | peak while loading GiB | start-up peak GiB | serving peak GiB | prefill + 64 tokens s |",
+             "|---|---|---|---|---|---|---|"]
     for x in r["runs"]:
-        lines.append(f"| {x['context_asked']} | {x['context_served']} | {x['lm_head']} | {x['startup_peak_GiB']:.2f} | "
+        lines.append(f"| {x['context_asked']} | {x['context_served']} | {x['lm_head']} | {x.get('load_peak_GiB', float('nan')):.2f} | "
+                     f"{x['startup_peak_GiB']:.2f} | "
                      f"**{x['serving_peak_GiB']:.2f}** | {x['serve_s']:.1f} |")
     lines += ["", "Engine notes on memory:", ""]
     for x in r["runs"]:

@@ -55,7 +55,7 @@ class UsedMemory:
     """The device's used memory (total - free), its maximum polled from a thread."""
 
     def __init__(self, period: float = 0.002):
-        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self.period, self.peak, self._stop, self._lock = period, 0, threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -65,11 +65,13 @@ class UsedMemory:
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
+            with self._lock:  # so that a reset between the read and the write is not undone
+                self.peak = max(self.peak, self.now())
             time.sleep(self.period)
 
     def reset(self):
-        self.peak = self.now()
+        with self._lock:
+            self.peak = self.now()
 
     def stop(self):
         self._stop.set()

@@ -309,6 +309,10 @@ class Engine:
         elif device.type == "cpu":
             why_not += "; the CPU int8 path is off (--no-cpu-int8)"
         self.notes.append(why_not)
+        if device.type == "cuda":  # transformers' forward reads every table on the card
+            from server.model_loading import move_host_tables
+
+            move_host_tables(self.model, device)
         backend = EagerBackend(self.model, budget, max_context=self.max_context, max_step=self.config.max_draft + 1)
         self.notes.append(_prefix_note(budget))
         return backend
@@ -347,6 +351,7 @@ class Engine:
                           ple_on_host=ple is not None, prefill_rows=plan.prefill_rows,
                           prefill_dense=plan.prefill_dense, lm_head_int8=plan.lm_head_int8)
         seconds = fast.warmup()
+        seconds += fast.warm_prefill()
         settled = settle_after_warmup(fast, plan)
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "

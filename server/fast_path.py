@@ -957,6 +957,20 @@ class FastTarget:
         return time.perf_counter() - t0
 
 
+    def warm_prefill(self) -> float:
+        """One prefill of a whole piece and a shorter one (token 0), then forgotten: the prefill's
+        kernels (cuBLAS's, loaded lazily) join the CUDA context now rather than at the first request,
+        so the engine measures the context grown (server/fast_memory.settle_after_warmup) and no
+        request pays the loading. Returns the seconds it took."""
+        t0, counted = time.perf_counter(), self.timings.prefill_s
+        n = min(self.prefill_rows + 17, self.max_context - 1)
+        self.prefill([0] * n)
+        self.discard()
+        self.reset()
+        self.timings.prefill_s = counted  # not a request's prefill
+        return time.perf_counter() - t0
+
+
 def capture_graph(forward, target: FastTarget, out_key=None, out_rows: int | None = None) -> tuple:
     """(CUDA graph, logits buffer) of `forward()` (a step's forward over static buffers), in
     `target`'s graph pool. Warmed up first on a side stream (allocator and library handles): the

@@ -75,11 +75,11 @@ def load_target(model: str | None = None, quant: str | None = None,
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    lm = _load_weights(model_dir, config, torch_dtype, notes)
-    lm.to(dev).eval()
-    if quant != "none":
-        _quantize(lm, quant)
-    elif dev.type == "cpu" and torch_dtype == torch.float32:
+    lm = _load_weights(model_dir, config, torch_dtype, notes).eval()
+    note = place_on_device(lm, dev, quant)
+    if note:
+        notes.append(note)
+    if quant == "none" and dev.type == "cpu" and torch_dtype == torch.float32:
         _use_column_linears(lm)
         notes.append("cpu fp32: linear layers computed as W @ x^T (MKL is 2-5x faster so for 2-16 rows)")
     notes.extend(_e4b_hint(model_id))
@@ -171,10 +171,59 @@ def _load_weights(model_dir: Path, config: dict, dtype: torch.dtype, notes: list
         hf_logging.set_verbosity(verbosity)
 
 
-def _quantize(lm, quant: str) -> None:
+def place_on_device(lm, dev: torch.device, quant: str, layerwise: bool | None = None) -> str:
+    """Move a model loaded on the host to `dev` and quantize it (`quant`: int4, int8 or none); returns
+    a note, or "". On the GPU with quantized weights this goes one decoder layer at a time (moved in
+    the checkpoint's dtype, then quantized there), so the card never holds more than one layer's
+    unquantized weights: E4B, loaded whole in bf16 and then quantized, peaked at 15.9 GiB; an 8 GB
+    card could not start it. Gemma 4's per-layer embedding table (E4B: 5.25 GiB in bf16, a lookup of
+    a few rows a token) stays on the host: the GPU fast path looks it up there, and the engine moves
+    it to the card only for the transformers forward (`move_host_tables`). quanto quantizes each
+    linear on its own weights, so the result is what quantizing the whole model at once gives.
+    `layerwise` (default: on CUDA with quantized weights) forces the choice (tests)."""
+    ple = getattr(getattr(lm, "model", None), "embed_tokens_per_layer", None)
+    layers = getattr(getattr(lm, "model", None), "layers", None)
+    if layerwise is None:
+        layerwise = dev.type == "cuda" and quant != "none"
+    if not layerwise or layers is None:
+        lm.to(dev)
+        if quant != "none":
+            _quantize(lm, quant)
+        return ""
+    for layer in layers:
+        layer.to(dev)
+        _quantize(layer, quant)
+    _move_except(lm, dev, keep=(ple,) if ple is not None else ())
+    _quantize(lm, quant, exclude=["lm_head", "model.layers.*"])  # the linears outside the layers
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return ("weights placed one decoder layer at a time" +
+            ("; the per-layer embedding table kept on the host" if ple is not None else ""))
+
+
+def move_host_tables(lm, dev: torch.device) -> None:
+    """What `place_on_device` left on the host, onto `dev` (for transformers' own forward)."""
+    ple = getattr(getattr(lm, "model", None), "embed_tokens_per_layer", None)
+    if ple is not None and ple.weight.device != dev:
+        ple.to(dev)
+
+
+def _move_except(module: torch.nn.Module, dev: torch.device, keep: tuple) -> None:
+    """module.to(dev), except the modules in `keep` (and what they hold), which stay where they are."""
+    if any(module is k for k in keep):
+        return
+    if not any(m is k for m in module.modules() for k in keep):
+        module.to(dev)
+        return
+    module._apply(lambda t: t.to(dev), recurse=False)  # this module's own parameters and buffers
+    for child in module.children():
+        _move_except(child, dev, keep)
+
+
+def _quantize(lm, quant: str, exclude: list[str] | None = None) -> None:
     from optimum.quanto import freeze, qint4, qint8, quantize
 
-    quantize(lm, weights=qint4 if quant == "int4" else qint8, exclude=["lm_head"])
+    quantize(lm, weights=qint4 if quant == "int4" else qint8, exclude=exclude or ["lm_head"])
     freeze(lm)
 
 

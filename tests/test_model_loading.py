@@ -70,3 +70,44 @@ def test_bundled_default_is_fp32_unquantized_with_notes():
     target = load_target(None, device="cpu")
     assert target.quant == "none" and target.dtype == torch.float32
     assert any("bundled" in note for note in target.notes) and any("quant none" in note for note in target.notes)
+
+
+def test_layerwise_placement_quantizes_as_the_whole_model_does():
+    """server.model_loading.place_on_device's GPU route (a decoder layer at a time, then the linears
+    outside the layers), forced on the CPU: the same quantized weights and the same logits as
+    quantizing the whole model at once, every linear but the head quantized once."""
+    from optimum.quanto import QTensor
+
+    from server.model_loading import place_on_device
+    from tests.test_engine_lossless import tiny_gemma4
+
+    whole, layerwise = tiny_gemma4(seed=3), tiny_gemma4(seed=3)
+    assert place_on_device(whole, torch.device("cpu"), "int4", layerwise=False) == ""
+    note = place_on_device(layerwise, torch.device("cpu"), "int4", layerwise=True)
+    assert "one decoder layer at a time" in note and "per-layer embedding table kept on the host" in note
+    quantized = lambda m: {n: mod.weight for n, mod in m.named_modules() if isinstance(getattr(mod, "weight", None), QTensor)}
+    a, b = quantized(whole), quantized(layerwise)
+    assert a.keys() == b.keys() and "model.per_layer_model_projection" in a and "lm_head" not in a
+    assert any(".layers.3.mlp." in n for n in a)
+    for name in a:
+        assert torch.equal(a[name].dequantize(), b[name].dequantize()), name
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(whole(ids).logits, layerwise(ids).logits)
+
+
+def test_placement_leaves_the_kept_tables_where_they_are():
+    """_move_except (meta stands in for the GPU): every parameter moves but the per-layer embedding
+    table's; move_host_tables then moves that one too."""
+    from server.model_loading import _move_except, move_host_tables
+    from tests.test_engine_lossless import tiny_gemma4
+
+    model = tiny_gemma4(seed=4)
+    table = model.model.embed_tokens_per_layer
+    _move_except(model, torch.device("meta"), keep=(table,))
+    where = {n: p.device.type for n, p in model.named_parameters()}
+    assert where.pop("model.embed_tokens_per_layer.weight") == "cpu"
+    assert set(where.values()) == {"meta"}, where
+    assert all(b.device.type == "meta" for n, b in model.named_buffers() if "embed_tokens_per_layer" not in n)
+    move_host_tables(model, torch.device("meta"))
+    assert table.weight.device.type == "meta"
