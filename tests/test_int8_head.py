@@ -142,10 +142,12 @@ def test_warm_up_growth_of_the_cuda_context_comes_out_of_the_prefix_budget(monke
     budget gives the difference back, and what it cannot is said with the flags that help."""
     from types import SimpleNamespace
 
+    import server.fast_memory as fm
     from server.fast_memory import FastMemoryPlan, settle_after_warmup
     from server.prefix_store import PrefixStore
 
     GiB = 2**30
+    monkeypatch.setattr(fm, "_warmed_up", False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10 * GiB, 16 * GiB))  # 6 GiB used
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 * GiB)           # so 1 GiB outside
     plan = FastMemoryPlan(8192, GiB // 2, "", cap=6 * GiB, outside=GiB - GiB // 4)        # planned with 0.75
@@ -156,3 +158,4 @@ def test_warm_up_growth_of_the_cuda_context_comes_out_of_the_prefix_budget(monke
     note = settle_after_warmup(fast, plan)
     assert fast.store.budget == 0 and "0.12 GiB past the 6.00 GiB cap" in note and "--gpu-memory-mb" in note
     assert settle_after_warmup(fast, FastMemoryPlan(8192, 0, "", outside=0)) == ""  # no cap: nothing to settle
+    assert fm._warmed_up  # later plans in this process measure a context whose kernels are loaded
