@@ -5,6 +5,12 @@ For every linear layer shape of one E4B decoder layer (and the LM head: bf16, an
 1-row and 16-row products (batch invariance), and kernel time for 1 and 16 rows (CUDA events over a
 CUDA graph of 50 calls, median of 7). Usage: python -m bench.small_m_bench [--out DIR]
 Writes DIR/small_m.json and DIR/small_m.md (default bench/results/).
+
+`--cold`: the step kernel's configurations (K-slice target, pipeline stages) timed as a decode step
+meets its weights, cold: each call reads a different copy of the weight, the copies together past
+the GPU's L2 cache (a hot loop over one weight would time the cache, not the memory). Per E4B int4
+shape and summed per forward, for 1 and 16 rows, against each shape's weight-bytes floor at the
+memory's peak rate. Writes DIR/small_m_cold.json and .md.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.results import write_results
-from server.small_m_matmul import SmallMLinear
+from server.small_m_matmul import SmallMLinear, share_partials
 
 # (name, N, K, count per forward) for the E4B text config: 35 sliding layers (head_dim 256), 7 full (512).
 SHAPES = [
@@ -140,10 +146,82 @@ def measure_attention(name, head_dim, slots, sliding, context) -> list:
     return out
 
 
+# (target programs, pipeline stages) of the step kernel, the first the shipped one; block_n 64, 4 warps.
+COLD_CONFIGS = [(264, 3), (528, 3), (264, 4), (528, 4)]
+COLD_BYTES = 512 << 20   # the copies of one shape's weight: ~10x the H200's 50 MB L2
+PEAK_BYTES_PER_S = 4.0e12  # the floor's rate: ~H200's 4.8 TB/s at the ~85% a streaming read reaches
+
+
+def random_int4_copies(n: int, k: int, copies: int) -> list[tuple]:
+    """`copies` random int4 weights (codes in the step layout, bf16 scales and offsets) of one shape."""
+    from server.small_m_matmul import pack_codes
+    out = []
+    for c in range(copies):
+        g = torch.Generator(device="cuda").manual_seed(c)
+        codes = torch.randint(0, 16, (n, k), device="cuda", generator=g)
+        scale = (torch.rand(k // 128, n, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
+        offset = (-8 * scale.float()).to(torch.bfloat16)
+        out.append((pack_codes(codes), scale, offset))
+    return out
+
+
+def cold_time_us(lins: list, x: torch.Tensor, reps: int = 7) -> float:
+    """Per-call time of a CUDA graph that calls each linear once, in turn (each a cold weight)."""
+    return graph_time_us(lambda: [lin(x) for lin in lins], calls=1, reps=reps) / len(lins)
+
+
+def measure_cold(name, n, k, count, configs) -> dict:
+    weight_bytes = n * k // 2 + 2 * 2 * (k // 128) * n
+    copies = max(2, min(64, COLD_BYTES // weight_bytes))
+    weights = random_int4_copies(n, k, copies)
+    x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    row = {"name": name, "n": n, "k": k, "count": count, "copies": copies, "weight_bytes": weight_bytes,
+           "floor_us": weight_bytes / PEAK_BYTES_PER_S * 1e6, "configs": []}
+    for target, stages in configs:
+        lins = [SmallMLinear(w, s, o, n, k, num_stages=stages, target_programs=target) for w, s, o in weights]
+        share_partials(lins)  # one split-K scratch, as a model's linears share it
+        out16 = lins[0](x16)
+        cand = {"target": target, "stages": stages, "split": lins[0].split,
+                "invariant": bool(torch.equal(lins[0](x16[:1])[0], out16[0])),
+                "us_1": cold_time_us(lins, x16[:1]), "us_16": cold_time_us(lins, x16)}
+        row["configs"].append(cand)
+        del lins
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main_cold(out: Path) -> int:
+    rows = [measure_cold(*shape, COLD_CONFIGS) for shape in SHAPES]
+    per_forward = {f"{t} s{st}": {m: sum(r["configs"][i][f"us_{m}"] * r["count"] for r in rows) / 1e3 for m in (1, 16)}
+                   for i, (t, st) in enumerate(COLD_CONFIGS)}
+    floor = sum(r["floor_us"] * r["count"] for r in rows) / 1e3
+    results = {"device": torch.cuda.get_device_name(), "rows": rows, "per_forward_ms": per_forward,
+               "floor_ms": floor, "peak_bytes_per_s": PEAK_BYTES_PER_S}
+    head = " | ".join(f"t{t} s{st} 1 row / 16 us" for t, st in COLD_CONFIGS)
+    lines = [f"# Step matmul configurations, cold weights, E4B int4 shapes ({results['device']})", "",
+             f"| layer | N | K | x/forward | floor us | {head} | row-invariant |",
+             "|---|---|---|---|---|" + "---|" * len(COLD_CONFIGS) + "---|"]
+    for r in rows:
+        cells = " | ".join(f"{c['us_1']:.1f} / {c['us_16']:.1f}" for c in r["configs"])
+        lines.append(f"| {r['name']} | {r['n']} | {r['k']} | {r['count']} | {r['floor_us']:.1f} | {cells} | "
+                     f"{all(c['invariant'] for c in r['configs'])} |")
+    lines += ["", f"Per forward (sum over the 42 layers' linears; the LM head is not int4): floor {floor:.2f} ms "
+              f"at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; "
+              + "; ".join(f"{name} {v[1]:.2f} ms (1 row) / {v[16]:.2f} ms (16 rows)" for name, v in per_forward.items())
+              + ". t: the K-slice target (programs), s: pipeline stages; the first is the shipped configuration."]
+    md = "\n".join(lines) + "\n"
+    write_results(out, "small_m_cold", results, md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.small_m_bench")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--cold", action="store_true", help="configurations on cold weights (see the docstring)")
     args = p.parse_args(argv)
+    if args.cold:
+        return main_cold(args.out)
     configs = [(64, 4, 4, 528, False), (32, 4, 3, 264, True), (64, 4, 4, 528, True), (128, 4, 4, 528, True)]
     rows = [measure(*s, dense=False, configs=configs) for s in SHAPES]
     rows.append(measure(*LM_HEAD, dense=True, configs=[(64, 4, 3, 264, False), (128, 4, 3, 264, False)]))

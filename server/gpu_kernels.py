@@ -12,9 +12,10 @@ def _x_tile(x_ptr, stride_xm, M, tile, ks, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(partial_ptr, acc, tile, pid_k, N, cols, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+def _store_partial(partial_ptr, acc, tile, pid_k, M, N, cols, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One row tile's partial of K slice pid_k; padding rows (>= M) are neither written nor read back."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc)
+    tl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
 
 
 @triton.jit
@@ -29,10 +30,12 @@ def _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT: tl.constexpr, R
     """One row tile's output: its K slices' partials summed in slice order (a fixed order)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offsets = rows[:, None] * N + cols[None, :]
+    live = (rows < M)[:, None]
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT):  # fixed order: the sum does not depend on arrival order
-        total += tl.load(partial_ptr + s * ROWS * N + offsets, cache_modifier=".cg")
-    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None])
+    # Unrolled, so the SPLIT loads are in flight together; fixed order: the sum does not depend on arrival order.
+    for s in tl.static_range(SPLIT):
+        total += tl.load(partial_ptr + s * ROWS * N + offsets, mask=live, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -64,6 +67,13 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
             group = k0 // BLOCK_K
             scale = tl.load(scale_ptr + group * N + cols)[None, :]
             offset = tl.load(offset_ptr + group * N + cols)[None, :]
+            # The group's eight products accumulate in the tensor-core accumulator itself (tl.dot's
+            # acc operand: no separate add per product), from zero, then join the tile's running sum
+            # once per group. Per row the same instructions whatever TILES is.
+            g0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            g1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            g2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            g3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for j in tl.static_range(8):
                 nibble = (packed >> (4 * j)) & 0xF
                 if MAGIC:  # bf16 bits 0x4300 | c are 128 + c: no int->float conversion (a slow op)
@@ -72,13 +82,20 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     code = nibble.to(scale_ptr.dtype.element_ty)
                 ks = k0 + 16 * j + sub
                 w = (code * scale + offset).to(x_ptr.dtype.element_ty)
-                acc0 += tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w)
+                g0 = tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w, g0)
                 if TILES > 1:
-                    acc1 += tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w)
+                    g1 = tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w, g1)
                 if TILES > 2:
-                    acc2 += tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w)
+                    g2 = tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w, g2)
                 if TILES > 3:
-                    acc3 += tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w)
+                    g3 = tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w, g3)
+            acc0 += g0
+            if TILES > 1:
+                acc1 += g1
+            if TILES > 2:
+                acc2 += g2
+            if TILES > 3:
+                acc3 += g3
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             if INT8:  # codes [K, N] int8, W = code * scale (the group's scale, one per column)
@@ -103,13 +120,13 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
         if TILES > 3:
             _store_out(out_ptr, acc3, 3, M, N, cols, BLOCK_M)
     else:
-        _store_partial(partial_ptr, acc0, 0, pid_k, N, cols, ROWS, BLOCK_M)
+        _store_partial(partial_ptr, acc0, 0, pid_k, M, N, cols, ROWS, BLOCK_M)
         if TILES > 1:
-            _store_partial(partial_ptr, acc1, 1, pid_k, N, cols, ROWS, BLOCK_M)
+            _store_partial(partial_ptr, acc1, 1, pid_k, M, N, cols, ROWS, BLOCK_M)
         if TILES > 2:
-            _store_partial(partial_ptr, acc2, 2, pid_k, N, cols, ROWS, BLOCK_M)
+            _store_partial(partial_ptr, acc2, 2, pid_k, M, N, cols, ROWS, BLOCK_M)
         if TILES > 3:
-            _store_partial(partial_ptr, acc3, 3, pid_k, N, cols, ROWS, BLOCK_M)
+            _store_partial(partial_ptr, acc3, 3, pid_k, M, N, cols, ROWS, BLOCK_M)
         # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:

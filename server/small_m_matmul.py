@@ -54,8 +54,10 @@ import torch
 MAX_ROWS = 64       # rows one call takes: up to 4 tiles of TILE_M
 TILE_M = 16         # rows per tensor-core tile, whatever the row count (see the module docstring)
 BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's default)
-TARGET_PROGRAMS = 528  # ~4 per SM on an H100/H200: enough bytes in flight to approach the memory's rate
-NUM_STAGES = 4
+# ~2 programs per SM on an H100/H200 and a 3-stage pipeline: fastest per forward on cold weights of
+# the E4B shapes (bench/small_m_bench.py --cold; more K slices add partials to write and sum).
+TARGET_PROGRAMS = 264
+NUM_STAGES = 3
 
 
 def _block_n(n: int) -> int:

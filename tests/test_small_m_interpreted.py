@@ -5,8 +5,8 @@ split-K and not, inputs with a row stride wider than K (a column slice of a wide
 Why: CI has no GPU, so tests/test_step_kernel_rows.py skips there; this checks the kernel's index
 arithmetic (row tiles, K slices, the partials' sum in slice order, row strides) on every
 CI run. The interpreter computes in numpy and does not emulate bfloat16, so the inputs are float32
-and the int4 decoding (bf16 bit tricks) is left to the CUDA tests; the int8 path's decoding (code
-times its group's scale) runs here in float32. Runs in a subprocess:
+and the int4 path runs with float32 scales (its bf16 bit-trick decoding is left to the CUDA tests);
+the int8 path's decoding (code times its group's scale) runs here in float32. Runs in a subprocess:
 TRITON_INTERPRET must be set before the kernels are defined.
 """
 from __future__ import annotations
@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 5, 16, 40, 64) for target in (1, 64)]
 # int8 codes with a scale per group of 128 features (server.small_m_matmul.quantize_int8: the LM head of small cards)
 INT8_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 384)) for m in (1, 17, 64) for target in (1, 64)]
+# int4 codes in the step layout with float32 scales and offsets (the interpreter has no bf16, so the
+# magic-number decoding is the CUDA tests'): the per-group accumulators, every tile count
+INT4_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 16, 33, 64) for target in (1, 64)]
 
 
 def test_small_m_kernel_rows_and_slices():
@@ -31,7 +34,7 @@ def test_small_m_kernel_rows_and_slices():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok") == len(CASES) + len(INT8_CASES), run.stdout[-2000:]
+    assert run.stdout.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES), run.stdout[-2000:]
 
 
 def _interpreter_takes_numpy_2_scalars() -> None:
@@ -53,7 +56,7 @@ def _main() -> int:
     import torch
 
     _interpreter_takes_numpy_2_scalars()
-    from server.small_m_matmul import SmallMLinear, quantize_int8
+    from server.small_m_matmul import SmallMLinear, pack_codes, quantize_int8
 
     for n, k, m, target in CASES:
         g = torch.Generator().manual_seed(n + k + m)
@@ -80,6 +83,19 @@ def _main() -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("int8", n, k, m, target, lin.split, err)
         print("ok int8", n, k, m, lin.split)
+    for n, k, m, target in INT4_CASES:
+        g = torch.Generator().manual_seed(11 * n + k + m)
+        codes = torch.randint(0, 16, (n, k), generator=g)
+        scale = torch.rand(k // 128, n, generator=g) * 0.1
+        offset = -8 * scale + torch.randn(k // 128, n, generator=g) * 0.01
+        lin = SmallMLinear(pack_codes(codes), scale, offset, n, k, target_programs=target)
+        assert lin.int4 and not lin.magic
+        x = torch.randn(m, k, generator=g)
+        got = lin(x)
+        want = x.double() @ lin.dequantize().double().t()
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-5, ("int4", n, k, m, target, lin.split, err)
+        print("ok int4", n, k, m, lin.split)
     return 0
 
 
