@@ -11,7 +11,10 @@ layers hold a ring of `window + chunk` slots; resuming at position p needs the k
 p-window+1..p-1 in the ring, which holds iff nothing at or past p + chunk - ... overwrote them:
 p >= max_written - chunk, where `max_written` is one past the highest position any forward wrote
 (padding and rejected drafts included). For a prompt that leaves the sequence earlier, the prefill
-kept checkpoints: every `checkpoint_every` positions c, the sliding layers' K/V of c-window..c-1.
+kept checkpoints: every `checkpoint_every` positions c, the sliding layers' K/V of c-window..c-1
+(E4B: 20 MiB each). They count against the store's budget (`PrefixStore.hold`) from the moment
+they are made, so a long prompt under a memory cap cannot outgrow the plan with them; one that
+does not fit is not made (whole: every layer's or none), and a resume falls back to an earlier one.
 Resuming restores the latest checkpoint c <= p into the ring and recomputes c..p (fewer than
 `checkpoint_every` tokens), so the result is exact either way; never a stale or missing key.
 Entries of the ring or of the full layers at positions >= the resume point are stale but harmless:
@@ -49,10 +52,12 @@ class FastPrefixCache:
         self.live_valid = False
         self.max_written = 0
         self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.refused_checkpoints: set[int] = set()  # this prefill's positions whose checkpoint did not fit
 
     # ------------------------------------------------------------ the request cycle
 
     def begin(self, prompt: np.ndarray, reuse: bool) -> int:
+        self.refused_checkpoints = set()
         if not (reuse and self.enabled):
             self._stash_live()  # measurements and no-reuse requests must not destroy a kept sequence
             self.reset()
@@ -61,8 +66,8 @@ class FastPrefixCache:
         with self.store.lock:  # a store shared by lanes: no other lane takes the entry between best and pop
             entry, shared = self.store.best(prompt)
             if entry is not None and shared > live_shared:
+                self.store.pop(entry)  # first: stashing the live sequence may evict to make room
                 self._stash_live()
-                self.store.pop(entry)
                 self._restore(entry)
                 live_shared = shared
             elif self.live_valid and live_shared < self.live_len - self.live_generated:
@@ -78,8 +83,25 @@ class FastPrefixCache:
         self.max_written = max(self.max_written, start + span)
 
     def add_checkpoint(self, c: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.enabled:
-            self.checkpoints.setdefault(c, {})[layer] = (k.clone(), v.clone())
+        if not self.enabled or c in self.refused_checkpoints:
+            return
+        if c not in self.checkpoints:  # its first layer: the whole checkpoint is admitted or refused
+            if not self.store.hold(self, self._checkpoint_bytes(k.shape[1])):
+                self.refused_checkpoints.add(c)
+                return
+        self.checkpoints.setdefault(c, {})[layer] = (k.clone(), v.clone())
+
+    def _checkpoint_bytes(self, positions: int) -> int:
+        """One checkpoint of `positions` keys: every sliding source layer's K and V."""
+        fast = self.fast
+        return positions * sum(2 * kc.shape[0] * kc.shape[2] * kc.element_size()
+                               for i, kc in fast.k_cache.items() if fast.layers[i].sliding)
+
+    def _set_checkpoints(self, checkpoints: dict) -> None:
+        """Replace the live checkpoints; the store counts what they hold now."""
+        self.checkpoints = checkpoints
+        if self.store is not None:
+            self.store.set_held(self, _ckpt_bytes(checkpoints))
 
     def finish(self, length: int, generated: int, keep: bool) -> None:
         self.live_len, self.live_generated = length, generated
@@ -103,7 +125,7 @@ class FastPrefixCache:
     def reset(self) -> None:
         """Forget the live sequence: every ring slot invisible, no checkpoints."""
         self.fast.slot_pos.fill_(-1)
-        self.checkpoints = {}
+        self._set_checkpoints({})
         self.max_written = 0
         self.live_len = self.live_generated = 0
         self.live_valid = False
@@ -124,7 +146,7 @@ class FastPrefixCache:
             self.reset()
             return 0
         if p >= self.max_written - fast.chunk:
-            self.checkpoints = {c: v for c, v in self.checkpoints.items() if c <= p}
+            self._set_checkpoints({c: v for c, v in self.checkpoints.items() if c <= p})
             return p
         c = max((c for c in self.checkpoints if c <= p), default=0)
         if c == 0:
@@ -137,7 +159,7 @@ class FastPrefixCache:
             fast.v_cache[layer].index_copy_(1, slots, v)
         positions = torch.arange(max(0, c - fast.window), c, device=fast.device)
         fast.slot_pos.index_copy_(0, positions % fast.ring, positions)
-        self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= c}
+        self._set_checkpoints({k: v for k, v in self.checkpoints.items() if k <= c})
         self.max_written = c
         return c
 
@@ -163,6 +185,9 @@ class FastPrefixCache:
         except torch.OutOfMemoryError:
             return  # no room for a copy now: the sequence is simply not kept
         with self.store.lock:  # lanes share the store (server/fast_batch.py)
+            # The checkpoints pass to the kept sequence, which counts them; what the live cache keeps
+            # of them after this (a resume inside the sequence) is counted again: on the safe side.
+            self.store.set_held(self, 0)
             self.store.put(KeptSequence(self.tokens[:n].copy(), kv, nbytes, self.live_generated))
 
     def _restore(self, entry: KeptSequence) -> None:
@@ -175,7 +200,7 @@ class FastPrefixCache:
             fast.v_cache[i].copy_(v)
         fast.slot_pos.copy_(kv["slot_pos"])
         self.max_written = kv["max_written"]
-        self.checkpoints = dict(kv["checkpoints"])
+        self._set_checkpoints(dict(kv["checkpoints"]))
         self.tokens[:n] = entry.tokens
         self.live_len, self.live_generated, self.live_valid = n, entry.generated, True
 

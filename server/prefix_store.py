@@ -4,6 +4,8 @@ Contract: `PrefixStore(budget_bytes)` holds `KeptSequence`s whose `nbytes` sum t
 budget. `best(prompt)` returns the kept sequence sharing the longest common prefix with the prompt
 (and its length); `pop` takes one out (the caller owns its KV now); `put` keeps one, evicting the
 least recently used until the budget holds (a sequence larger than the whole budget is not kept).
+`hold(owner, n)` / `set_held(owner, n)` count memory a live cache keeps for the prefix cache
+outside the kept sequences (the fast path's checkpoints) against the same budget.
 The KV object is opaque here: each backend (server/eager_backend.py, server/fast_path.py) stores
 its own kind and states its size. `record(reused, computed)` counts one request's prompt tokens
 for the statistics that `/metrics`, `/health` and `usage` report.
@@ -61,6 +63,9 @@ class PrefixStore:
         # Lanes serving requests at once share one store (server/cpu_backend.py): reuse, keep and
         # summary hold this lock, so a kept sequence is taken over by one request only.
         self.lock = threading.RLock()
+        # Bytes live caches hold against the budget outside the kept sequences (the fast path's
+        # checkpoints of the sequence it is serving, server/fast_prefix.py), by owner.
+        self._held: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -68,6 +73,28 @@ class PrefixStore:
     @property
     def bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self._held.values())
+
+    def hold(self, owner, nbytes: int) -> bool:
+        """Count `nbytes` more against the budget for `owner` (a live cache), evicting the least
+        recently used kept sequences to fit; False, with nothing counted, when it cannot fit."""
+        with self.lock:
+            while self._entries and self.bytes + self.held_bytes + nbytes > self.budget:
+                self._entries.popitem(last=False)
+                self.stats.evictions += 1
+            if self.bytes + self.held_bytes + nbytes > self.budget:
+                return False
+            self._held[id(owner)] = self._held.get(id(owner), 0) + nbytes
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.bytes + self.held_bytes)
+            return True
+
+    def set_held(self, owner, nbytes: int) -> None:
+        """What `owner` holds now (after it dropped some, or took a kept sequence's over)."""
+        with self.lock:
+            self._held[id(owner)] = nbytes
 
     def entries(self) -> list[KeptSequence]:
         return list(self._entries.values())
@@ -97,14 +124,14 @@ class PrefixStore:
 
     def put(self, entry: KeptSequence) -> bool:
         """Keep `entry`, evicting the least recently used to fit; False when it alone exceeds the budget."""
-        if entry.nbytes > self.budget or len(entry.tokens) == 0:
+        if entry.nbytes > self.budget - self.held_bytes or len(entry.tokens) == 0:
             return False
-        while self._entries and self.bytes + entry.nbytes > self.budget:
+        while self._entries and self.bytes + self.held_bytes + entry.nbytes > self.budget:
             self._entries.popitem(last=False)
             self.stats.evictions += 1
         self._entries[self._next] = entry
         self._next += 1
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.bytes)
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.bytes + self.held_bytes)
         return True
 
     def clear(self) -> None:
@@ -155,5 +182,6 @@ class PrefixStore:
     def summary(self) -> dict:
         """What /health shows: budget, use, peak, entries, counters."""
         with self.lock:
-            return {"budget_bytes": self.budget, "bytes": self.bytes, "entries": len(self), **self.stats.as_dict()}
+            return {"budget_bytes": self.budget, "bytes": self.bytes, "held_bytes": self.held_bytes,
+                    "entries": len(self), **self.stats.as_dict()}
 

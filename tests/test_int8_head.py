@@ -103,6 +103,7 @@ def test_int8_head_drafted_equals_plain_and_later_fast_paths_keep_it():
 def test_int8_head_cuda_frees_memory_and_stays_batch_invariant():
     model = cuda_model(torch.bfloat16, quant=True, seed=3)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    table_at = model.lm_head.weight.data_ptr()  # where the bf16 table sits on the GPU
     want_head = quantize_int8(model.lm_head.weight.detach()).dequantize()
     saving = int8_head_saving(model)
     head_bytes = model.lm_head.weight.numel() * 2
@@ -112,10 +113,11 @@ def test_int8_head_cuda_frees_memory_and_stays_batch_invariant():
     assert model.model.embed_tokens.weight.device.type == "cpu"
     assert int8_head_saving(model) == 0
     import gc
-    gc.collect()  # no tensor on the GPU still holds the bf16 table (a stale alias would keep it there)
+    gc.collect()  # no tensor on the GPU still holds the bf16 table (a stale alias would keep it there);
+    # matched by address too: earlier tests' models of the same shape may still be alive in this process
     table = model.model.embed_tokens.weight
     assert not [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda and t.shape == table.shape
-                and t.dtype == table.dtype]
+                and t.dtype == table.dtype and t.untyped_storage().data_ptr() == table_at]
     ids = prompt_of(230, model.config.vocab_size, seed=6)
     fast.prefill(ids[:150])
     batched = fast.step(ids[150:214]).float().clone()

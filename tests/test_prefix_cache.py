@@ -198,6 +198,32 @@ def test_fast_deep_resume_uses_a_checkpoint(tiny):
     assert stats.cached_tokens == 64  # the latest checkpoint (every 16) at or before position 70
 
 
+def test_fast_checkpoints_count_against_the_budget(tiny):
+    """The live sequence's checkpoints are prefix-cache memory: the store counts them (held_bytes)
+    and makes none past its budget, whole or not at all; a deep resume then falls back to the
+    latest checkpoint it has (or recomputes all), exact either way."""
+    probe = fast_backend(tiny)
+    run(engine_for(tiny, backend=probe), tokens(200, 71), max_tokens=4, draft=False)
+    one = probe.prefix._checkpoint_bytes(probe.window)
+    layers = {len(layers) for layers in probe.prefix.checkpoints.values()}
+    assert len(probe.prefix.checkpoints) >= 10 and len(layers) == 1
+    assert probe.prefix.store.held_bytes == len(probe.prefix.checkpoints) * one
+    fresh = engine_for(tiny, backend=fast_backend(tiny, 0))
+    prompt = tokens(200, 71)[:70] + tokens(10, 72)  # past what the ring holds: a checkpoint's work
+    want, *_ = run(fresh, prompt, max_tokens=10, draft=False)
+    for room, cached_tokens in ((2.5, 32), (0.5, 0)):  # two checkpoints fit (16 and 32), or none
+        fast = fast_backend(tiny, budget=int(room * one))
+        cached = engine_for(tiny, backend=fast)
+        run(cached, tokens(200, 71), max_tokens=4, draft=False)
+        assert sorted(fast.prefix.checkpoints) == [16, 32][:int(room)]
+        assert fast.prefix.store.held_bytes == int(room) * one <= fast.prefix.store.budget
+        assert {len(layers) for layers in fast.prefix.checkpoints.values()} <= layers  # whole checkpoints
+        got, _, _, stats = run(cached, prompt, max_tokens=10, draft=False)
+        assert got == want
+        assert stats.cached_tokens == cached_tokens
+        assert fast.prefix.store.held_bytes + fast.prefix.store.bytes <= fast.prefix.store.budget
+
+
 def test_fast_prefill_matches_eager_across_reuse(tiny):
     """Both backends give the same tokens on the same conversation, each with its own cache."""
     eager, _ = engines(tiny, "eager")
