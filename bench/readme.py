@@ -46,6 +46,8 @@ SECTIONS = [
      "python -m bench.small_m_bench (on the GPU machine)", "small_m.md", []),
     ("The GPU verify cost curve to 64 tokens (E4B shape, int4, H200)",
      "python -m bench.gpu_cost_curve (on the GPU machine)", "gpu_cost_curve.md", []),
+    ("The server's engine under a 5 GiB cap, a fresh process per context: E4B shape at 8k and 32k (H200)",
+     "python -m bench.gpu_engine_memory (on the GPU machine)", "gpu_engine_memory.md", []),
     ("GPU memory under a 5 GiB cap that counts the CUDA context: E4B shape at 8k and 32k context, bf16 "
      "and int8 LM head (H200)",
      "python -m bench.gpu_memory --lm-head bf16,auto (on the GPU machine)", "gpu_memory-head-bf16-auto.md", []),
