@@ -74,6 +74,11 @@ from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
 DEFAULT_PREFILL_ROWS = 8192   # prompt tokens per prefill_layers call (bounds prefill's activations)
+# A prompt's uncached remainder of at most this many of the largest steps runs as steps (the captured
+# step graphs) instead of prefill_layers: on the H200 (E4B shape, int4) an eager prefill of 64 new
+# tokens took 70-90 ms, launch-bound (README, several requests), a captured 16-row step ~5 ms and
+# a 64-row one ~11 ms. An agent's next turn (the conversation cached, a tool result new) is this case.
+PREFILL_BY_STEPS_MAX = 6
 SMALL_PREFILL_ROWS = 1024     # the smallest piece plan_fast_memory picks under a memory cap
 
 
@@ -286,12 +291,13 @@ class FastTarget:
                  prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
                  prefill_dense: bool | None = None, ple_on_host: bool = False,
                  prefill_rows: int = DEFAULT_PREFILL_ROWS, release_weights: bool = True,
-                 prefix_store=None, lm_head_int8: bool = False):
+                 prefix_store=None, lm_head_int8: bool = False, prefill_by_steps: int | None = None):
         # what another lane over this model is built with (server/fast_batch.py)
         self.settings = dict(max_len=max_len, buckets=buckets, prefill_chunk=prefill_chunk, capture=capture,
                              min_kv_len=min_kv_len, fuse=fuse, fuse_proj=fuse_proj, step_kernels=step_kernels,
                              checkpoint_every=checkpoint_every, prefill_dense=prefill_dense, ple_on_host=ple_on_host,
-                             prefill_rows=prefill_rows, release_weights=release_weights, lm_head_int8=lm_head_int8)
+                             prefill_rows=prefill_rows, release_weights=release_weights, lm_head_int8=lm_head_int8,
+                             prefill_by_steps=prefill_by_steps)
         lm = model
         self.model = model
         text = lm.model
@@ -314,6 +320,10 @@ class FastTarget:
         # graph per step bucket; the extra K/V bytes are small next to the weights (E4B: ~0.26 GB at 9k).
         self.min_kv_len = self.max_len if min_kv_len is None else min(min_kv_len, self.max_len)
         self.capture = (self.device.type == "cuda") if capture is None else capture
+        # prompt remainders of at most this many tokens run as steps (start); by default only where
+        # steps are captured graphs, which is where they are cheaper than an eager prefill
+        self.prefill_by_steps = (PREFILL_BY_STEPS_MAX * self.max_bucket if self.capture else 0) \
+            if prefill_by_steps is None else int(prefill_by_steps)
         fuse = (self.device.type == "cuda") if fuse is None else fuse
         self.ops = _compiled_ops() if fuse else _EAGER_OPS
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -746,7 +756,8 @@ class FastTarget:
         """Begin a sequence (server/backend.py): reuse the longest kept prefix, prefill the rest
         layer by layer (server/fast_prefill.py) in pieces of `prefill_rows` tokens (each piece
         resumes from the cache the one before wrote, as a prefix-cache restore does), return the
-        last prompt token's logits."""
+        last prompt token's logits. A rest of at most `prefill_by_steps` tokens runs as steps of
+        the largest bucket instead (`_prefill_by_steps`)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         self._check_room(len(prompt_ids))
@@ -755,10 +766,14 @@ class FastTarget:
         self.pos, self._keep = begin, reuse
         self._last_step = None
         t0 = time.perf_counter()
-        for at in range(begin, len(prompt_ids), self.prefill_rows):
-            piece = prompt_ids[at:at + self.prefill_rows]
-            with self.batch.lock if self.batch is not None else nullcontext():  # the other lanes' steps run between pieces
-                logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
+        # (padding rows of the last step must fit the cache too)
+        if len(prompt_ids) - begin <= self.prefill_by_steps and len(prompt_ids) + self.max_bucket <= self.max_len:
+            logits = self._prefill_by_steps(prompt_ids, begin)
+        else:
+            for at in range(begin, len(prompt_ids), self.prefill_rows):
+                piece = prompt_ids[at:at + self.prefill_rows]
+                with self.batch.lock if self.batch is not None else nullcontext():  # the other lanes' steps run between pieces
+                    logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
         if self.batch is not None and not self._joined:  # from now on the other lanes' steps wait (a while) for ours
             self.batch.join()
             self._joined = True
@@ -766,6 +781,19 @@ class FastTarget:
         self.pos = len(prompt_ids)
         self.timings.prefill_s += time.perf_counter() - t0
         return Prefill(logits, begin)
+
+    def _prefill_by_steps(self, prompt_ids: list[int], begin: int) -> torch.Tensor:
+        """Positions begin.. of the prompt written by steps of up to `max_bucket` tokens (a lane's
+        hold the lanes' lock, as prefill pieces do); the last token's logits. Its K/V come from the
+        step kernels, as generated tokens' do, so a prefix cached this way rounds as a decoded one
+        (tests/test_prefix_cache.py's CUDA test measures cached against fresh). No sliding-window
+        checkpoints are made: a later resume inside this stretch uses an earlier one (exact)."""
+        logits = None
+        for at in range(begin, len(prompt_ids), self.max_bucket):
+            with self.batch.lock if self.batch is not None else nullcontext():
+                logits = self.step_alone(prompt_ids[at:at + self.max_bucket])[-1].clone()
+        self._last_step = None  # not a step keep_path may follow
+        return logits
 
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
         """The last token's logits of `prompt_ids` computed from position 0 (nothing reused or kept)."""

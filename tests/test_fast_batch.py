@@ -85,12 +85,14 @@ def greedy(backend, prompt: list[int], n: int, draft_every: int = 3) -> list[int
     return out
 
 
-def test_lanes_in_threads_give_each_request_its_solo_tokens_cpu(tiny):
+@pytest.mark.parametrize("prefill_by_steps", [0, 32])  # 32: prompts of up to 32 tokens are written by steps
+def test_lanes_in_threads_give_each_request_its_solo_tokens_cpu(tiny, prefill_by_steps):
     vocab = tiny.config.vocab_size
     prompts = prompts_for(vocab, (4, 9, 17, 30, 12, 25), seed=2)
     solo = cpu_target(tiny)
     want = [greedy(solo, p, 24) for p in prompts]
-    lanes = fast_lanes(cpu_target(tiny), 4)
+    lanes = fast_lanes(cpu_target(tiny, prefill_by_steps=prefill_by_steps), 4)
+    assert all(lane.prefill_by_steps == prefill_by_steps for lane in lanes)
     got: dict[int, list[int]] = {}
     free = list(lanes)
     lock = threading.Lock()

@@ -224,6 +224,34 @@ def test_fast_checkpoints_count_against_the_budget(tiny):
         assert fast.prefix.store.held_bytes + fast.prefix.store.bytes <= fast.prefix.store.budget
 
 
+def test_fast_short_remainders_run_as_steps(tiny, monkeypatch):
+    """A prompt whose uncached rest is at most `prefill_by_steps` tokens (an agent's next turn: the
+    conversation cached, a short tool result new) is written by steps, not prefill_layers: the
+    same tokens as eager prefills, fresh and cached, and the last token's logits to fp32 rounding."""
+    import server.fast_path as fast_path
+
+    layer_prefills = []
+    real = fast_path.prefill_layers
+    monkeypatch.setattr(fast_path, "prefill_layers", lambda *a, **k: layer_prefills.append(len(a[1])) or real(*a, **k))
+    by_steps = fast_backend(tiny, prefill_by_steps=40)
+    cached = engine_for(tiny, backend=by_steps)
+    fresh = engine_for(tiny, backend=fast_backend(tiny, 0))
+    for turn, prompt in enumerate(agent_turns(seed=81, turns=4, first=30)):
+        layer_prefills.clear()
+        got, _, _, stats = run(cached, prompt, max_tokens=8, draft=False)
+        steps_only = not layer_prefills
+        want, *_ = run(fresh, prompt, max_tokens=8, draft=False)
+        assert got == want, (turn, first_divergence(got, want))
+        assert steps_only  # 30 tokens fresh, then 17 new a turn: never an eager prefill
+        assert turn == 0 or stats.cached_tokens > 0
+    prompt = tokens(37, 83)
+    eager = fast_backend(tiny, 0)
+    want = eager.start(prompt, reuse=False).logits
+    got = fast_backend(tiny, 0, prefill_by_steps=40).start(prompt, reuse=False).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert fast_backend(tiny, 0).prefill_by_steps == 0  # uncaptured (the CPU): eager prefill by default
+
+
 def test_fast_prefill_matches_eager_across_reuse(tiny):
     """Both backends give the same tokens on the same conversation, each with its own cache."""
     eager, _ = engines(tiny, "eager")
