@@ -53,11 +53,14 @@ class FastPrefixCache:
         self.max_written = 0
         self.checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.refused_checkpoints: set[int] = set()  # this prefill's positions whose checkpoint did not fit
+        self.making_checkpoints = False
 
     # ------------------------------------------------------------ the request cycle
 
     def begin(self, prompt: np.ndarray, reuse: bool) -> int:
         self.refused_checkpoints = set()
+        # a sequence that will not be kept makes no checkpoints (they would evict kept sequences)
+        self.making_checkpoints = reuse and self.enabled
         if not (reuse and self.enabled):
             self._stash_live()  # measurements and no-reuse requests must not destroy a kept sequence
             self.reset()
@@ -83,7 +86,7 @@ class FastPrefixCache:
         self.max_written = max(self.max_written, start + span)
 
     def add_checkpoint(self, c: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not self.enabled or c in self.refused_checkpoints:
+        if not self.making_checkpoints or c in self.refused_checkpoints:
             return
         if c not in self.checkpoints:  # its first layer: the whole checkpoint is admitted or refused
             if not self.store.hold(self, self._checkpoint_bytes(k.shape[1])):

@@ -82,6 +82,8 @@ class PrefixStore:
         """Count `nbytes` more against the budget for `owner` (a live cache), evicting the least
         recently used kept sequences to fit; False, with nothing counted, when it cannot fit."""
         with self.lock:
+            if self.held_bytes + nbytes > self.budget:  # no eviction could make room
+                return False
             while self._entries and self.bytes + self.held_bytes + nbytes > self.budget:
                 self._entries.popitem(last=False)
                 self.stats.evictions += 1
@@ -92,9 +94,13 @@ class PrefixStore:
             return True
 
     def set_held(self, owner, nbytes: int) -> None:
-        """What `owner` holds now (after it dropped some, or took a kept sequence's over)."""
+        """What `owner` holds now (after it dropped some, or took a kept sequence's over); kept
+        sequences are evicted, least recently used first, until the budget holds again."""
         with self.lock:
             self._held[id(owner)] = nbytes
+            while self._entries and self.bytes + self.held_bytes > self.budget:
+                self._entries.popitem(last=False)
+                self.stats.evictions += 1
 
     def entries(self) -> list[KeptSequence]:
         return list(self._entries.values())

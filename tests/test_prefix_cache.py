@@ -315,6 +315,35 @@ def test_store_keeps_the_budget_and_evicts_least_recent():
     assert not store.put(KeptSequence(np.arange(3, dtype=np.int32), "huge", 101))
 
 
+def test_store_counts_what_live_caches_hold():
+    """hold / set_held: a live cache's bytes count against the budget beside the kept sequences."""
+    store = PrefixStore(100)
+    owner, other = object(), object()
+    for i in range(3):
+        store.put(KeptSequence(np.arange(i, i + 10, dtype=np.int32), f"kv{i}", 30))
+    assert store.hold(owner, 20) and [e.kv for e in store.entries()] == ["kv1", "kv2"]  # one evicted for it
+    assert not store.hold(other, 90) and len(store) == 2  # cannot fit whatever is evicted: nothing is
+    assert store.held_bytes == 20 and store.summary()["held_bytes"] == 20
+    store.set_held(owner, 50)  # took over more (a restored sequence's checkpoints): the budget holds again
+    assert [e.kv for e in store.entries()] == ["kv2"] and store.bytes + store.held_bytes <= 100
+    assert not store.put(KeptSequence(np.arange(3, dtype=np.int32), "big", 60))  # 60 > 100 - 50 held
+    store.set_held(owner, 0)
+    assert store.put(KeptSequence(np.arange(3, dtype=np.int32), "big", 60))
+
+
+def test_fast_requests_not_kept_make_no_checkpoints(tiny):
+    """A request that is not kept (reuse off) makes no checkpoints, so it evicts no kept sequence."""
+    fast = fast_backend(tiny)
+    cached = engine_for(tiny, backend=fast)
+    run(cached, tokens(100, 91), max_tokens=4, draft=False)
+    run(cached, tokens(5, 92), max_tokens=1, draft=False)  # the first moves to the store
+    kept = len(fast.store)
+    assert kept >= 1
+    fast.start(tokens(300, 93), reuse=False)
+    assert not fast.prefix.checkpoints and fast.store.held_bytes == 0 and len(fast.store) >= kept
+    fast.discard()
+
+
 def test_store_best_is_the_longest_common_prefix():
     store = PrefixStore(1000)
     store.put(KeptSequence(np.array([1, 2, 3, 4, 5], np.int32), "a", 1))
