@@ -146,11 +146,12 @@ class PrefixStore:
     def reuse(self, prompt: np.ndarray, take_over, copy_prefix) -> tuple[object | None, int]:
         """(KV to start `prompt` from, how many of its tokens that KV holds) for a backend's start,
         counted by `record`; (None, 0) when nothing is shared. The longest common prefix is reused
-        up to all but the prompt's last token (whose logits are needed). When the prompt leaves the
-        kept sequence inside its generated reply or past it (an agent's next turn), the kept KV is
-        taken over with no copy (`take_over(kv, reused)` trims it and returns it: that sequence's
-        continuation is dead); otherwise `copy_prefix(kv, reused)` copies the shared part and the
-        kept sequence stays for its own continuation."""
+        up to all but the prompt's last token (whose logits are needed). When the prompt holds the
+        kept sequence's whole prompt (an agent's next turn, or the same prompt again: a retry), the
+        kept KV is taken over with no copy (`take_over(kv, reused)` trims it and returns it: that
+        sequence's continuation is replaced by the new one's, which is kept in turn when it
+        finishes); otherwise `copy_prefix(kv, reused)` copies the shared part and the kept sequence
+        stays for its own continuation."""
         with self.lock:
             return self._reuse(prompt, take_over, copy_prefix)
 
@@ -159,7 +160,7 @@ class PrefixStore:
         reused = min(shared, len(prompt) - 1)
         kv = None
         if entry is not None and reused > 0:
-            if reused >= len(entry.tokens) - entry.generated:
+            if shared >= len(entry.tokens) - entry.generated:
                 self.pop(entry)
                 kv = take_over(entry.kv, reused)
             else:

@@ -344,6 +344,24 @@ def test_fast_requests_not_kept_make_no_checkpoints(tiny):
     fast.discard()
 
 
+def test_store_takes_over_a_sequence_whose_whole_prompt_is_resent():
+    """reuse: a prompt holding a kept sequence's whole prompt (a next turn, or the same prompt again:
+    a retry) takes its KV over with no copy; one that leaves the kept prompt earlier copies the
+    shared part and leaves the sequence kept."""
+    calls = []
+    take_over = lambda kv, n: calls.append(("take", kv, n)) or kv
+    copy_prefix = lambda kv, n: calls.append(("copy", kv, n)) or f"copy of {kv}"
+    kept_prompt = np.arange(10, dtype=np.int32)
+    for prompt, want, still_kept in ((kept_prompt[:7], ("copy", "kv", 6), True),        # leaves it inside its prompt
+                                     (kept_prompt, ("take", "kv", 9), False),            # the same prompt again
+                                     (np.arange(13, dtype=np.int32), ("take", "kv", 12), False)):  # into its reply
+        store = PrefixStore(1000)
+        store.put(KeptSequence(np.arange(14, dtype=np.int32), "kv", 10, generated=4))  # 10 prompt + 4 generated
+        calls.clear()
+        store.reuse(prompt, take_over, copy_prefix)
+        assert calls == [want] and (len(store) == 1) == still_kept
+
+
 def test_store_best_is_the_longest_common_prefix():
     store = PrefixStore(1000)
     store.put(KeptSequence(np.array([1, 2, 3, 4, 5], np.int32), "a", 1))
