@@ -84,11 +84,7 @@ class PrefixStore:
         with self.lock:
             if self.held_bytes + nbytes > self.budget:  # no eviction could make room
                 return False
-            while self._entries and self.bytes + self.held_bytes + nbytes > self.budget:
-                self._entries.popitem(last=False)
-                self.stats.evictions += 1
-            if self.bytes + self.held_bytes + nbytes > self.budget:
-                return False
+            self._evict_to_fit(nbytes)
             self._held[id(owner)] = self._held.get(id(owner), 0) + nbytes
             self.stats.peak_bytes = max(self.stats.peak_bytes, self.bytes + self.held_bytes)
             return True
@@ -98,9 +94,13 @@ class PrefixStore:
         sequences are evicted, least recently used first, until the budget holds again."""
         with self.lock:
             self._held[id(owner)] = nbytes
-            while self._entries and self.bytes + self.held_bytes > self.budget:
-                self._entries.popitem(last=False)
-                self.stats.evictions += 1
+            self._evict_to_fit(0)
+
+    def _evict_to_fit(self, nbytes: int) -> None:
+        """Evict the least recently used kept sequences until `nbytes` more fit beside what is held."""
+        while self._entries and self.bytes + self.held_bytes + nbytes > self.budget:
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
 
     def entries(self) -> list[KeptSequence]:
         return list(self._entries.values())
@@ -132,9 +132,7 @@ class PrefixStore:
         """Keep `entry`, evicting the least recently used to fit; False when it alone exceeds the budget."""
         if entry.nbytes > self.budget - self.held_bytes or len(entry.tokens) == 0:
             return False
-        while self._entries and self.bytes + self.held_bytes + entry.nbytes > self.budget:
-            self._entries.popitem(last=False)
-            self.stats.evictions += 1
+        self._evict_to_fit(entry.nbytes)
         self._entries[self._next] = entry
         self._next += 1
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.bytes + self.held_bytes)
