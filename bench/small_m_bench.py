@@ -6,7 +6,8 @@ For every linear layer shape of one E4B decoder layer (and the LM head: bf16, an
 CUDA graph of 50 calls, median of 7). Usage: python -m bench.small_m_bench [--out DIR]
 Writes DIR/small_m.json and DIR/small_m.md (default bench/results/).
 
-`--cold`: the step kernel's configurations (K-slice target, pipeline stages) timed as a decode step
+`--cold`: the step kernel's configurations (COLD_CONFIGS: K-slice target, pipeline stages, column
+tile, warps, where int4 scales apply) timed as a decode step
 meets its weights, cold: each call reads a different copy of the weight, the copies together past
 the GPU's L2 cache (a hot loop over one weight would time the cache, not the memory). Per E4B int4
 shape and summed per forward, for 1 and 16 rows, against each shape's weight-bytes floor at the
@@ -146,10 +147,26 @@ def measure_attention(name, head_dim, slots, sliding, context) -> list:
     return out
 
 
-# (target programs, pipeline stages) of the step kernel, the first the shipped one; block_n 64, 4 warps.
-COLD_CONFIGS = [(264, 3), (528, 3), (264, 4), (528, 4)]
+# Step kernel configurations: K-slice target (programs), pipeline stages, column tile, warps, and
+# whether int4 scales apply per group after the products (SCALE_AFTER) or a group is decoded as one
+# tile (WIDE); the first is the shipped one.
+COLD_CONFIGS = [
+    {"target": 264, "stages": 3, "block_n": 64, "warps": 4},
+    {"target": 264, "stages": 3, "block_n": 64, "warps": 4, "scale_after": True},
+    {"target": 264, "stages": 3, "block_n": 64, "warps": 4, "wide": True},
+    {"target": 528, "stages": 3, "block_n": 64, "warps": 4, "wide": True},
+    {"target": 264, "stages": 4, "block_n": 64, "warps": 4, "wide": True},
+    {"target": 264, "stages": 3, "block_n": 128, "warps": 4, "wide": True},
+    {"target": 264, "stages": 3, "block_n": 64, "warps": 8, "wide": True},
+    {"target": 264, "stages": 3, "block_n": 32, "warps": 4, "wide": True},
+]
 COLD_BYTES = 512 << 20   # the copies of one shape's weight: ~10x the H200's 50 MB L2
 PEAK_BYTES_PER_S = 4.0e12  # the floor's rate: ~H200's 4.8 TB/s at the ~85% a streaming read reaches
+
+
+def config_name(c: dict) -> str:
+    return (f"t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}{' after' if c.get('scale_after') else ''}"
+            f"{' wide' if c.get('wide') else ''}")
 
 
 def random_int4_copies(n: int, k: int, copies: int) -> list[tuple]:
@@ -160,7 +177,7 @@ def random_int4_copies(n: int, k: int, copies: int) -> list[tuple]:
         g = torch.Generator(device="cuda").manual_seed(c)
         codes = torch.randint(0, 16, (n, k), device="cuda", generator=g)
         scale = (torch.rand(k // 128, n, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
-        offset = (-8 * scale.float()).to(torch.bfloat16)
+        offset = (-8 * scale.float() + torch.randn(k // 128, n, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
         out.append((pack_codes(codes), scale, offset))
     return out
 
@@ -175,15 +192,23 @@ def measure_cold(name, n, k, count, configs) -> dict:
     copies = max(2, min(64, COLD_BYTES // weight_bytes))
     weights = random_int4_copies(n, k, copies)
     x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    w, s, o = weights[0]
+    ref = x16.float() @ SmallMLinear(w, s, o, n, k).dequantize().float().t()
     row = {"name": name, "n": n, "k": k, "count": count, "copies": copies, "weight_bytes": weight_bytes,
            "floor_us": weight_bytes / PEAK_BYTES_PER_S * 1e6, "configs": []}
-    for target, stages in configs:
-        lins = [SmallMLinear(w, s, o, n, k, num_stages=stages, target_programs=target) for w, s, o in weights]
+    for c in configs:
+        if n % c["block_n"]:
+            row["configs"].append(dict(c, split=0, invariant=True, rel_err=0.0, us_1=float("nan"), us_16=float("nan")))
+            continue
+        lins = [SmallMLinear(w, s, o, n, k, block_n=c["block_n"], num_warps=c["warps"], num_stages=c["stages"],
+                             target_programs=c["target"], scale_after=c.get("scale_after", False),
+                             wide=c.get("wide", False)) for w, s, o in weights]
         share_partials(lins)  # one split-K scratch, as a model's linears share it
         out16 = lins[0](x16)
-        cand = {"target": target, "stages": stages, "split": lins[0].split,
-                "invariant": bool(torch.equal(lins[0](x16[:1])[0], out16[0])),
-                "us_1": cold_time_us(lins, x16[:1]), "us_16": cold_time_us(lins, x16)}
+        cand = dict(c, split=lins[0].split,
+                    invariant=all(torch.equal(lins[0](x16[:m])[m - 1], out16[m - 1]) for m in (1, 2, 5)),
+                    rel_err=((out16.float() - ref).norm() / ref.norm()).item(),
+                    us_1=cold_time_us(lins, x16[:1]), us_16=cold_time_us(lins, x16))
         row["configs"].append(cand)
         del lins
     print(json.dumps(row), flush=True)
@@ -191,24 +216,35 @@ def measure_cold(name, n, k, count, configs) -> dict:
 
 
 def main_cold(out: Path) -> int:
+    import math
     rows = [measure_cold(*shape, COLD_CONFIGS) for shape in SHAPES]
-    per_forward = {f"{t} s{st}": {m: sum(r["configs"][i][f"us_{m}"] * r["count"] for r in rows) / 1e3 for m in (1, 16)}
-                   for i, (t, st) in enumerate(COLD_CONFIGS)}
+
+    def forward_ms(pick) -> dict:
+        return {m: sum(pick(r)[f"us_{m}"] * r["count"] for r in rows) / 1e3 for m in (1, 16)}
+
+    usable = lambda r: [c for c in r["configs"] if not math.isnan(c["us_1"])]
+    per_forward = {config_name(c): forward_ms(lambda r, i=i: r["configs"][i]) for i, c in enumerate(COLD_CONFIGS)
+                   if all(not math.isnan(r["configs"][i]["us_1"]) for r in rows)}
+    best = forward_ms(lambda r: min(usable(r), key=lambda c: c["us_1"] + c["us_16"]))
     floor = sum(r["floor_us"] * r["count"] for r in rows) / 1e3
-    results = {"device": torch.cuda.get_device_name(), "rows": rows, "per_forward_ms": per_forward,
-               "floor_ms": floor, "peak_bytes_per_s": PEAK_BYTES_PER_S}
-    head = " | ".join(f"t{t} s{st} 1 row / 16 us" for t, st in COLD_CONFIGS)
+    results = {"device": torch.cuda.get_device_name(), "configs": COLD_CONFIGS, "rows": rows,
+               "per_forward_ms": per_forward, "best_per_shape_ms": best, "floor_ms": floor,
+               "peak_bytes_per_s": PEAK_BYTES_PER_S}
     lines = [f"# Step matmul configurations, cold weights, E4B int4 shapes ({results['device']})", "",
-             f"| layer | N | K | x/forward | floor us | {head} | row-invariant |",
-             "|---|---|---|---|---|" + "---|" * len(COLD_CONFIGS) + "---|"]
+             "Each cell: microseconds per call for 1 row / 16 rows. Configurations: t the K-slice target "
+             "(programs), s pipeline stages, n the column tile, w warps, after: scales applied per group "
+             "after the products of the raw codes, wide: a group decoded as one tile and one K = 128 product. The first is the shipped configuration.", "",
+             "| layer | N | K | x/forward | floor us | " + " | ".join(config_name(c) for c in COLD_CONFIGS)
+             + " | row-invariant | max rel err |",
+             "|---|---|---|---|---|" + "---|" * len(COLD_CONFIGS) + "---|---|"]
     for r in rows:
-        cells = " | ".join(f"{c['us_1']:.1f} / {c['us_16']:.1f}" for c in r["configs"])
+        cells = " | ".join("-" if math.isnan(c["us_1"]) else f"{c['us_1']:.1f} / {c['us_16']:.1f}" for c in r["configs"])
         lines.append(f"| {r['name']} | {r['n']} | {r['k']} | {r['count']} | {r['floor_us']:.1f} | {cells} | "
-                     f"{all(c['invariant'] for c in r['configs'])} |")
+                     f"{all(c['invariant'] for c in r['configs'])} | {max(c['rel_err'] for c in r['configs']):.1e} |")
     lines += ["", f"Per forward (sum over the 42 layers' linears; the LM head is not int4): floor {floor:.2f} ms "
               f"at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; "
               + "; ".join(f"{name} {v[1]:.2f} ms (1 row) / {v[16]:.2f} ms (16 rows)" for name, v in per_forward.items())
-              + ". t: the K-slice target (programs), s: pipeline stages; the first is the shipped configuration."]
+              + f"; the fastest configuration per shape {best[1]:.2f} / {best[16]:.2f} ms."]
     md = "\n".join(lines) + "\n"
     write_results(out, "small_m_cold", results, md)
     print(md)
