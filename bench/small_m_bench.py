@@ -7,7 +7,7 @@ CUDA graph of 50 calls, median of 7). Usage: python -m bench.small_m_bench [--ou
 Writes DIR/small_m.json and DIR/small_m.md (default bench/results/).
 
 `--cold`: the step kernel's configurations (COLD_CONFIGS: K-slice target, pipeline stages, column
-tile, warps, where int4 scales apply) timed as a decode step
+tile, warps) timed as a decode step
 meets its weights, cold: each call reads a different copy of the weight, the copies together past
 the GPU's L2 cache (a hot loop over one weight would time the cache, not the memory). Per E4B int4
 shape and summed per forward, for 1 and 16 rows, against each shape's weight-bytes floor at the
@@ -147,26 +147,23 @@ def measure_attention(name, head_dim, slots, sliding, context) -> list:
     return out
 
 
-# Step kernel configurations: K-slice target (programs), pipeline stages, column tile, warps, and
-# whether int4 scales apply per group after the products (SCALE_AFTER) or a group is decoded as one
-# tile (WIDE); the first is the shipped one.
+# Step kernel configurations: K-slice target (programs), pipeline stages, column tile, warps; the
+# first is the shipped one. (Two other int4 variants, scales applied after the products and a group
+# decoded as one tile, were measured slower at e458c5f: bench/results/small_m_cold-variants.md.)
 COLD_CONFIGS = [
     {"target": 264, "stages": 3, "block_n": 64, "warps": 4},
-    {"target": 264, "stages": 3, "block_n": 64, "warps": 4, "scale_after": True},
-    {"target": 264, "stages": 3, "block_n": 64, "warps": 4, "wide": True},
-    {"target": 528, "stages": 3, "block_n": 64, "warps": 4, "wide": True},
-    {"target": 264, "stages": 4, "block_n": 64, "warps": 4, "wide": True},
-    {"target": 264, "stages": 3, "block_n": 128, "warps": 4, "wide": True},
-    {"target": 264, "stages": 3, "block_n": 64, "warps": 8, "wide": True},
-    {"target": 264, "stages": 3, "block_n": 32, "warps": 4, "wide": True},
+    {"target": 528, "stages": 3, "block_n": 64, "warps": 4},
+    {"target": 264, "stages": 4, "block_n": 64, "warps": 4},
+    {"target": 528, "stages": 4, "block_n": 64, "warps": 4},
+    {"target": 264, "stages": 3, "block_n": 128, "warps": 4},
+    {"target": 1, "stages": 3, "block_n": 64, "warps": 4},
 ]
 COLD_BYTES = 512 << 20   # the copies of one shape's weight: ~10x the H200's 50 MB L2
 PEAK_BYTES_PER_S = 4.0e12  # the floor's rate: ~H200's 4.8 TB/s at the ~85% a streaming read reaches
 
 
 def config_name(c: dict) -> str:
-    return (f"t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}{' after' if c.get('scale_after') else ''}"
-            f"{' wide' if c.get('wide') else ''}")
+    return f"t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}"
 
 
 def random_int4_copies(n: int, k: int, copies: int) -> list[tuple]:
@@ -201,8 +198,7 @@ def measure_cold(name, n, k, count, configs) -> dict:
             row["configs"].append(dict(c, split=0, invariant=True, rel_err=0.0, us_1=float("nan"), us_16=float("nan")))
             continue
         lins = [SmallMLinear(w, s, o, n, k, block_n=c["block_n"], num_warps=c["warps"], num_stages=c["stages"],
-                             target_programs=c["target"], scale_after=c.get("scale_after", False),
-                             wide=c.get("wide", False)) for w, s, o in weights]
+                             target_programs=c["target"]) for w, s, o in weights]
         share_partials(lins)  # one split-K scratch, as a model's linears share it
         out16 = lins[0](x16)
         cand = dict(c, split=lins[0].split,
@@ -232,8 +228,7 @@ def main_cold(out: Path) -> int:
                "peak_bytes_per_s": PEAK_BYTES_PER_S}
     lines = [f"# Step matmul configurations, cold weights, E4B int4 shapes ({results['device']})", "",
              "Each cell: microseconds per call for 1 row / 16 rows. Configurations: t the K-slice target "
-             "(programs), s pipeline stages, n the column tile, w warps, after: scales applied per group "
-             "after the products of the raw codes, wide: a group decoded as one tile and one K = 128 product. The first is the shipped configuration.", "",
+             "(programs), s pipeline stages, n the column tile, w warps. The first is the shipped configuration.", "",
              "| layer | N | K | x/forward | floor us | " + " | ".join(config_name(c) for c in COLD_CONFIGS)
              + " | row-invariant | max rel err |",
              "|---|---|---|---|---|" + "---|" * len(COLD_CONFIGS) + "---|---|"]

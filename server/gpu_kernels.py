@@ -43,8 +43,7 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     M, N, K, stride_xm, k_per_split,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INT8: tl.constexpr = False, SCALE_AFTER: tl.constexpr = False,
-                    WIDE: tl.constexpr = False):
+                    INT8: tl.constexpr = False):
     """y[:M] = x @ W^T for one (N tile, K slice). W is int4 (INT4), int8 (INT8: codes [K, N], one
     scale per group of BLOCK_K features and column) or dense bf16 [N, K]. Rows come in TILES tiles of BLOCK_M (16) rows, each
     with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
@@ -75,92 +74,28 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
             g1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             g2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             g3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if WIDE:
-                # The whole group as one [128, BLOCK_N] tile, nibble j of word r its row 16 j + r, and
-                # one product of K = 128 per row tile (one operand layout change per group, not eight).
-                nibbles = (packed[None, :, :] >> (4 * tl.arange(0, 8))[:, None, None]) & 0xF
-                if MAGIC:
-                    codes = (nibbles.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+            for j in tl.static_range(8):
+                nibble = (packed >> (4 * j)) & 0xF
+                if MAGIC:  # bf16 bits 0x4300 | c are 128 + c: no int->float conversion (a slow op)
+                    code = (nibble.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
                 else:
-                    codes = nibbles.to(scale_ptr.dtype.element_ty)
-                w = tl.reshape((codes * scale[None, :, :] + offset[None, :, :]).to(x_ptr.dtype.element_ty),
-                               (BLOCK_K, BLOCK_N))
-                ks = k0 + tl.arange(0, BLOCK_K)
-                acc0 = tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w, acc0)
+                    code = nibble.to(scale_ptr.dtype.element_ty)
+                ks = k0 + 16 * j + sub
+                w = (code * scale + offset).to(x_ptr.dtype.element_ty)
+                g0 = tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w, g0)
                 if TILES > 1:
-                    acc1 = tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w, acc1)
+                    g1 = tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w, g1)
                 if TILES > 2:
-                    acc2 = tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w, acc2)
+                    g2 = tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w, g2)
                 if TILES > 3:
-                    acc3 = tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w, acc3)
-            elif SCALE_AFTER:
-                # x.w = scale * (x.v) + (offset - base * scale) * sum(x), v = code + base the decoded
-                # numbers (base 128 by the magic bits, else 0): the inner loop only decodes, the
-                # scale and offset apply once per group to the tile. sum(x) by the tensor core too
-                # (a product with ones), so its order is fixed per row like the products'.
-                s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                s1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                s2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                s3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                ones = tl.full((16, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
-                for h in tl.static_range(8):
-                    # MAGIC: nibbles j and j + 4 of a word decoded together (one 32-bit op for two codes).
-                    j = (h // 2) + 4 * (h % 2)
-                    if MAGIC:
-                        pair = ((packed >> (4 * (h // 2))) & 0x000F000F) | 0x43004300
-                        if h % 2 == 1:
-                            pair = pair >> 16
-                        w = pair.to(tl.int16).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
-                    else:
-                        w = ((packed >> (4 * j)) & 0xF).to(x_ptr.dtype.element_ty)
-                    ks = k0 + 16 * j + sub
-                    x0 = _x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M)
-                    g0 = tl.dot(x0, w, g0)
-                    s0 = tl.dot(x0, ones, s0)
-                    if TILES > 1:
-                        x1 = _x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M)
-                        g1 = tl.dot(x1, w, g1)
-                        s1 = tl.dot(x1, ones, s1)
-                    if TILES > 2:
-                        x2 = _x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M)
-                        g2 = tl.dot(x2, w, g2)
-                        s2 = tl.dot(x2, ones, s2)
-                    if TILES > 3:
-                        x3 = _x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M)
-                        g3 = tl.dot(x3, w, g3)
-                        s3 = tl.dot(x3, ones, s3)
-                scale32 = scale.to(tl.float32)
-                shift = offset.to(tl.float32) - 128.0 * scale32 if MAGIC else offset.to(tl.float32)
-                acc0 += g0 * scale32 + s0 * shift
-                if TILES > 1:
-                    acc1 += g1 * scale32 + s1 * shift
-                if TILES > 2:
-                    acc2 += g2 * scale32 + s2 * shift
-                if TILES > 3:
-                    acc3 += g3 * scale32 + s3 * shift
-            else:
-                for j in tl.static_range(8):
-                    nibble = (packed >> (4 * j)) & 0xF
-                    if MAGIC:  # bf16 bits 0x4300 | c are 128 + c: no int->float conversion (a slow op)
-                        code = (nibble.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
-                    else:
-                        code = nibble.to(scale_ptr.dtype.element_ty)
-                    ks = k0 + 16 * j + sub
-                    w = (code * scale + offset).to(x_ptr.dtype.element_ty)
-                    g0 = tl.dot(_x_tile(x_ptr, stride_xm, M, 0, ks, BLOCK_M), w, g0)
-                    if TILES > 1:
-                        g1 = tl.dot(_x_tile(x_ptr, stride_xm, M, 1, ks, BLOCK_M), w, g1)
-                    if TILES > 2:
-                        g2 = tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w, g2)
-                    if TILES > 3:
-                        g3 = tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w, g3)
-                acc0 += g0
-                if TILES > 1:
-                    acc1 += g1
-                if TILES > 2:
-                    acc2 += g2
-                if TILES > 3:
-                    acc3 += g3
+                    g3 = tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w, g3)
+            acc0 += g0
+            if TILES > 1:
+                acc1 += g1
+            if TILES > 2:
+                acc2 += g2
+            if TILES > 3:
+                acc3 += g3
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             if INT8:  # codes [K, N] int8, W = code * scale (the group's scale, one per column)

@@ -30,8 +30,11 @@ column), nibble j of word r holds the 4-bit code of feature 16 j + r, so the ker
 one [16, BLOCK_N] tile and takes eight contiguous 16-feature slices from it by shifting;
 `scale`, `offset` bf16 [K/group, N] with W = code * scale + offset (tinygemm's
 (code - 8) * scale + shift, the -8 folded into offset). Codes become bf16 without an int-to-float
-conversion: the bits 0x4300 | code are the bf16 number 128 + code. Weights are streamed once per step, which
-is the floor: the kernel is bound by memory bandwidth at these row counts.
+conversion: the bits 0x4300 | code are the bf16 number 128 + code. Weights are streamed once per step. The
+floor is their bytes at the memory's rate; on the H200 the largest linear (E4B's gate|up) runs at
+about 1.2 TB/s, a third of it (bench/small_m_bench.py --cold). Neither the decoding's arithmetic nor
+the operand layout changes bound it: decoding half the work per weight (scales applied per group
+after the products) and one layout change per group instead of eight were both slower (e458c5f).
 
 Prefill reads the same layout: `dequantize_t` writes one linear's W^T into a scratch buffer shared
 by all linears (`share_prefill_scratch`, the size of the largest) for one cuBLAS GEMM over many
@@ -58,8 +61,6 @@ BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's de
 # the E4B shapes (bench/small_m_bench.py --cold; more K slices add partials to write and sum).
 TARGET_PROGRAMS = 264
 NUM_STAGES = 3
-WIDE = False  # int4: a group decoded as one [128, N] tile and multiplied by one K = 128 product
-SCALE_AFTER = False  # int4: scale and offset applied per group to the products of the raw codes (gpu_kernels.py)
 
 
 def _block_n(n: int) -> int:
@@ -127,8 +128,7 @@ class SmallMLinear:
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
                  n: int, k: int, block_n: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                 target_programs: int = TARGET_PROGRAMS, magic: bool = True, scale_after: bool = SCALE_AFTER,
-                 wide: bool = WIDE):
+                 target_programs: int = TARGET_PROGRAMS, magic: bool = True):
         block_n = block_n or _block_n(n)
         if k % BLOCK_K or not block_n or n % block_n:
             raise ValueError(f"shape N={n}, K={k} does not tile by ({block_n}, {BLOCK_K})")
@@ -138,8 +138,6 @@ class SmallMLinear:
         self.int4 = scale is not None and not self.int8
         self.magic = magic and self.int4 and scale.dtype == torch.bfloat16
         self.num_stages = num_stages
-        self.scale_after = scale_after and self.int4
-        self.wide = wide and self.int4
         self.split = _plan(n, k, block_n, target_programs)
         # The split-K scratch: one buffer shared by a model's linears (`share_partials`), else this
         # linear's own, made at its first call. Not made here: a model's linears, each with its own
@@ -185,7 +183,7 @@ class SmallMLinear:
             x2, self.weight, self.scale if self.scale is not None else self.weight,
             self.offset if self.int4 else self.weight,
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
-            INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, SCALE_AFTER=self.scale_after, WIDE=self.wide, TILES=tiles, ROWS=tiles * TILE_M,
+            INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles, ROWS=tiles * TILE_M,
             BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
             num_warps=self.num_warps, num_stages=self.num_stages)
         return out.reshape(*lead, self.n)

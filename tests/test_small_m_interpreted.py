@@ -24,11 +24,8 @@ CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 5, 16
 # int8 codes with a scale per group of 128 features (server.small_m_matmul.quantize_int8: the LM head of small cards)
 INT8_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 384)) for m in (1, 17, 64) for target in (1, 64)]
 # int4 codes in the step layout with float32 scales and offsets (the interpreter has no bf16, so the
-# magic-number decoding is the CUDA tests'): the per-group accumulators, every tile count, the scale
-# applied to each decoded weight, applied per group to the products of the raw codes, and a group
-# decoded as one tile (wide)
-INT4_CASES = [(n, k, m, target, after) for n, k in ((64, 256), (96, 512)) for m in (1, 16, 33, 64) for target in (1, 64)
-              for after in ("before", "after", "wide")]
+# magic-number decoding is the CUDA tests'): the per-group accumulators, every tile count
+INT4_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 16, 33, 64) for target in (1, 64)]
 
 
 def test_small_m_kernel_rows_and_slices():
@@ -86,20 +83,19 @@ def _main() -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("int8", n, k, m, target, lin.split, err)
         print("ok int8", n, k, m, lin.split)
-    for n, k, m, target, after in INT4_CASES:
+    for n, k, m, target in INT4_CASES:
         g = torch.Generator().manual_seed(11 * n + k + m)
         codes = torch.randint(0, 16, (n, k), generator=g)
         scale = torch.rand(k // 128, n, generator=g) * 0.1
         offset = -8 * scale + torch.randn(k // 128, n, generator=g) * 0.01
-        lin = SmallMLinear(pack_codes(codes), scale, offset, n, k, target_programs=target, scale_after=after == "after",
-                           wide=after == "wide")
-        assert lin.int4 and not lin.magic and lin.scale_after == (after == "after") and lin.wide == (after == "wide")
+        lin = SmallMLinear(pack_codes(codes), scale, offset, n, k, target_programs=target)
+        assert lin.int4 and not lin.magic
         x = torch.randn(m, k, generator=g)
         got = lin(x)
         want = x.double() @ lin.dequantize().double().t()
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err < 1e-5, ("int4", n, k, m, target, lin.split, after, err)
-        print("ok int4", n, k, m, lin.split, after)
+        assert err < 1e-5, ("int4", n, k, m, target, lin.split, err)
+        print("ok int4", n, k, m, lin.split)
     return 0
 
 
