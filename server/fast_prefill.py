@@ -165,16 +165,36 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int
         first, last = q0 + r, q0 + r + t - 1
         hi = last - k0 + 1                               # keys past the block's last query: never visible
         lo = max(0, first - k0 - window + 1) if window else 0
-        kp = torch.arange(k0 + lo, k0 + hi, device=dev)
-        qp = torch.arange(first, last + 1, device=dev)
-        mask = kp[None, :] <= qp[:, None]
-        if window:
-            mask &= kp[None, :] > qp[:, None] - window
         qb = qg[:, :, r:r + t].reshape(kvh, g * t, D)
         scores = torch.bmm(qb, keys[:, lo:hi].transpose(1, 2)).view(kvh, g, t, hi - lo)
-        probs = ops.masked_softmax(scores, mask, scaling)
+        if dev.type == "cuda":
+            probs = _softmax_rows(scores, t, first, k0 + lo, window, scaling)
+        else:
+            kp = torch.arange(k0 + lo, k0 + hi, device=dev)
+            qp = torch.arange(first, last + 1, device=dev)
+            mask = kp[None, :] <= qp[:, None]
+            if window:
+                mask &= kp[None, :] > qp[:, None] - window
+            probs = ops.masked_softmax(scores, mask, scaling)
         out[:, :, r:r + t] = torch.bmm(probs.view(kvh, g * t, hi - lo), values[:, lo:hi]).view(kvh, g, t, D)
     return out.permute(2, 0, 1, 3).reshape(T, H * D)
+
+
+def _softmax_rows(scores: torch.Tensor, t: int, first: int, key0: int, window, scaling: float) -> torch.Tensor:
+    """The masked softmax of `_attend`'s block on the GPU, in place: scores [..., t, S] of queries
+    at positions first.. against keys at key0.., by one Triton kernel that derives the causal
+    (and window) mask from the positions (server/gpu_kernels.py `_prefill_softmax_kernel`).
+
+    Why not the compiled op: inductor's deterministic mode (fast_path.compile_ops, kept for the
+    steps' batch invariance) picks a split reduction for rows of thousands of keys, and without
+    its online softmax (a warning says so) a 64k-token prefill took twice as long. This kernel
+    reads each row twice and writes it once, in a fixed order."""
+    from server.gpu_kernels import _prefill_softmax_kernel
+
+    rows, S = scores.numel() // scores.shape[-1], scores.shape[-1]
+    _prefill_softmax_kernel[(rows,)](scores, scores, S, t, first, key0, int(window or 0), float(scaling),
+                                     BLOCK=1024, num_warps=4)
+    return scores
 
 
 def keep_dense_weights(fast, asked: bool | None) -> str:

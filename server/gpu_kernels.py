@@ -400,3 +400,39 @@ def _write_kv_segments(k_ptr, v_ptr, table_ptr, k_field, v_field, slot_ptr, T, s
     tl.store(k_cache + at, tl.load(k_ptr + r * stride_kt + h * stride_kh + tl.arange(0, D)))
     tl.store(v_cache + at, tl.load(v_ptr + r * stride_vt + h * stride_vh + tl.arange(0, D)))
 
+
+# Positions change with every prompt: not specialized on (a compilation per divisibility pattern
+# otherwise); S is, so rows of a multiple of 16 keys load in wide vectors.
+@triton.jit(do_not_specialize=["t", "first_q", "key0", "window"])
+def _prefill_softmax_kernel(s_ptr, out_ptr, S, t, first_q, key0, window, scaling, BLOCK: tl.constexpr):
+    """One row of prefill attention's probabilities (server/fast_prefill.py `_attend`): scores
+    [rows, S] (bf16, row r the query at position first_q + r % t) against keys at positions
+    key0..key0+S-1; key c visible when key0 + c <= the query's position and, with a window, > it
+    minus the window. probs = softmax(scores * scaling) over the visible keys, 0 elsewhere, in
+    fp32, written rounded to out's dtype. One pass keeps the running max and sum (online softmax),
+    a second writes; the order of the row's sums is fixed (deterministic). Every row sees at least
+    its own key (the caller's invariant), so the sum is never 0."""
+    row = tl.program_id(0)
+    qp = first_q + row % t
+    base = row.to(tl.int64) * S
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(qp - window + 1 - key0, 0)
+    hi = tl.minimum(qp - key0 + 1, S)   # keys lo..hi-1 are visible
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((), -1.0e30, tl.float32)
+    l = tl.zeros((), tl.float32)
+    for c0 in range((lo // BLOCK) * BLOCK, hi, BLOCK):
+        c = c0 + cols
+        vis = (c >= lo) & (c < hi)
+        x = tl.where(vis, tl.load(s_ptr + base + c, mask=vis, other=0.0).to(tl.float32) * scaling, -1.0e30)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        l = l * tl.exp(m - m_new) + tl.sum(tl.where(vis, tl.exp(x - m_new), 0.0), 0)
+        m = m_new
+    inv = 1.0 / l
+    for c0 in range(0, S, BLOCK):
+        c = c0 + cols
+        vis = (c >= lo) & (c < hi)
+        x = tl.load(s_ptr + base + c, mask=vis, other=0.0).to(tl.float32) * scaling
+        p = tl.where(vis, tl.exp(x - m) * inv, 0.0)
+        tl.store(out_ptr + base + c, p.to(out_ptr.dtype.element_ty), mask=c < S)
