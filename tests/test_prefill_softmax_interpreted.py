@@ -8,14 +8,10 @@ online max and sum. The interpreter does not emulate bfloat16, so scores are flo
 subprocess: TRITON_INTERPRET must be set before the kernels are defined."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreted import interpreter_takes_numpy_2_scalars, run_interpreted
+
 # (heads, t query rows, first query position, key0, keys S, window, scaling)
 CASES = [
     (2, 5, 100, 0, 105, 0, 0.5),          # full layer: keys 0..104, queries 100..104
@@ -28,18 +24,14 @@ CASES = [
 
 def test_prefill_softmax_matches_torch():
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok") == len(CASES), run.stdout[-2000:]
+    out = run_interpreted(__file__)
+    assert out.count("ok") == len(CASES), out[-2000:]
 
 
 def _main() -> int:
     import torch
 
-    from tests.test_small_m_interpreted import _interpreter_takes_numpy_2_scalars
-    _interpreter_takes_numpy_2_scalars()
+    interpreter_takes_numpy_2_scalars()
     from server.gpu_kernels import _prefill_softmax_kernel
 
     for heads, t, first, key0, S, window, scaling in CASES:

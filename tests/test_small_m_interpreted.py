@@ -11,14 +11,10 @@ TRITON_INTERPRET must be set before the kernels are defined.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreted import interpreter_takes_numpy_2_scalars, run_interpreted
+
 # (N, K, rows, split target): target_programs 1 keeps one K slice, 64 cuts K into several
 CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 5, 16, 40, 64) for target in (1, 64)]
 # int8 codes with a scale per group of 128 features (server.small_m_matmul.quantize_int8: the LM head of small cards)
@@ -30,32 +26,14 @@ INT4_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 
 
 def test_small_m_kernel_rows_and_slices():
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES), run.stdout[-2000:]
-
-
-def _interpreter_takes_numpy_2_scalars() -> None:
-    """The interpreter reads a kernel's integer arguments as 1-element arrays and turns one into a
-    Python int with int(array), which numpy 2 refuses for arrays of one dimension (the kernel's
-    `range(0, k_per_split // BLOCK_K)`); read the element instead."""
-    import triton.runtime.interpreter as interpreter
-
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+    out = run_interpreted(__file__)
+    assert out.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES), out[-2000:]
 
 
 def _main() -> int:
     import torch
 
-    _interpreter_takes_numpy_2_scalars()
+    interpreter_takes_numpy_2_scalars()
     from server.small_m_matmul import SmallMLinear, pack_codes, quantize_int8
 
     for n, k, m, target in CASES:

@@ -12,15 +12,13 @@ torch twin here. Runs in a subprocess: TRITON_INTERPRET must be set before the k
 """
 from __future__ import annotations
 
-import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreted import run_interpreted
+
 CASES = [(sliding, start, slots, T, tree)
          for sliding, start, slots in ((False, 70, 256), (False, 127, 320), (True, 70, 96), (True, 200, 96),
                                        (True, 150, 200))
@@ -31,11 +29,8 @@ def interpreted(script: str, tmp_path):
     """What `script`'s main(out) saved, run in a subprocess under Triton's interpreter."""
     import torch
 
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     out = tmp_path / "outputs.pt"
-    run = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    run_interpreted(script, out)
     return torch.load(out)
 
 

@@ -1,0 +1,38 @@
+"""Running a test script's kernels under Triton's interpreter on the CPU (CI has no GPU).
+
+`run_interpreted(script, *args)` runs `python script args...` in a subprocess with TRITON_INTERPRET=1
+(it must be set before the kernels are defined, so not in the pytest process) and the project on
+the path, asserts it exited 0, and returns its stdout. `interpreter_takes_numpy_2_scalars()` is
+called by such a script before it launches a kernel."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script, *args, timeout: int = 600) -> str:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    run = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def interpreter_takes_numpy_2_scalars() -> None:
+    """The interpreter reads a kernel's integer arguments as 1-element arrays and turns one into a
+    Python int with int(array), which numpy 2 refuses for arrays of one dimension (a kernel's
+    `range(0, k_per_split // BLOCK_K)`); read the element instead."""
+    import triton.runtime.interpreter as interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
