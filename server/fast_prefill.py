@@ -143,13 +143,16 @@ def _store_kv(fast, layer, k, v, start, end, checkpoint):
     return keys, values, lo
 
 
-def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int = SCORE_BUDGET):
+def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int = SCORE_BUDGET,
+            kernel_softmax: bool | None = None):
     """softmax(q k^T * scaling) v over the keys at positions <= the query's (and > query - window).
     q [T, H, D] at positions q0..q0+T-1; keys, values [KVH, S, D] at positions k0..k0+S-1. Query
     head h reads KV head h // (H / KVH), as transformers' repeat_kv (the heads of one KV head are
-    folded into the rows, so keys are never repeated). The same products and fp32 masked softmax
-    as the step forward's `_attention`, one block of queries at a time: a block reads only the keys
-    it can see, and its score matrix stays under `budget` entries."""
+    folded into the rows, so keys are never repeated). The same products as the step forward's
+    `_attention` and an fp32 masked softmax, one block of queries at a time: a block reads only the
+    keys it can see, and its score matrix stays under `budget` entries. The softmax is
+    `_softmax_rows`' kernel where `kernel_softmax` (default: on CUDA with Triton), else the ops'
+    masked_softmax over a mask tensor."""
     T, H, D = q.shape
     kvh, S = keys.shape[0], keys.shape[1]
     g = H // kvh
@@ -158,6 +161,8 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int
     while block > 16 and H * block * span(block) > budget:
         block //= 2
     dev = q.device
+    if kernel_softmax is None:
+        kernel_softmax = dev.type == "cuda" and _have_triton()
     qg = q.view(T, kvh, g, D).permute(1, 2, 0, 3)                             # [KVH, g, T, D]
     out = torch.empty((kvh, g, T, D), dtype=q.dtype, device=dev)
     for r in range(0, T, block):
@@ -167,7 +172,7 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int
         lo = max(0, first - k0 - window + 1) if window else 0
         qb = qg[:, :, r:r + t].reshape(kvh, g * t, D)
         scores = torch.bmm(qb, keys[:, lo:hi].transpose(1, 2)).view(kvh, g, t, hi - lo)
-        if dev.type == "cuda":
+        if kernel_softmax:
             probs = _softmax_rows(scores, t, first, k0 + lo, window, scaling)
         else:
             kp = torch.arange(k0 + lo, k0 + hi, device=dev)
@@ -180,6 +185,14 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int
     return out.permute(2, 0, 1, 3).reshape(T, H * D)
 
 
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _softmax_rows(scores: torch.Tensor, t: int, first: int, key0: int, window, scaling: float) -> torch.Tensor:
     """The masked softmax of `_attend`'s block on the GPU, in place: scores [..., t, S] of queries
     at positions first.. against keys at key0.., by one Triton kernel that derives the causal
@@ -188,9 +201,12 @@ def _softmax_rows(scores: torch.Tensor, t: int, first: int, key0: int, window, s
     Why not the compiled op: inductor's deterministic mode (fast_path.compile_ops, kept for the
     steps' batch invariance) picks a split reduction for rows of thousands of keys, and without
     its online softmax (a warning says so) a 64k-token prefill took twice as long. This kernel
-    reads each row twice and writes it once, in a fixed order."""
+    reads each row twice and writes it once, in a fixed order. It multiplies by `scaling` in fp32
+    (the op multiplied the bf16 scores; Gemma 3n and 4 attend with scaling 1)."""
     from server.gpu_kernels import _prefill_softmax_kernel
 
+    if not scores.is_contiguous():
+        raise ValueError("_softmax_rows: scores must be contiguous (rows of S keys)")
     rows, S = scores.numel() // scores.shape[-1], scores.shape[-1]
     _prefill_softmax_kernel[(rows,)](scores, scores, S, t, first, key0, int(window or 0), float(scaling),
                                      BLOCK=1024, num_warps=4)
