@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from server.fast_path import DEFAULT_BUCKETS, DEFAULT_PREFILL_ROWS, SMALL_PREFILL_ROWS, model_device
-from server.small_m_matmul import BLOCK_K, MAX_ROWS, unsupported_shape
+from server.small_m_matmul import BLOCK_K, MAX_ROWS, triton_available, unsupported_shape
 
 
 @dataclass
@@ -80,9 +80,7 @@ def int8_head_unfit(model) -> str | None:
     whose shape tiles for them."""
     if (why := unsupported_shape(model.lm_head)) is not None:
         return f"the int8 head runs on the step kernels, which do not take the LM head: {why}"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not triton_available():
         return "the int8 head runs on the step kernels, which need Triton"
     return None
 

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from ngram.draft import tree_layout
 from server.backend import Prefill
 from server.fast_prefill import _w, prefill_layers
-from server.small_m_matmul import MAX_ROWS
+from server.small_m_matmul import MAX_ROWS, triton_available
 from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
@@ -436,11 +436,8 @@ class FastTarget:
             why_not = f"step kernels need bf16 activations (model is {self.dtype})"
         elif self.max_bucket > MAX_ROWS:
             why_not = f"step kernels take up to {MAX_ROWS} tokens (largest bucket {self.max_bucket})"
-        else:
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                why_not = "Triton is not installed"
+        elif not triton_available():
+            why_not = "Triton is not installed"
         if why_not is None:
             from server.small_m_matmul import unsupported_shape
             for lin in self._all_linears():

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.small_m_matmul import triton_available
+
 ROW_BLOCK = 8192           # rows per GEMM (bounds the MLP's activations)
 SCORE_BUDGET = 1 << 28     # query rows x keys x heads per attention block, at most (bf16 scores: 512 MiB)
 
@@ -162,7 +164,7 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int
         block //= 2
     dev = q.device
     if kernel_softmax is None:
-        kernel_softmax = dev.type == "cuda" and _have_triton()
+        kernel_softmax = dev.type == "cuda" and triton_available()
     qg = q.view(T, kvh, g, D).permute(1, 2, 0, 3)                             # [KVH, g, T, D]
     out = torch.empty((kvh, g, T, D), dtype=q.dtype, device=dev)
     for r in range(0, T, block):
@@ -183,14 +185,6 @@ def _attend(ops, q, keys, values, k0: int, q0: int, window, scaling, budget: int
             probs = ops.masked_softmax(scores, mask, scaling)
         out[:, :, r:r + t] = torch.bmm(probs.view(kvh, g * t, hi - lo), values[:, lo:hi]).view(kvh, g, t, D)
     return out.permute(2, 0, 1, 3).reshape(T, H * D)
-
-
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _softmax_rows(scores: torch.Tensor, t: int, first: int, key0: int, window, scaling: float) -> torch.Tensor:

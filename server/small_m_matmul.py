@@ -63,6 +63,16 @@ TARGET_PROGRAMS = 264
 NUM_STAGES = 3
 
 
+def triton_available() -> bool:
+    """Whether Triton imports here: the GPU kernels (server/gpu_kernels.py: these step matmuls, the
+    step attention, prefill's softmax) need it."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _block_n(n: int) -> int:
     """Output columns per program (0: N does not tile)."""
     return 64 if n % 64 == 0 else 32 if n % 32 == 0 else 0
