@@ -24,8 +24,8 @@ row sees (rows attend to positions up to their own; a padded row writes past the
 the next step writes before anything reads, and the ring holds a bucket more than the window).
 tests/test_fast_batch.py checks it on CUDA for 2 and 8 lanes against each lane alone (tiny model);
 tests/test_stacked_step_interpreted.py checks the kernels under Triton's interpreter and
-tests/test_stacked_step_ptx.py their load widths in the sm_90 PTX; bench.gpu_concurrency on the
-E4B shape (server/fast_batch.py's GPU_LANES_DO_NOT_PAY says what it measured).
+tests/test_stacked_step_ptx.py their load widths in the sm_90 PTX; bench.gpu_concurrency measures
+the E4B shape.
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ class StackedStep:
         self.attention = {d: StepAttention(a.kv_heads, a.group, d, a.n_chunks * a.block_s, MAX_ROWS, dev)
                           for d, a in lead.step_attention.items()}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by (S, T)
+        from server.small_m_matmul import pdl_launch
+        self.launch = pdl_launch(dev)
         self.capture_s = 0.0
         self.capture_by_key: dict[str, float] = {}
         self.runs = self.replays = 0
@@ -157,7 +159,7 @@ class _Segments:
 
         st = self.stacked
         _write_slot_pos_segments[(self.S * self.T,)](st.table, st.wpos, st.ring_slot, self.T, st.width,
-                                                       SLOT_POS_FIELD=st.slot_pos_field)
+                                                       SLOT_POS_FIELD=st.slot_pos_field, **st.launch)
 
     def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
         from server.gpu_kernels import _write_kv_segments
@@ -168,7 +170,7 @@ class _Segments:
         _write_kv_segments[(self.S * self.T, layer.kv_heads)](
             k, v, st.table, st.k_field[layer.index], st.k_field[layer.index] + 1, where, self.T,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache.stride(0), cache.stride(1), st.width,
-            D=layer.head_dim)
+            D=layer.head_dim, **st.launch)
 
     def attend(self, layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops) -> torch.Tensor:
         st = self.stacked

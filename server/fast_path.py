@@ -1242,6 +1242,12 @@ def compile_ops(backend="inductor") -> _Ops:
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch.fx.experimental._config.use_duck_shape = False
+    from server.small_m_matmul import pdl_launch
+    if (hasattr(torch._inductor.config.triton, "enable_pdl") and torch.cuda.is_available()
+            and pdl_launch(torch.device("cuda"))):
+        # The compiled ops join the step kernels' programmatic dependent launch (each waits for the
+        # kernel before it, then lets the next one launch): the launch gaps between them overlap.
+        torch._inductor.config.triton.enable_pdl = True
     if hasattr(torch._inductor.config, "deterministic"):
         torch._inductor.config.deterministic = True
     else:

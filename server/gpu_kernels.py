@@ -2,6 +2,19 @@
 (server/small_m_matmul.py states its contract) and step attention (server/step_attention.py)."""
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL: launched with launch_pdl, server/small_m_matmul.py
+    `pdl_enabled`), a kernel may start while the one before it on the stream finishes: it waits
+    here, before touching any memory, for that kernel to end and its writes to be visible, then lets
+    the next kernel start its own launch. What it saves is the launch gap between kernels, not
+    any arithmetic: the outputs are the same bits."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -43,13 +56,14 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     M, N, K, stride_xm, k_per_split,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INT8: tl.constexpr = False):
+                    INT8: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[:M] = x @ W^T for one (N tile, K slice). W is int4 (INT4), int8 (INT8: codes [K, N], one
     scale per group of BLOCK_K features and column) or dense bf16 [N, K]. Rows come in TILES tiles of BLOCK_M (16) rows, each
     with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
     BLOCK_M is the partials' rows per K slice. A weight tile is loaded (and its int4 codes decoded)
     once for all row tiles. Invariant: row i's sums are the same instructions in the same order
     whatever TILES is, so per-row bits do not depend on the bucket. Up to 4 tiles (64 rows)."""
+    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,7 +183,7 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
                              T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
                              stride_ks, stride_pt, n_rows, n_chunks,
                              G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Every chunk partial of a step, in one launch. Grid: (KV heads, R = query-row blocks,
     n_cache_chunks + n_own_chunks * ceil(T / R)). Program (kvh, a, c) with c < n_cache_chunks is a
     chunk the step did not write, for query-row block a (`_chunk_partials`); with o = c -
@@ -180,6 +194,7 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
     Each program's arithmetic is what it was as one of two kernels, so the partials are the same
     bits (checked under Triton's interpreter on the 35 cases of tests/test_step_attention_interpreted.py);
     one launch instead of two per layer."""
+    _pdl_start(PDL)
     _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
@@ -192,13 +207,14 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                                       stride_qh, stride_kh, stride_ks, stride_pt, stride_table, n_rows, n_chunks,
                                       SLOT_POS_FIELD: tl.constexpr, PATH_FIELD: tl.constexpr,
                                       G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """`_step_attention_partials` of several sequences' steps of T rows each, in one launch. Grid:
     (segments x KV heads, R, as the lone kernel). Segment s owns query rows s*T.. of q and qpos
     and its scratch rows from s*T*G on; its caches, ring positions and tree paths are the
     addresses in row s of `table` (int64: fields k_field / v_field for this layer's K and V,
     SLOT_POS_FIELD, PATH_FIELD). Each program is the lone kernel's program on the segment's
     pointers, so a segment's partials are the bits of its step alone."""
+    _pdl_start(PDL)
     seg = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
     row = table_ptr + seg * stride_table
@@ -336,8 +352,9 @@ def _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc
 
 @triton.jit
 def _step_attention_combine(m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, n_rows, n_chunks, n_used,
-                            G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
+                            G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """One query row: merge its chunks' partials in chunk order (a fixed order) into out[t, head]."""
+    _pdl_start(PDL)
     kvh = tl.program_id(0)
     r = tl.program_id(1)
     t = r // G
@@ -378,9 +395,10 @@ def _dequant_kernel(w_ptr, scale_ptr, offset_ptr, out_ptr, N, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _write_slot_pos_segments(table_ptr, wpos_ptr, ring_slot_ptr, T, stride_table, SLOT_POS_FIELD: tl.constexpr):
+def _write_slot_pos_segments(table_ptr, wpos_ptr, ring_slot_ptr, T, stride_table, SLOT_POS_FIELD: tl.constexpr, PDL: tl.constexpr = False):
     """Stacked steps (server/batch_step.py): row r of segment r // T wrote position wpos[r] at ring
     slot ring_slot[r]; record it in that segment's ring positions (its table row's SLOT_POS_FIELD)."""
+    _pdl_start(PDL)
     r = tl.program_id(0)
     slot_pos = tl.load(table_ptr + (r // T) * stride_table + SLOT_POS_FIELD).to(tl.pointer_type(tl.int64))
     tl.store(slot_pos + tl.load(ring_slot_ptr + r), tl.load(wpos_ptr + r))
@@ -388,9 +406,10 @@ def _write_slot_pos_segments(table_ptr, wpos_ptr, ring_slot_ptr, T, stride_table
 
 @triton.jit
 def _write_kv_segments(k_ptr, v_ptr, table_ptr, k_field, v_field, slot_ptr, T, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_ch, stride_cs, stride_table, D: tl.constexpr):
+                       stride_vh, stride_ch, stride_cs, stride_table, D: tl.constexpr, PDL: tl.constexpr = False):
     """Stacked steps: row r's K and V of KV head `program_id(1)` into the caches of its segment
     (r // T; table fields k_field / v_field) at slot slot[r]. A copy: the bits of index_copy_."""
+    _pdl_start(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     row = table_ptr + (r // T) * stride_table

@@ -61,6 +61,8 @@ class StepAttention:
         self.l = torch.empty(rows, dtype=torch.float32, device=device)
         self.acc = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.chain = chain_paths(max_tokens).to(device)
+        from server.small_m_matmul import pdl_launch
+        self._launch = pdl_launch(torch.device(device))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                  qpos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, scaling: float,
@@ -79,7 +81,8 @@ class StepAttention:
             q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, path, self.m, self.l, self.acc,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             path.stride(0), self.n_rows, self.n_chunks,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D))
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D),
+            **self._launch)
         self._merge(qpos, out, T, chunks, sliding, D)
         return out
 
@@ -107,7 +110,8 @@ class StepAttention:
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), stride_kh, stride_ks,
             stride_pt, stride_table, self.n_rows, self.n_chunks,
             SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D))
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D),
+            **self._launch)
         self._merge(qpos, out, R, chunks, sliding, D)
         return out
 
@@ -127,7 +131,7 @@ class StepAttention:
         from server.gpu_kernels import _step_attention_combine
         _step_attention_combine[(self.kv_heads, rows * self.group)](
             self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4)
+            G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4, **self._launch)
 
 
 def _warps(head_dim: int) -> int:

@@ -20,9 +20,8 @@ triton = pytest.importorskip("triton")
 INTS = ("T", "S", "n_cache_chunks", "n_own_chunks", "window", "kv_heads", "k_field", "v_field")
 
 
-def _ptx_accesses(fn, sig: dict, constexprs: dict) -> Counter:
-    """Global load/store instructions by width in fn's sm_90 PTX; pointers and strides specialized
-    as Triton does for 16-divisible arguments."""
+def sm90_ptx(fn, sig: dict, constexprs: dict) -> str:
+    """fn's PTX for sm_90; pointers and strides specialized as Triton does for 16-divisible arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -34,7 +33,12 @@ def _ptx_accesses(fn, sig: dict, constexprs: dict) -> Counter:
                                   target=GPUTarget("cuda", 90, 32))
     except Exception as e:  # a Triton without its NVIDIA backend's compiler
         pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
-    return Counter(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"]))
+    return compiled.asm["ptx"]
+
+
+def _ptx_accesses(fn, sig: dict, constexprs: dict) -> Counter:
+    """Global load/store instructions by width in fn's sm_90 PTX."""
+    return Counter(re.findall(r"(?:ld|st)\.global[.\w]*", sm90_ptx(fn, sig, constexprs)))
 
 
 def _lone_signature(consts: dict) -> dict:

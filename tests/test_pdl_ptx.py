@@ -1,0 +1,58 @@
+"""Programmatic dependent launch in the step kernels (server/gpu_kernels.py `_pdl_start`), checked
+in the sm_90 PTX that Triton compiles, here on the CPU.
+
+Why: a kernel launched with launch_pdl may start while the kernel before it still runs. It is
+correct only if it waits (griddepcontrol.wait) before its first memory access: a load before the
+wait could read what the previous kernel has not written yet. Without PDL (older GPUs, the
+interpreter) no griddepcontrol instruction is emitted.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.test_stacked_step_ptx import _lone_signature, _segments_signature, sm90_ptx
+
+pytest.importorskip("triton")
+
+MATMUL_SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*bf16", "offset_ptr": "*bf16", "partial_ptr": "*fp32",
+              "count_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+              "k_per_split": "i32"}
+
+
+def _kernels():
+    from server import gpu_kernels as k
+    from server.step_attention import BLOCK_R, _block_s
+
+    att = dict(G=4, D=256, SLIDING=True, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(256))
+    seg = dict(att, SLOT_POS_FIELD=30, PATH_FIELD=31)
+    combine_sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "qpos_ptr": "*i64", "out_ptr": "*bf16",
+                   "stride_ot": "i32", "n_rows": "i32", "n_chunks": "i32", "n_used": "i32"}
+    kv_sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i64", "k_field": "i32", "v_field": "i32",
+              "slot_ptr": "*i64", "T": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
+              "stride_vh": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_table": "i32"}
+    slot_sig = {"table_ptr": "*i64", "wpos_ptr": "*i64", "ring_slot_ptr": "*i64", "T": "i32", "stride_table": "i32"}
+    return [
+        ("small_m", k._small_m_kernel, dict(MATMUL_SIG), dict(INT4=True, SPLIT=4, MAGIC=True, TILES=2, ROWS=32,
+                                                            BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+        ("attention", k._step_attention_partials, _lone_signature(att), att),
+        ("attention segments", k._step_attention_partials_segments, _segments_signature(seg), seg),
+        ("combine", k._step_attention_combine, combine_sig, dict(G=4, D=256, SLIDING=True, BLOCK_S=_block_s(256))),
+        ("kv write", k._write_kv_segments, kv_sig, dict(D=256)),
+        ("slot positions", k._write_slot_pos_segments, slot_sig, dict(SLOT_POS_FIELD=30)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
+    name, fn, sig, consts = _kernels()[index]
+    for key in list(consts) + ["PDL"]:
+        sig[key] = "constexpr"
+    ptx = sm90_ptx(fn, dict(sig), dict(consts, PDL=True))
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    access = re.search(r"\b(?:ld\.global|st\.global|atom\.global|red\.global)", body)
+    assert wait >= 0 and access is not None and wait < access.start(), name
+    assert "griddepcontrol.launch_dependents" in body, name
+    assert "griddepcontrol" not in sm90_ptx(fn, dict(sig), dict(consts, PDL=False)), name
