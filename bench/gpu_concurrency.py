@@ -22,9 +22,8 @@ First each stream drafted alone on its own lane (the largest count's drafts), ag
 reference: a difference there is drafting's or a lane's, not sharing's. Each count runs one untimed round (it captures the stacked forwards' graphs: server/batch_step.py),
 then `--rounds` timed ones (median, range). Before the streams, a table of forward costs: one
 forward carrying S lanes' steps of T tokens each against a lone step of T tokens (S = 1).
-The lanes are built knowingly (fast_lanes(..., even_on_cuda=True): the engine refuses them on the
-GPU until they pay, server/fast_batch.py GPU_LANES_DO_NOT_PAY); whether they pay, and whether every
-stream keeps its solo tokens, is what this measures.
+The lanes are what `--parallel N` builds (server/fast_batch.py fast_lanes); whether they pay, and
+whether every stream keeps its solo tokens, is what this measures.
 Writes DIR/gpu_concurrency.json and .md (default bench/results/); `--tiny` measures a tiny random
 Gemma 4 on the CPU instead (uncaptured, fp32): it checks the harness, and its times mean nothing.
 """
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.fast_batch import fast_lanes
 
     fast, vocab = build(args.tiny, args.prompt + args.turn + args.tokens + 64, 2**30 if args.turn else 0)
-    lanes = fast_lanes(fast, max(counts), even_on_cuda=True)  # whether they pay is what it measures
+    lanes = fast_lanes(fast, max(counts))
     g = torch.Generator().manual_seed(0)
     histories = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
     prompts = ([h + torch.randint(3, vocab, (args.turn,), generator=g).tolist() for h in histories]

@@ -28,7 +28,7 @@ SECTIONS = [
      "python -m bench.cpu_path --requests 10 --llama-server PATH", "cpu_path.md", []),
     ("A CPU int8 forward, by part: a step and a verify", "python -m bench.cpu_step", "cpu_step.md", []),
     ("Several streams at once, bundled model, CPU", "python -m bench.concurrency", "concurrency.md", []),
-    ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; lanes refused by the server for now)",
+    ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
      "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
     ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens) with drafts "
      "capped at 16 / streams - 1 tokens (at least 1)", "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 1 "

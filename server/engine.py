@@ -8,10 +8,9 @@ many forward passes it takes, and the cache how many prompt tokens are computed.
 on token ids; the tokenizer is used only to detokenize for stop strings and text deltas. Up to
 `engine.parallel` threads may call `generate` at once (the server's scheduler runs that many
 workers): each request takes a backend lane of its own, the free one whose cache holds most of its
-prompt (server/lane_pool.py). The CPU int8 path's lanes share forwards (server/batcher.py); on the
-GPU fast path --parallel above 1 is refused until its lanes (server/fast_batch.py) pay (they keep
-every output, measured on the E4B shape, but do not yet add throughput: GPU_LANES_DO_NOT_PAY);
-transformers' path has one lane, and a second call waits for it.
+prompt (server/lane_pool.py). The CPU int8 path's lanes share forwards (server/batcher.py), and so
+do the GPU fast path's when asked (--parallel N: server/fast_batch.py, a cache per lane); transformers'
+path has one lane, and a second call waits for it.
 
 The engine talks to the model only through a `server.backend.Backend`: the GPU fast path
 (`server.fast_path.FastTarget`: static KV cache, CUDA graphs) where it applies, else transformers
@@ -216,8 +215,7 @@ class Engine:
                                   "(--parallel to change)")
             return backend.lanes(n)
         if isinstance(backend, FastTarget) and asked is not None and asked > 1:
-            # Only when asked, and on the CPU only for now (on CUDA fast_lanes refuses: they do not
-            # pay yet, server/fast_batch.py GPU_LANES_DO_NOT_PAY): each lane holds a cache of its own.
+            # Only when asked: each lane holds a cache of its own (the memory plan fits them all).
             from server.fast_batch import fast_lanes
 
             self.notes.append(f"parallel: {asked} requests at once on the fast path, each with a cache of its own, "
@@ -333,9 +331,6 @@ class Engine:
         from server.fast_path import FastTarget, step_buckets
 
         cfg = self.config
-        if (cfg.parallel or 1) > 1:  # refused before any memory is planned for lanes (server/fast_batch.py)
-            from server.fast_batch import GPU_LANES_DO_NOT_PAY
-            raise ValueError(GPU_LANES_DO_NOT_PAY)
         budget = (0 if not cfg.prefix_cache else cfg.prefix_cache_bytes)
         ple = getattr(self.model.model, "embed_tokens_per_layer", None)
         if ple is not None:  # Gemma 4's per-layer embeddings are looked up on the host: plan without them
@@ -459,7 +454,8 @@ class Engine:
 
                     pending = int(context[length - 1])
                     n, draft = 0, None
-                    room = min(max_tokens - stats.completion_tokens - 1, self.policy.max_draft)
+                    share = shared_room(backend)  # GPU lanes: the forward's rows are shared
+                    room = min(max_tokens - stats.completion_tokens - 1, self.policy.max_draft, share)
                     if session is not None and room > 0:
                         t = time.perf_counter()
                         draft = session.propose(context[:length], room)
@@ -475,7 +471,7 @@ class Engine:
                         stats.draft_s += time.perf_counter() - t
                     t = time.perf_counter()
                     branches = (self.policy.tree_branches(draft.parents, draft.confidence, draft.chain_length(), n,
-                                                          tracker.alpha, backend.max_step - 1, room)
+                                                          tracker.alpha, min(backend.max_step - 1, share), room)
                                 if n > 0 and draft.parents is not None else [])
                     if branches:
                         tree = _TreeStep(draft, n, branches)
@@ -523,6 +519,13 @@ def _choose(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tens
     if grammar is not None:
         logits = grammar.mask_logits(logits)
     return sampler.pick(logits, position, pending)
+
+
+def shared_room(backend) -> int:
+    """The most drafted tokens a step should carry beside the requests that shared the backend's
+    last forward (GPU lanes: server/fast_path.py FastTarget.shared_room), else no bound."""
+    room = getattr(backend, "shared_room", None)
+    return room(shared_load(backend)) if room is not None else 1 << 30
 
 
 def shared_load(backend) -> tuple[int, int]:

@@ -48,9 +48,9 @@ class EngineConfig:
         "help": "memory for kept sequences in MiB (default: 20%% of free memory, at most 8 GiB on the CPU; "
                 "on the GPU fast path 40%% of what its static cache leaves)"})
     parallel: int | None = field(default=None, metadata={
-        "min": 1, "help": "requests decoded at once, their steps sharing forwards (the CPU int8 path batches them; "
-                "each output stays the one it gets alone); more wait in arrival order (default: 4 on the CPU int8 "
-                "path, else 1; above 1 refused on the GPU fast path until its lanes add throughput)"})
+        "min": 1, "help": "requests decoded at once, their steps sharing forwards (the CPU int8 path and the GPU "
+                "fast path batch them, the GPU with a cache per request; each output stays the one it gets "
+                "alone); more wait in arrival order (default: 4 on the CPU int8 path, else 1)"})
     remeasure_cost: bool = field(default=False, metadata={
         "help": "measure the verify cost curve again even if one was kept for this model, device and path"})
     # not flags: set by code (tests, benchmarks, the server's loader)

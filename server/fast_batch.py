@@ -24,6 +24,13 @@ tests/test_fast_batch.py checks that on CUDA (2 and 8 lanes, captured and not), 
 and every request's tokens are its solo tokens. A forward takes at most the step kernels' 64
 rows: more run in a second forward.
 
+Prompts: an uncached rest short enough to run as steps (a next turn's, `FastTarget.prefill_by_steps`)
+joins the shared forwards as steps do; a longer one prefills in pieces under `FastBatch.lock`, the
+others' steps running between pieces. Drafts: `FastTarget.shared_room` caps a lane's draft at its
+share of `rows_budget` rows (the engine reads it each step), because stacked steps are padded to
+the widest one and a forward past a lone step's largest bucket costs more (E4B on the H200: 4
+lanes of 16 rows 2.4x a lone step).
+
 Memory: `plan_fast_memory(..., lanes=n)` fits every lane's cache and buffers and the stacked
 forward's scratch under the card or the cap (at one context), or under a cap refuses. The engine
 builds lanes on the fast path only when asked (`--parallel N`).
@@ -79,6 +86,10 @@ class FastBatch:
     def __init__(self, lanes: list):
         self.lock = FifoLock()  # one forward or prefill piece of any lane at a time, in turn
         self.max_rows = MAX_ROWS if lanes[0].step_kernels else 1 << 30
+        # Rows the lanes' drafts fill a forward with (FastTarget.shared_room): a lone step's largest
+        # bucket, where a forward still costs about one step (E4B on the H200: 16 rows 1.06x one,
+        # 64 stacked rows 2.4x; bench.gpu_concurrency --rows measures the choice).
+        self.rows_budget = lanes[0].max_bucket
         self.batcher = StepBatcher(self)  # calls forward_batch with the steps that met
         # On the step kernels: the steps of a forward stacked, one launch per op, captured as graphs
         # (server/batch_step.py). Elsewhere (the CPU, tests): one Segment per step (_run_segments).
@@ -100,7 +111,8 @@ class FastBatch:
         cannot run (too many tokens, past the cache) is refused here, before it joins a forward
         that other lanes' steps share."""
         lane._check_room(lane.pos + lane._bucket(len(ids)))
-        return self.batcher.run(LaneStep(lane, ids, parents))[0]
+        logits, lane._others = self.batcher.run(LaneStep(lane, ids, parents))
+        return logits
 
     @torch.no_grad()
     def forward_batch(self, steps: list[LaneStep]) -> list[torch.Tensor]:
@@ -173,29 +185,11 @@ class FastBatch:
             out[i] = logits[seg.lo:seg.lo + len(s.ids)]
 
 
-# On CUDA, lanes give each request its solo output on the real shape (on the H200, E4B shape,
-# bench.gpu_concurrency: every stream at 1, 2, 4, 8 and 16 at once, drafted, equal to its solo
-# tokens, once the compiled ops kept one kernel per op for every row count: fast_path.compile_ops)
-# but do not pay yet: a stacked forward of 4 lanes' 16-row drafts costs 2.4x a lone one (the int4
-# step matmuls past 16 rows) and prompts prefill one at a time, so 4 streams decode 0.96x one
-# stream's tokens/s, each waiting longer than if served in turn. The engine refuses --parallel on
-# the GPU fast path until they pay; the bench and the tests ask for lanes knowingly
-# (`even_on_cuda=True`).
-GPU_LANES_DO_NOT_PAY = ("--parallel on the GPU fast path is refused: lanes give every request its solo output but do "
-                        "not pay yet (E4B shape on an H200, python -m bench.gpu_concurrency: 4 streams at once decode "
-                        "0.96x one stream's tokens/s, the median stream taking 3.7x its solo time, longer than served in turn); "
-                        "serve one request at a time (--parallel 1)")
-
-
-def fast_lanes(fast, n: int, even_on_cuda: bool = False) -> list:
-    """n lanes over `fast`'s model (see the module docstring); [fast] alone for n <= 1. On CUDA,
-    refused unless `even_on_cuda` (see GPU_LANES_DO_NOT_PAY)."""
+def fast_lanes(fast, n: int) -> list:
+    """n lanes over `fast`'s model (see the module docstring); [fast] alone for n <= 1."""
     if n <= 1:
         return [fast]
     from server.fast_path import FastTarget
-
-    if fast.device.type == "cuda" and not even_on_cuda:
-        raise ValueError(GPU_LANES_DO_NOT_PAY)
 
     if fast.device.type == "cuda" and not fast.step_kernels:
         raise ValueError(f"lanes need the batch-invariant step kernels ({fast.step_kernel_note}): without them a "

@@ -382,6 +382,7 @@ class FastTarget:
         self.prefix = FastPrefixCache(self, prefix_budget_bytes, self.checkpoint_every, store=prefix_store)
         self.batch = None  # server.fast_batch.FastBatch, once fast_lanes made this a lane: steps shared
         self._joined = False
+        self._others = (0, 0)  # (lanes, rows) that shared this lane's last forward (shared_load)
         self.pos = 0
         self._keep = False
         self._last_step = None  # (start, ids, bucket, parents) of the last step, for keep_path
@@ -781,14 +782,18 @@ class FastTarget:
 
     def _prefill_by_steps(self, prompt_ids: list[int], begin: int) -> torch.Tensor:
         """Positions begin.. of the prompt written by steps of up to `max_bucket` tokens (a lane's
-        hold the lanes' lock, as prefill pieces do); the last token's logits. Its K/V come from the
+        run in the lanes' shared forwards); the last token's logits. Its K/V come from the
         step kernels, as generated tokens' do, so a prefix cached this way rounds as a decoded one
         (tests/test_prefix_cache.py's CUDA test measures cached against fresh). No sliding-window
         checkpoints are made: a later resume inside this stretch uses an earlier one (exact)."""
         logits = None
+        if self.batch is not None and not self._joined:
+            # A lane's prompt steps join the lanes' forwards like any step (stacked with the others'
+            # steps and prompt steps: the same bits as alone), rather than queueing between them.
+            self.batch.join()
+            self._joined = True
         for at in range(begin, len(prompt_ids), self.max_bucket):
-            with self.batch.lock if self.batch is not None else nullcontext():
-                logits = self.step_alone(prompt_ids[at:at + self.max_bucket])[-1].clone()
+            logits = self.step(prompt_ids[at:at + self.max_bucket])[-1].clone()
         self._last_step = None  # not a step keep_path may follow
         return logits
 
@@ -817,6 +822,20 @@ class FastTarget:
     def batcher(self):
         """The StepBatcher of the lanes this target is one of (its counters: /metrics), else None."""
         return self.batch.batcher if self.batch is not None else None
+
+    def shared_load(self) -> tuple[int, int]:
+        """(requests, rows) that shared this lane's last forward besides it ((0, 0) when alone):
+        server/cost_model.py weighs a draft against them."""
+        return self._others if self._joined else (0, 0)
+
+    def shared_room(self, others: tuple[int, int]) -> int:
+        """The most drafted tokens a step of this lane should carry beside `others` = (lanes,
+        rows): the lanes' forward stays within `batch.rows_budget` rows when each takes its share
+        (at least one drafted token each). Alone: the largest bucket's."""
+        lanes = others[0] + 1
+        if self.batch is None or lanes == 1:
+            return self.max_bucket - 1
+        return max(1, min(self.max_bucket, self.batch.rows_budget // lanes) - 1)
 
     def _leave(self) -> None:
         if self._joined:

@@ -183,18 +183,17 @@ def test_a_step_that_cannot_run_is_refused_before_it_joins_a_forward(tiny):
     assert lanes[0].batcher.summary()["members"] == 0
 
 
-def test_lanes_on_cuda_are_refused_unless_asked_for_knowingly():
-    """The engine's --parallel on the GPU fast path is refused with the measurement behind it
-    (server/fast_batch.py GPU_LANES_DO_NOT_PAY); the refusal comes before any lane is built."""
-    from types import SimpleNamespace
-
-    from server.fast_batch import GPU_LANES_DO_NOT_PAY
-
-    on_cuda = SimpleNamespace(device=torch.device("cuda"))
-    with pytest.raises(ValueError, match="do not pay yet") as refused:
-        fast_lanes(on_cuda, 2)
-    assert str(refused.value) == GPU_LANES_DO_NOT_PAY and "--parallel 1" in GPU_LANES_DO_NOT_PAY
-    assert fast_lanes(on_cuda, 1) == [on_cuda]
+def test_shared_room_keeps_a_forward_within_the_rows_budget(tiny):
+    """GPU lanes' drafts (FastTarget.shared_room, read by the engine): alone, the largest bucket's;
+    beside k other lanes, each takes its share of `rows_budget` rows, at least one drafted token."""
+    lanes = fast_lanes(cpu_target(tiny, buckets=(2, 4, 8, 16)), 3)
+    lane, budget = lanes[0], lanes[0].batch.rows_budget
+    assert budget == lane.max_bucket == 16
+    assert lane.shared_room((0, 0)) == 15
+    assert lane.shared_room((1, 4)) == 7 and lane.shared_room((3, 9)) == 3 and lane.shared_room((15, 30)) == 1
+    assert lane.shared_load() == (0, 0)  # not in a request: nobody shares its forwards
+    from server.engine import shared_room
+    assert shared_room(lane) == 15 and shared_room(object()) > 1000  # a backend without lanes: no bound
 
 
 # ---------------------------------------------------------------- CUDA
@@ -212,6 +211,44 @@ def test_batched_steps_equal_each_lane_alone_cuda(lanes_n, capture):
 
     model = cuda_model(torch.bfloat16, quant=True)
     _lanes_equal_alone(model, lanes_n, capture, [7 + 23 * i for i in range(lanes_n)], max_len=512, rounds=2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_engine_parallel_on_the_gpu_fast_path_equals_solo_cuda():
+    """--parallel 4 on the GPU fast path (lanes, stacked captured forwards, prompt steps shared):
+    6 requests, 4 at a time, drafted by prompt lookup, greedy and seeded-sampled, each its solo output."""
+    from tests.test_engine_lossless import PromptLookup
+    from tests.test_fast_path import cuda_model
+
+    model = cuda_model(torch.bfloat16, quant=True)
+    make = lambda: FastTarget(model, max_len=512, prefill_chunk=64, min_kv_len=64, buckets=(2, 4, 8, 16),
+                              prefill_by_steps=32)
+    prompts = prompts_for(model.config.vocab_size, (9, 30, 70, 120, 25, 200), seed=4)
+    sampling = [dict(temperature=0.0), dict(temperature=0.8, seed=11)] * 3
+    solo = engine_for(model, drafter=PromptLookup(), backend=make())
+    want = [run(solo, p, max_tokens=40, **s)[0] for p, s in zip(prompts, sampling)]
+    engine = engine_for(model, drafter=PromptLookup(), backend=make(), parallel=4)
+    assert engine.parallel == 4
+    got: dict[int, list[int]] = {}
+    todo = list(range(len(prompts)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            got[i] = run(engine, prompts[i], max_tokens=40, **sampling[i])[0]
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(prompts))] == want
+    summary = engine.batch_summary()
+    assert summary["peak_sequences"] >= 2 and summary["members"] == 0, summary
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -234,7 +271,7 @@ def _lanes_equal_alone(model, lanes_n: int, capture: bool, prompt_lens: list[int
     vocab = model.config.vocab_size
     make = lambda: FastTarget(model, max_len=max_len, prefill_chunk=64, min_kv_len=64, buckets=(2, 4, 8, 16),
                               capture=capture, ple_on_host=ple_on_host, lm_head_int8=lm_head_int8)
-    lanes = fast_lanes(make(), lanes_n, even_on_cuda=True)
+    lanes = fast_lanes(make(), lanes_n)
     assert lanes[0].batch.stacked is not None
     alone = [make() for _ in range(lanes_n)]
     prompts = prompts_for(vocab, prompt_lens, seed=6)
