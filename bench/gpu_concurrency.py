@@ -15,8 +15,9 @@ at most min(15, 64 / S - 1) tokens, so one forward of the step kernels' 64 rows 
 stream's verify) or plainly (`--plain`), each ending in discard (the lane leaves the rendezvous).
 Per count: wall time from the first thread's start to the last one's end (prefills included),
 aggregate tokens/s = S x `--tokens` / wall, its ratio to one stream's, p50 of the streams' own
-times and its ratio to one stream's, the forwards the lanes' batcher ran and the most streams one
-carried, and whether every stream's tokens equal its reference. Issue bars (GPU, drafting on):
+times and its ratio to one stream's, the forwards the lanes' batcher ran, their mean time (host work
+and GPU; of it the host's staging of a stacked forward before its replay) and their share of the
+wall, the most streams one carried, and whether every stream's tokens equal its reference. Issue bars (GPU, drafting on):
 4 streams >= 3x one stream's tokens/s and p50 latency <= 1.5x; 16 streams >= 8x; identical always.
 First each stream drafted alone on its own lane (the largest count's drafts), against its plain
 reference: a difference there is drafting's or a lane's, not sharing's. Each count runs one untimed round (it captures the stacked forwards' graphs: server/batch_step.py),
@@ -101,6 +102,8 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
     results: list = [None] * S
     errors: list = []
     before = dict(lanes[0].batcher.summary()) if lanes[0].batcher is not None else None
+    batch = lanes[0].batch
+    timing0 = _forward_timing(batch)
     store = lanes[0].store  # the lanes' shared prefix store (None when the cache is off)
     computed0 = store.summary()["computed_tokens"] if store is not None else 0
 
@@ -115,7 +118,10 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
     if errors:
         raise errors[0]
     after = lanes[0].batcher.summary() if lanes[0].batcher is not None else None
-    return {"streams": S, "max_draft": 0 if plain else max_draft, "wall_s": wall,
+    timing = [b - a for a, b in zip(timing0, _forward_timing(batch))]
+    return {"forward_ms": 1e3 * timing[0] / timing[1] if timing[1] else None,
+            "forward_share": timing[0] / wall,
+            "staging_ms": 1e3 * timing[2] / timing[3] if timing[3] else None,"streams": S, "max_draft": 0 if plain else max_draft, "wall_s": wall,
             "aggregate_tps": S * tokens / wall, "stream_s": [r[1] for r in results],
             "p50_s": statistics.median(r[1] for r in results),
             "prefill_p50_s": statistics.median(r[2] for r in results),
@@ -125,6 +131,16 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
             "prompt_tokens_computed": None if store is None else store.summary()["computed_tokens"] - computed0,
             "forwards": None if after is None else after["forwards"] - before["forwards"],
             "peak_streams": None if after is None else after["peak_sequences"]}
+
+
+def _forward_timing(batch) -> tuple[float, int, float, int]:
+    """(seconds in the lanes' forwards, forwards, seconds staging stacked forwards, stacked forwards)
+    so far (server/fast_batch.py, server/batch_step.py); zeros without lanes."""
+    if batch is None:
+        return 0.0, 0, 0.0, 0
+    stacked = batch.stacked
+    return (batch.forward_s, batch.forwards_run, stacked.staging_s if stacked else 0.0,
+            stacked.replays if stacked else 0)
 
 
 def forward_costs(lanes, prompts, shapes: list[tuple[int, int]], reps: int = 10) -> list[dict]:
@@ -168,6 +184,9 @@ def summarize(first: dict, rounds: list[dict]) -> dict:
     mid["tps_range"] = [by_tps[0]["aggregate_tps"], by_tps[-1]["aggregate_tps"]]
     mid["p50_s"] = statistics.median(run["p50_s"] for run in rounds)
     mid["prefill_p50_s"] = statistics.median(run["prefill_p50_s"] for run in rounds)
+    for key in ("forward_ms", "forward_share", "staging_ms"):
+        values = [run[key] for run in rounds if run.get(key) is not None]
+        mid[key] = statistics.median(values) if values else None
     mid["identical"] = [all(col) for col in zip(first["identical"], *(run["identical"] for run in rounds))]
     mid["identical_by_round"] = [first["identical"]] + [run["identical"] for run in rounds]
     mid["first_difference_by_round"] = [first["first_difference"]] + [run["first_difference"] for run in rounds]
@@ -190,13 +209,17 @@ def markdown(r: dict) -> str:
              "timed: the median round, the range of aggregate tokens/s, the median of the rounds' p50.", "",
              "| streams | max draft | aggregate tokens/s (range) | x one stream | stream p50 (s) | p50 / one stream | "
              "its prefill p50 (s) | "
-             "forwards | most streams in one forward (so far) | identical to solo (every round) | first round tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "forwards | ms a forward (of it host staging) | forwards' share of the wall | "
+             "most streams in one forward (so far) | identical to solo (every round) | first round tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in r["runs"]:
         lo, hi = run["tps_range"]
         lines.append(f"| {run['streams']} | {run['max_draft']} | {run['aggregate_tps']:.1f} ({lo:.0f}-{hi:.0f}) | "
                      f"{run['aggregate_tps'] / one['aggregate_tps']:.2f}x | {run['p50_s']:.2f} | "
-                     f"{run['p50_s'] / one['p50_s']:.2f}x | {run['prefill_p50_s']:.3f} | {run['forwards']} | {run['peak_streams']} | "
+                     f"{run['p50_s'] / one['p50_s']:.2f}x | {run['prefill_p50_s']:.3f} | {run['forwards']} | "
+                     f"{_ms(run.get('forward_ms'))} ({_ms(run.get('staging_ms'))}) | "
+                     + (f"{run['forward_share']:.0%}" if run.get("forward_share") is not None else "-")
+                     + f" | {run['peak_streams']} | "
                      f"{sum(run['identical'])}/{run['streams']} | {run['first_round']['aggregate_tps']:.1f} |")
     if r.get("drafted_alone"):
         alone = r["drafted_alone"]
@@ -216,6 +239,10 @@ def markdown(r: dict) -> str:
         lines += ["", f"Stacked forwards (server/batch_step.py): {st['stacked_forwards']}, {st['graphs']} graphs "
                       f"captured in {st['capture_s']:.1f} s, {st['replays']} replays."]
     return "\n".join(lines) + "\n"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,12 +71,14 @@ class StackedStep:
         self.capture_s = 0.0
         self.capture_by_key: dict[str, float] = {}
         self.runs = self.replays = 0
+        self.staging_s = 0.0  # host time staging the replayed forwards' inputs, summed
 
     def fits(self, steps: list, T: int) -> bool:
         return len(steps) * T <= MAX_ROWS and all(s.lane.pos + T <= s.lane.max_len for s in steps)
 
     @torch.no_grad()
     def run(self, steps: list, T: int) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
         S = len(steps)
         self.runs += 1
         host = self.host
@@ -101,6 +103,7 @@ class StackedStep:
         if self.embed_rows is not None:
             self.lead.embed.rows_into(rows[_IDS, :R], self.embed_rows[:R])
         if self.lead.capture:
+            self.staging_s += time.perf_counter() - t0  # the host's work before the GPU's (a replay's)
             graph, out = self._graph(S, T)
             graph.replay()
             self.replays += 1
@@ -136,7 +139,8 @@ class StackedStep:
 
     def summary(self) -> dict:
         return {"stacked_forwards": self.runs, "graphs": len(self.graphs), "capture_s": round(self.capture_s, 3),
-                "replays": self.replays, "capture_s_by_steps_x_rows": dict(self.capture_by_key)}
+                "replays": self.replays, "staging_s": round(self.staging_s, 4),
+                "capture_s_by_steps_x_rows": dict(self.capture_by_key)}
 
 
 def _padded(rows: int) -> int:

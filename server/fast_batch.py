@@ -94,6 +94,7 @@ class FastBatch:
         # On the step kernels: the steps of a forward stacked, one launch per op, captured as graphs
         # (server/batch_step.py). Elsewhere (the CPU, tests): one Segment per step (_run_segments).
         self.cuda = lanes[0].device.type == "cuda"
+        self.forward_s, self.forwards_run = 0.0, 0  # every forward's time (host work and GPU), summed
         self.stacked = None
         if lanes[0].step_kernels and self.cuda:
             from server.batch_step import StackedStep
@@ -146,7 +147,10 @@ class FastBatch:
                     # wait for its logits: measured on the H200, 2 streams then never shared a forward.
                     torch.cuda.synchronize()
             finally:  # the forward's own time, not the wait for a prefill piece (the batcher's linger)
-                self.last_forward_s += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.last_forward_s += seconds
+                self.forward_s += seconds
+                self.forwards_run += 1
 
     def _run_locked(self, steps: list[LaneStep], group: list[int], out: list) -> None:
         if len(group) == 1:  # alone: the lane's own path (its captured graphs on CUDA)

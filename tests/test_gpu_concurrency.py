@@ -18,6 +18,8 @@ def test_gpu_concurrency_tiny_streams_are_identical_to_solo(tmp_path):
     one, three = record["runs"]
     assert (one["streams"], three["streams"]) == (1, 3) and all(one["identical"]) and all(three["identical"])
     assert three["forwards"] > 0 and three["peak_streams"] >= 2  # the streams shared forwards
+    # the forwards' own time: one at a time under the lanes' lock, so their sum fits in the wall
+    assert three["forward_ms"] > 0 and 0 < three["forward_share"] <= 1 and three["staging_ms"] is None  # uncaptured
     assert "| 3 |" in (tmp_path / "gpu_concurrency-tiny.md").read_text()
 
 
