@@ -1,14 +1,21 @@
 """Triton kernels of the fast path's steps (imported only on CUDA): the small-M matmul
-(server/small_m_matmul.py states its contract) and step attention (server/step_attention.py)."""
+(server/small_m_matmul.py states its contract) and step attention (server/step_attention.py).
+Every step kernel starts with `_pdl_start`: on Hopper and later they are launched with
+programmatic dependent launch (server/small_m_matmul.py `pdl_launch`)."""
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # in the Triton this project pins (3.6); older ones may lack them
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_PDL = True
+except ImportError:  # an older Triton: the kernels run without PDL (pdl_launch asks HAS_PDL)
+    HAS_PDL = False
 
 
 @triton.jit
 def _pdl_start(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL: launched with launch_pdl, server/small_m_matmul.py
-    `pdl_enabled`), a kernel may start while the one before it on the stream finishes: it waits
+    `pdl_launch`), a kernel may start while the one before it on the stream finishes: it waits
     here, before touching any memory, for that kernel to end and its writes to be visible, then lets
     the next kernel start its own launch. What it saves is the launch gap between kernels, not
     any arithmetic: the outputs are the same bits."""

@@ -92,7 +92,8 @@ def pdl_launch(device: torch.device) -> dict:
 
     if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return {}
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    from server.gpu_kernels import HAS_PDL
+    if not HAS_PDL or torch.cuda.get_device_capability(device)[0] < 9:
         return {}
     return {"PDL": True, "launch_pdl": True}
 
