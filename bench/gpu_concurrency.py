@@ -121,7 +121,7 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
     timing = [b - a for a, b in zip(timing0, _forward_timing(batch))]
     return {"forward_ms": 1e3 * timing[0] / timing[1] if timing[1] else None,
             "forward_share": timing[0] / wall,
-            "staging_ms": 1e3 * timing[2] / timing[3] if timing[3] else None,"streams": S, "max_draft": 0 if plain else max_draft, "wall_s": wall,
+            "staging_ms": 1e3 * timing[2] / timing[3] if timing[3] else None, "streams": S, "max_draft": 0 if plain else max_draft, "wall_s": wall,
             "aggregate_tps": S * tokens / wall, "stream_s": [r[1] for r in results],
             "p50_s": statistics.median(r[1] for r in results),
             "prefill_p50_s": statistics.median(r[2] for r in results),

@@ -26,10 +26,11 @@ rows: more run in a second forward.
 
 Prompts: an uncached rest short enough to run as steps (a next turn's, `FastTarget.prefill_by_steps`)
 joins the shared forwards as steps do; a longer one prefills in pieces under `FastBatch.lock`, the
-others' steps running between pieces. Drafts: `FastTarget.shared_room` caps a lane's draft at its
-share of `rows_budget` rows (the engine reads it each step), because stacked steps are padded to
-the widest one and a forward past a lone step's largest bucket costs more (E4B on the H200: 4
-lanes of 16 rows 2.4x a lone step).
+others' steps running between pieces; its steps are `rows_budget` tokens wide. Drafts:
+`FastTarget.shared_room` caps a lane's draft so that its step's bucket is at most its share of
+`rows_budget` rows among the lanes in a request (the engine reads it each step), because stacked
+steps are padded to the widest one and wider forwards cost more (E4B on the H200: 4 lanes of 16
+rows 2.4x a lone step).
 
 Memory: `plan_fast_memory(..., lanes=n)` fits every lane's cache and buffers and the stacked
 forward's scratch under the card or the cap (at one context), or under a cap refuses. The engine
@@ -45,6 +46,8 @@ import torch
 
 from server.batcher import StepBatcher
 from server.small_m_matmul import MAX_ROWS
+
+ROWS_BUDGET = 16  # rows a shared forward is filled to (FastBatch.rows_budget)
 
 
 class FifoLock:
@@ -86,10 +89,10 @@ class FastBatch:
     def __init__(self, lanes: list):
         self.lock = FifoLock()  # one forward or prefill piece of any lane at a time, in turn
         self.max_rows = MAX_ROWS if lanes[0].step_kernels else 1 << 30
-        # Rows the lanes' drafts fill a forward with (FastTarget.shared_room): a lone step's largest
-        # bucket, where a forward still costs about one step (E4B on the H200: 16 rows 1.06x one,
-        # 64 stacked rows 2.4x; bench.gpu_concurrency --rows measures the choice).
-        self.rows_budget = lanes[0].max_bucket
+        # Rows the lanes' drafts and prompt steps fill a forward with (FastTarget.shared_room,
+        # _prefill_by_steps): where a forward still costs about one step (E4B on the H200: 16 rows
+        # 1.06x one, 2 lanes x 16 rows 1.3x, 4 x 16 2.4x; bench.gpu_concurrency --rows measures it).
+        self.rows_budget = min(ROWS_BUDGET, lanes[0].max_bucket)
         self.batcher = StepBatcher(self)  # calls forward_batch with the steps that met
         # On the step kernels: the steps of a forward stacked, one launch per op, captured as graphs
         # (server/batch_step.py). Elsewhere (the CPU, tests): one Segment per step (_run_segments).

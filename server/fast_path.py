@@ -764,14 +764,18 @@ class FastTarget:
         self.pos, self._keep = begin, reuse
         self._last_step = None
         t0 = time.perf_counter()
-        # (padding rows of the last step must fit the cache too)
-        if len(prompt_ids) - begin <= self.prefill_by_steps and len(prompt_ids) + self.max_bucket <= self.max_len:
-            logits = self._prefill_by_steps(prompt_ids, begin)
-        else:
-            for at in range(begin, len(prompt_ids), self.prefill_rows):
-                piece = prompt_ids[at:at + self.prefill_rows]
-                with self.batch.lock if self.batch is not None else nullcontext():  # the other lanes' steps run between pieces
-                    logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
+        try:
+            # (padding rows of the last step must fit the cache too)
+            if len(prompt_ids) - begin <= self.prefill_by_steps and len(prompt_ids) + self.max_bucket <= self.max_len:
+                logits = self._prefill_by_steps(prompt_ids, begin)
+            else:
+                for at in range(begin, len(prompt_ids), self.prefill_rows):
+                    piece = prompt_ids[at:at + self.prefill_rows]
+                    with self.batch.lock if self.batch is not None else nullcontext():  # the other lanes' steps run between pieces
+                        logits = prefill_layers(self, piece, at, self.prefix.add_checkpoint)
+        except BaseException:
+            self._leave()  # a lane that joined for its prompt steps: the others stop waiting for it
+            raise
         if self.batch is not None and not self._joined:  # from now on the other lanes' steps wait (a while) for ours
             self.batch.join()
             self._joined = True
@@ -792,8 +796,10 @@ class FastTarget:
             # steps and prompt steps: the same bits as alone), rather than queueing between them.
             self.batch.join()
             self._joined = True
-        for at in range(begin, len(prompt_ids), self.max_bucket):
-            logits = self.step(prompt_ids[at:at + self.max_bucket])[-1].clone()
+        # lanes: steps no wider than a shared forward's budget, so the others' steps are not padded past it
+        width = self.max_bucket if self.batch is None else self.batch.rows_budget
+        for at in range(begin, len(prompt_ids), width):
+            logits = self.step(prompt_ids[at:at + width])[-1].clone()
         self._last_step = None  # not a step keep_path may follow
         return logits
 
@@ -829,15 +835,22 @@ class FastTarget:
         return self._others if self._joined else (0, 0)
 
     def shared_room(self, others: tuple[int, int]) -> int:
-        """The most drafted tokens a step of this lane should carry beside `others` = (lanes,
-        rows): the lanes' forward stays within `batch.rows_budget` rows when each takes its share
-        (at least one drafted token each). Alone: the largest bucket's."""
-        lanes = others[0] + 1
-        if self.batch is None or lanes == 1:
+        """The most drafted tokens a step of this lane should carry when it shares forwards: the
+        lanes in a request now (the batcher's members; at least those of the last forward,
+        `others` = (lanes, rows) besides this one) each get an equal share of `batch.rows_budget`
+        rows, and the step's bucket (stacked steps are padded to the widest one's) stays within
+        it; at least one drafted token. Alone: the largest bucket's."""
+        if self.batch is None:
             return self.max_bucket - 1
-        return max(1, min(self.max_bucket, self.batch.rows_budget // lanes) - 1)
+        lanes = max(others[0] + 1, self.batch.batcher.members)
+        if lanes <= 1:
+            return self.max_bucket - 1
+        share = self.batch.rows_budget // lanes
+        fitting = [b for b in self.buckets if b <= share]
+        return max(1, (fitting[-1] if fitting else 1) - 1)
 
     def _leave(self) -> None:
+        self._others = (0, 0)
         if self._joined:
             self._joined = False
             self.batch.leave()

@@ -183,6 +183,21 @@ def test_a_step_that_cannot_run_is_refused_before_it_joins_a_forward(tiny):
     assert lanes[0].batcher.summary()["members"] == 0
 
 
+def test_a_prompt_that_fails_mid_steps_leaves_the_rendezvous(tiny, monkeypatch):
+    """A lane joins the lanes' forwards for its prompt steps; if one raises, start() takes it out
+    again, so the other lanes' forwards stop waiting for it."""
+    lanes = fast_lanes(cpu_target(tiny, prefill_by_steps=32), 2)
+
+    def broken(ids, parents=None):
+        assert lanes[0].batcher.members == 1  # joined before its prompt steps
+        raise RuntimeError("a forward failed")
+
+    monkeypatch.setattr(lanes[0], "step", broken)
+    with pytest.raises(RuntimeError, match="a forward failed"):
+        lanes[0].start([2, 5, 6, 7, 8], reuse=False)
+    assert lanes[0].batcher.members == 0 and lanes[0].shared_load() == (0, 0)
+
+
 def test_shared_room_keeps_a_forward_within_the_rows_budget(tiny):
     """GPU lanes' drafts (FastTarget.shared_room, read by the engine): alone, the largest bucket's;
     beside k other lanes, each takes its share of `rows_budget` rows, at least one drafted token."""
@@ -190,8 +205,15 @@ def test_shared_room_keeps_a_forward_within_the_rows_budget(tiny):
     lane, budget = lanes[0], lanes[0].batch.rows_budget
     assert budget == lane.max_bucket == 16
     assert lane.shared_room((0, 0)) == 15
-    assert lane.shared_room((1, 4)) == 7 and lane.shared_room((3, 9)) == 3 and lane.shared_room((15, 30)) == 1
+    # each lane's step bucket within its share: 2 lanes 8 rows, 3 lanes 5 -> bucket 4, 16 lanes 1 -> one token
+    assert lane.shared_room((1, 4)) == 7 and lane.shared_room((2, 8)) == 3 and lane.shared_room((3, 9)) == 3
+    assert lane.shared_room((15, 30)) == 1
     assert lane.shared_load() == (0, 0)  # not in a request: nobody shares its forwards
+    for _ in range(3):  # lanes in a request now count, whoever shared the last forward
+        lane.batch.join()
+    assert lane.shared_room((0, 0)) == 3
+    for _ in range(3):
+        lane.batch.leave()
     from server.engine import shared_room
     assert shared_room(lane) == 15 and shared_room(object()) > 1000  # a backend without lanes: no bound
 
