@@ -776,26 +776,22 @@ class FastTarget:
         except BaseException:
             self._leave()  # a lane that joined for its prompt steps: the others stop waiting for it
             raise
-        if self.batch is not None and not self._joined:  # from now on the other lanes' steps wait (a while) for ours
-            self.batch.join()
-            self._joined = True
+        self._join()
         self.prefix.note_written(begin, prompt[begin:], len(prompt) - begin)
         self.pos = len(prompt_ids)
         self.timings.prefill_s += time.perf_counter() - t0
         return Prefill(logits, begin)
 
     def _prefill_by_steps(self, prompt_ids: list[int], begin: int) -> torch.Tensor:
-        """Positions begin.. of the prompt written by steps of up to `max_bucket` tokens (a lane's
-        run in the lanes' shared forwards); the last token's logits. Its K/V come from the
+        """Positions begin.. of the prompt written by steps of up to `max_bucket` tokens (a lane's:
+        `batch.rows_budget` tokens, in the lanes' shared forwards); the last token's logits. Its K/V come from the
         step kernels, as generated tokens' do, so a prefix cached this way rounds as a decoded one
         (tests/test_prefix_cache.py's CUDA test measures cached against fresh). No sliding-window
         checkpoints are made: a later resume inside this stretch uses an earlier one (exact)."""
         logits = None
-        if self.batch is not None and not self._joined:
-            # A lane's prompt steps join the lanes' forwards like any step (stacked with the others'
-            # steps and prompt steps: the same bits as alone), rather than queueing between them.
-            self.batch.join()
-            self._joined = True
+        # A lane's prompt steps join the lanes' forwards like any step (stacked with the others'
+        # steps and prompt steps: the same bits as alone), rather than queueing between them.
+        self._join()
         # lanes: steps no wider than a shared forward's budget, so the others' steps are not padded past it
         width = self.max_bucket if self.batch is None else self.batch.rows_budget
         for at in range(begin, len(prompt_ids), width):
@@ -848,6 +844,12 @@ class FastTarget:
         share = self.batch.rows_budget // lanes
         fitting = [b for b in self.buckets if b <= share]
         return max(1, (fitting[-1] if fitting else 1) - 1)
+
+    def _join(self) -> None:
+        """A lane in a request: from now on the other lanes' steps wait (a while) for its own."""
+        if self.batch is not None and not self._joined:
+            self.batch.join()
+            self._joined = True
 
     def _leave(self) -> None:
         self._others = (0, 0)
