@@ -606,12 +606,19 @@ class FastTarget:
                 self.v_cache[layer.index] = torch.zeros(shape, dtype=dt, device=dev)
         self.slot_pos = torch.full((self.ring,), -1, dtype=torch.long, device=dev)
         self.full_pos = torch.arange(self.max_len, device=dev)
-        # Static step inputs: ids and positions of up to max_bucket tokens.
-        self.ids_buf = torch.zeros(self.max_bucket, dtype=torch.long, device=dev)
-        self.pos_buf = torch.zeros(self.max_bucket, dtype=torch.long, device=dev)
-        # anc_buf[t]: bit j set iff step row j is t or one of its ancestors (a chain: rows 0..t)
+        # Static step inputs of up to max_bucket tokens, the rows of one buffer that a step fills
+        # with one copy from the host rows `_host_in` (written through the numpy view `_host_np`:
+        # a few numpy writes cost what one torch op's dispatch does): ids, positions, and
+        # anc_buf[t]: bit j set iff step row j is t or one of its ancestors (a chain: rows 0..t).
+        pin = dev.type == "cuda"
+        self._host_in = torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin)
+        self._host_np = self._host_in.numpy()
+        self._in_buf = torch.zeros(3, self.max_bucket, dtype=torch.long, device=dev)
+        self.ids_buf, self.pos_buf, self.anc_buf = self._in_buf.unbind(0)
         self._chain_anc = torch.tensor(chain_ancestors(self.max_bucket), dtype=torch.long)
-        self.anc_buf = self._chain_anc.to(dev, copy=True)  # never an alias of the chain masks
+        self._chain_anc_np = self._chain_anc.numpy()
+        self._rows_np = np.arange(self.max_bucket, dtype=np.int64)  # a chain step's rows 0..T-1
+        self.anc_buf.copy_(self._chain_anc)  # never an alias of the chain masks
         # path_buf[t, j]: the row of t's ancestor at depth j (a chain: j), what the step kernels read;
         # written only when a step's tree differs from what it holds (chain steps copy nothing)
         self._chain_path = chain_paths(self.max_bucket)
@@ -619,9 +626,6 @@ class FastTarget:
         self._host_path = torch.zeros(self.max_bucket, self.max_bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._path_is_chain = True
         self.row_index = torch.arange(self.max_bucket, device=dev)  # a step's row j writes at slot pos[0] + j
-        pin = dev.type == "cuda"
-        self._host_in = torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin)
-        self._in_buf = torch.zeros(3, self.max_bucket, dtype=torch.long, device=dev)
         if self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
             self.ple_buf = torch.zeros(self.max_bucket, self.embed_ple.width, dtype=self.embed_ple.dtype, device=dev)
         if self.embed_on_host:  # a step's embedding rows, likewise
@@ -897,10 +901,9 @@ class FastTarget:
         T = self._bucket(len(ids))
         n, kv_len = self._stage_host(ids, parents, T)
         host = self._host_in
-        self._in_buf[:, :T].copy_(host[:, :T])
-        self.ids_buf[:T].copy_(self._in_buf[0, :T])
-        self.pos_buf[:T].copy_(self._in_buf[1, :T])
-        self.anc_buf[:T].copy_(self._in_buf[2, :T])
+        # One copy of all three rows (past T they hold an earlier step's values, which no graph of
+        # bucket T reads); blocking, so the host rows are free for the next step when it returns.
+        self._in_buf.copy_(host)
         if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
             self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
         if self.embed_on_host:
@@ -915,19 +918,19 @@ class FastTarget:
             raise ValueError(f"{n} tokens in a step of {T} rows")
         self._check_room(self.pos + T)
         kv_len = self._kv_len(self.pos + T)
-        host = self._host_in
-        host[0, :n] = torch.as_tensor(ids, dtype=torch.long)
+        host = self._host_np
+        host[0, :n] = ids
         host[0, n:T] = 0
         if parents is None:
-            host[1, :T] = torch.arange(self.pos, self.pos + T)
-            host[2, :T] = self._chain_anc[:T]
+            np.add(self._rows_np[:T], self.pos, out=host[1, :T])
+            host[2, :T] = self._chain_anc_np[:T]
             if not self._path_is_chain:
                 self.path_buf.copy_(self._chain_path)
                 self._path_is_chain = True
         else:
             depth, anc = tree_rows(parents, n, T)
-            host[1, :T] = torch.from_numpy(depth) + self.pos
-            host[2, :T] = torch.from_numpy(anc)
+            host[1, :T] = depth + self.pos
+            host[2, :T] = anc
             self._host_path[:T, :T] = torch.from_numpy(tree_paths(parents, n, T))
             self.path_buf[:T].copy_(self._host_path[:T])
             self._path_is_chain = False
