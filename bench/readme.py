@@ -31,7 +31,8 @@ SECTIONS = [
     ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
      "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
     ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens) with drafts "
-     "capped at 16 / streams - 1 tokens (at least 1)", "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 1 "
+     "capped at 16 / streams - 1 tokens (at least 1; H200, 12-03, with the prompts as shared steps, PDL and "
+     "staging through numpy)", "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 2 "
      "--no-costs (on the GPU machine)", "gpu_concurrency-rows16-turn64.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
      ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),
