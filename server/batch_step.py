@@ -5,7 +5,7 @@ CUDA: server/fast_batch.py) of one FastBatch. `run(steps, T)` takes S steps (lan
 different lanes, pads each to T rows (a step bucket at least each one's own), runs one forward and
 returns each step's logits [its tokens, vocab], leaving each lane as its own step would (cache
 written, position advanced, prefix cache told). `fits(steps, T)`: every lane has room for T rows.
-The forward's rows are padded to a power of two (`_padded`): rows past S*T belong to no segment.
+The forward's rows are padded to a power of two (`padded_rows`): rows past S*T belong to no segment.
 
 How: segment s's rows are rows s*T..s*T+T-1 of the forward. Their ids, positions and where they
 write sit in one staging buffer, with one row of int64 addresses per segment (its K/V caches,
@@ -100,7 +100,7 @@ class StackedStep:
             np.add(lane._rows_np[:T], lane.pos, out=wpos)
             np.remainder(wpos, lane.ring, out=rows[_RING, lo:lo + T])
             table[s * self.width:(s + 1) * self.width] = lane.table_row
-        R = _padded(S * T)
+        R = padded_rows(S * T)
         rows[:, S * T:R] = 0  # rows of no segment (position 0): computed, written nowhere, read by no one
         used = 4 * MAX_ROWS + S * self.width
         self.staged[:used].copy_(self.host[:used])
@@ -124,7 +124,7 @@ class StackedStep:
         # Every segment's full layers read up to the cache's end: step attention skips the chunks
         # past each row's position (the same keys, the same order), and one graph per (S, T) serves
         # every context, not one per kv_len bucket (each capture costs a forward and more).
-        R, kv_len = _padded(S * T), self.lead.max_len
+        R, kv_len = padded_rows(S * T), self.lead.max_len
         return self.lead._forward(self.ids[:R], self.pos[:R], kv_len, step=True,
                                   segments=[_Segments(self, S, T, kv_len)],
                                   ple_rows=None if self.ple is None else self.ple[:R],
@@ -149,7 +149,7 @@ class StackedStep:
                 "capture_s_by_steps_x_rows": dict(self.capture_by_key)}
 
 
-def _padded(rows: int) -> int:
+def padded_rows(rows: int) -> int:
     """The forward's row count: the power of two at or above `rows` (at most MAX_ROWS, itself one).
     The compiled norms and elementwise ops then see the row counts of the lone steps' buckets,
     whose compiled kernels they already are, rather than one per S x T (a recompile per new row

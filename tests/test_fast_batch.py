@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from server.fast_batch import FastBatch, LaneStep, fast_lanes
+from server.fast_batch import FastBatch, LaneStep, fast_lanes, stacked_groups, summed_groups
 from server.fast_path import FastTarget
 from tests.test_engine_lossless import engine_for, prompts_for, run, tiny_gemma4
 
@@ -216,6 +216,45 @@ def test_shared_room_keeps_a_forward_within_the_rows_budget(tiny):
         lane.batch.leave()
     from server.engine import shared_room
     assert shared_room(lane) == 15 and shared_room(object()) > 1000  # a backend without lanes: no bound
+
+
+def test_stacked_groups_fit_the_most_steps_in_the_fewest_forwards():
+    """A prompt's 16-token step beside 15 lanes' 2-token steps: 2 forwards (15 x 2 rows, and the
+    16 alone), not 4 of 4 lanes padded to 16 rows each as arrival order gave."""
+    widths = [16] + [2] * 15
+    groups = stacked_groups(widths, 64)
+    assert sorted(len(g) for g in groups) == [1, 15] and [0] in groups
+    assert stacked_groups([4] * 4, 64) == [[0, 1, 2, 3]]
+    assert sorted(len(g) for g in stacked_groups([16] * 5, 64)) == [1, 4]
+    assert sorted(stacked_groups([64, 2], 64)) == [[0], [1]]
+    assert stacked_groups([], 64) == []
+
+
+def test_stacked_groups_are_a_partition_within_the_rows_and_as_few_as_any():
+    """Every step once; each forward's steps times its widest at most the rows; and no partition of
+    the steps into stacked forwards has fewer (brute force over small cases)."""
+    import itertools
+    import random
+
+    def fewest(widths, cap):  # the smallest number of groups of any set partition that fits
+        n = len(widths)
+        for k in range(1, n + 1):
+            for labels in itertools.product(range(k), repeat=n):
+                if len(set(labels)) != k:
+                    continue
+                if all(sum(1 for x in labels if x == g) * max(w for w, x in zip(widths, labels) if x == g) <= cap
+                       for g in range(k)):
+                    return k
+        return 0
+
+    rng = random.Random(3)
+    for _ in range(150):
+        widths = [rng.choice([2, 4, 8, 16, 32]) for _ in range(rng.randint(1, 6))]
+        groups = stacked_groups(widths, 32)
+        assert sorted(i for g in groups for i in g) == list(range(len(widths)))
+        assert all(len(g) * max(widths[i] for i in g) <= 32 for g in groups)
+        assert len(groups) == fewest(widths, 32), widths
+    assert summed_groups([8, 8, 40, 8], 48) == [[0, 1], [2, 3]]
 
 
 # ---------------------------------------------------------------- CUDA

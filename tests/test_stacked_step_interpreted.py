@@ -75,7 +75,7 @@ def main(out: str) -> int:
     import torch
 
     import server.gpu_kernels as kernels
-    from server.batch_step import _padded
+    from server.batch_step import padded_rows
     from server.step_attention import StepAttention
     from tests.test_step_attention_interpreted import _Merge
 
@@ -93,7 +93,7 @@ def main(out: str) -> int:
         table = torch.tensor([[k.data_ptr(), v.data_ptr(), sp.data_ptr(), path.data_ptr()]
                               for q, k, v, sp, qpos, path in inputs], dtype=torch.int64)
         R = len(segs) * T
-        pad = _padded(R) - R  # the stacked forward's rows past the segments' (server/batch_step.py)
+        pad = padded_rows(R) - R  # the stacked forward's rows past the segments' (server/batch_step.py)
         q = torch.cat([i[0] for i in inputs] + [torch.randn(pad, 8, 64)])
         qpos = torch.cat([i[4] for i in inputs] + [torch.zeros(pad, dtype=torch.long)])
         k0 = inputs[0][1]
