@@ -61,7 +61,7 @@ class StackedStep:
         # 2.6 ms of a 9 ms forward with torch ops on the H200).
         self.host_np = self.host.numpy()
         self.host_rows = self.host_np[:4 * MAX_ROWS].reshape(4, MAX_ROWS)
-        self.host_ids = self.host[:MAX_ROWS]  # the ids row as a tensor (the host row tables gather by it)
+        self.host_ids = self.host[:4 * MAX_ROWS].view(4, MAX_ROWS)[_IDS]  # as a tensor: the host row tables gather by it
         self.staged = torch.zeros(size, dtype=torch.int64, device=dev)
         rows = self.staged[:4 * MAX_ROWS].view(4, MAX_ROWS)
         self.ids, self.pos, self.wpos, self.ring_slot = rows[_IDS], rows[_POS], rows[_WPOS], rows[_RING]

@@ -45,6 +45,7 @@ import time
 import numpy as np
 import torch
 
+from server.batch_step import padded_rows
 from server.batcher import StepBatcher
 from server.small_m_matmul import MAX_ROWS
 
@@ -207,8 +208,6 @@ def stacked_groups(widths: list[int], max_rows: int) -> list[list[int]]:
     `padded_rows`). The steps are taken narrowest first and each forward is a run of that order, so a
     prompt's 16-token step no longer pads 15 lanes' 2-token steps to 16 rows (64 rows, 4 lanes, a
     forward: 4 forwards where 2 do)."""
-    from server.batch_step import padded_rows
-
     order = sorted(range(len(widths)), key=lambda i: widths[i])
     # best[j]: (forwards, rows computed, where the last forward starts) for the first j steps of order
     best: list[tuple[int, int, int]] = [(0, 0, 0)] + [(1 << 30, 0, 0)] * len(order)

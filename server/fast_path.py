@@ -623,7 +623,7 @@ class FastTarget:
         # written only when a step's tree differs from what it holds (chain steps copy nothing)
         self._chain_path = chain_paths(self.max_bucket)
         self.path_buf = self._chain_path.to(dev, copy=True)
-        self._host_path = torch.zeros(self.max_bucket, self.max_bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_path = torch.zeros(self.max_bucket, self.max_bucket, dtype=torch.long, pin_memory=pin)
         self._path_is_chain = True
         self.row_index = torch.arange(self.max_bucket, device=dev)  # a step's row j writes at slot pos[0] + j
         if self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
