@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from ngram.draft import tree_layout
 from server.backend import Prefill
-from server.fast_prefill import _w, prefill_layers
+from server.fast_prefill import _eps, _w, prefill_layers
 from server.small_m_matmul import MAX_ROWS, triton_available
 from server.step_attention import chain_ancestors, chain_paths
 
@@ -668,7 +668,7 @@ class FastTarget:
                 rows = self.embed_ple(ids)
             tok = rows.reshape(T, self.n_layers, self.ple_dim)
             proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers, self.ple_dim)
-            ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), self.ple_norm.eps, tok,
+            ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), _eps(self.ple_norm), tok,
                                  self.ple_input_scale)
         for seg in segments:
             seg.prepare(pos, from_buffers, step, ops)
@@ -679,7 +679,7 @@ class FastTarget:
         # (residual_norm_rms): a layer's input norm in the previous layer's last one, the final norm
         # in the last layer's. Only the first layer's input norm runs on its own.
         first = self.layers[0].hf.input_layernorm
-        x = ops.rms(h, _w(first), first.eps)
+        x = ops.rms(h, _w(first), _eps(first))
         for i, layer in enumerate(self.layers):
             if step:
                 layer = layer.step
@@ -699,17 +699,17 @@ class FastTarget:
                     v_raw = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
             q_raw = q_raw.view(T, self.num_heads, D)
             if layer.source == layer.index:  # q, k and v normed (q and k rotated) in one kernel
-                q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), attn.q_norm.eps, _w(attn.k_norm),
-                                            attn.k_norm.eps, _w(attn.v_norm), attn.v_norm.eps, cos, sin)
+                q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), _eps(attn.q_norm), _w(attn.k_norm),
+                                            _eps(attn.k_norm), _w(attn.v_norm), _eps(attn.v_norm), cos, sin)
                 for seg in segments:
                     seg.write_kv(layer, k, v)
             else:
-                q = ops.norm_rope(q_raw, _w(attn.q_norm), attn.q_norm.eps, cos, sin)
+                q = ops.norm_rope(q_raw, _w(attn.q_norm), _eps(attn.q_norm), cos, sin)
             parts = [seg.attend(layer, q, pos, step, ops) for seg in segments]
             a = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = ops.residual_norm_rms(h, layer.o(a), _w(hf.post_attention_layernorm),
-                                         hf.post_attention_layernorm.eps, None,
-                                         _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
+                                         _eps(hf.post_attention_layernorm), None,
+                                         _w(hf.pre_feedforward_layernorm), _eps(hf.pre_feedforward_layernorm))
             if layer.gate_up is not None:
                 g, u = layer.gate_up(x).split((layer.gate.out_features, layer.up.out_features), -1)
             else:
@@ -717,13 +717,13 @@ class FastTarget:
             x = layer.down(ops.gelu_mul(g, u))
             scalar = getattr(hf, "layer_scalar", None)
             if self.ple_dim:
-                h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), hf.post_feedforward_layernorm.eps, None)
+                h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm), None)
                 x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
-                h, x = ops.residual_norm_rms(h, x, _w(hf.post_per_layer_input_norm), hf.post_per_layer_input_norm.eps,
-                                             scalar, _w(next_norm), next_norm.eps)
+                h, x = ops.residual_norm_rms(h, x, _w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm),
+                                             scalar, _w(next_norm), _eps(next_norm))
             else:
                 h, x = ops.residual_norm_rms(h, x, _w(hf.post_feedforward_layernorm),
-                                             hf.post_feedforward_layernorm.eps, scalar, _w(next_norm), next_norm.eps)
+                                             _eps(hf.post_feedforward_layernorm), scalar, _w(next_norm), _eps(next_norm))
         logits = (self.lm_head_step if step else self.lm_head)(x)  # x: the final norm of h
         return ops.softcap(logits, self.softcap) if self.softcap else logits
 

@@ -54,7 +54,7 @@ def prefill_layers(fast, ids: list[int], start: int, checkpoint) -> torch.Tensor
         tok = fast.embed_ple(ids_t).reshape(T, fast.n_layers, fast.ple_dim)
         proj_lin = fast.ple_model_proj_step if fast.step_kernels else fast.ple_model_proj
         proj = _rows(proj_lin, h).reshape(T, fast.n_layers, fast.ple_dim)
-        ple = ops.ple_inputs(proj, fast.ple_model_proj_scale, _w(fast.ple_norm), fast.ple_norm.eps, tok,
+        ple = ops.ple_inputs(proj, fast.ple_model_proj_scale, _w(fast.ple_norm), _eps(fast.ple_norm), tok,
                              fast.ple_input_scale)
         del tok, proj  # [T, layers x ple_dim] each (E4B: 21 KiB a token): not kept through the layers
     rope = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :]) for s, (c, n) in fast.rope.items()}
@@ -66,7 +66,7 @@ def prefill_layers(fast, ids: list[int], start: int, checkpoint) -> torch.Tensor
             h, ple, q0 = h[-1:], (ple[-1:] if ple is not None else None), end - 1
             rope = {s: (c[-1:], n[-1:]) for s, (c, n) in rope.items()}
         h = _layer(fast, layer, h, q0, ple, rope[layer.sliding], sources, start, end, checkpoint)
-    x = ops.rms(h[-1:], _w(fast.final_norm), fast.final_norm.eps)
+    x = ops.rms(h[-1:], _w(fast.final_norm), _eps(fast.final_norm))
     logits = _rows(fast.lm_head, x)
     return (ops.softcap(logits, fast.softcap) if fast.softcap else logits)[0]
 
@@ -76,7 +76,7 @@ def _layer(fast, layer, h, q0, ple, cos_sin, sources, start, end, checkpoint):
     attn = hf.self_attn
     T, D = h.shape[0], layer.head_dim
     cos, sin = cos_sin
-    x = ops.rms(h, _w(hf.input_layernorm), hf.input_layernorm.eps)
+    x = ops.rms(h, _w(hf.input_layernorm), _eps(hf.input_layernorm))
     lin = layer.step if layer.step is not None else layer
     owns = layer.source == layer.index
     if lin.qkv is not None:  # fused only where the layer owns k (and v)
@@ -87,24 +87,24 @@ def _layer(fast, layer, h, q0, ple, cos_sin, sources, start, end, checkpoint):
         if owns:
             k_raw = _rows(lin.k, x)
             v_raw = _rows(lin.v, x) if lin.v is not None else k_raw
-    q = ops.norm_rope(q_raw.view(T, fast.num_heads, D), _w(attn.q_norm), attn.q_norm.eps, cos, sin)
+    q = ops.norm_rope(q_raw.view(T, fast.num_heads, D), _w(attn.q_norm), _eps(attn.q_norm), cos, sin)
     if owns:
-        k = ops.norm_rope(k_raw.view(T, layer.kv_heads, D), _w(attn.k_norm), attn.k_norm.eps, cos, sin)
-        v = ops.rms(v_raw.view(T, layer.kv_heads, D), _w(attn.v_norm), attn.v_norm.eps)
+        k = ops.norm_rope(k_raw.view(T, layer.kv_heads, D), _w(attn.k_norm), _eps(attn.k_norm), cos, sin)
+        v = ops.rms(v_raw.view(T, layer.kv_heads, D), _w(attn.v_norm), _eps(attn.v_norm))
         sources[layer.index] = _store_kv(fast, layer, k.transpose(0, 1), v.transpose(0, 1), start, end, checkpoint)
     keys, values, k0 = sources[layer.source]
     a = _attend(ops, q, keys, values, k0, q0, fast.window if layer.sliding else None, attn.scaling,
                 getattr(fast, "score_budget", SCORE_BUDGET))
-    h = ops.residual_norm(h, _rows(lin.o, a), _w(hf.post_attention_layernorm), hf.post_attention_layernorm.eps, None)
-    x = ops.rms(h, _w(hf.pre_feedforward_layernorm), hf.pre_feedforward_layernorm.eps)
+    h = ops.residual_norm(h, _rows(lin.o, a), _w(hf.post_attention_layernorm), _eps(hf.post_attention_layernorm), None)
+    x = ops.rms(h, _w(hf.pre_feedforward_layernorm), _eps(hf.pre_feedforward_layernorm))
     x = _mlp(fast, lin, x)
     scalar = getattr(hf, "layer_scalar", None)
     last = not fast.ple_dim
-    h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), hf.post_feedforward_layernorm.eps,
+    h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm),
                           scalar if last else None)
     if fast.ple_dim:
         x = _rows(lin.ple_proj, ops.gelu_mul(_rows(lin.ple_gate, h), ple[:, layer.index]))
-        h = ops.residual_norm(h, x, _w(hf.post_per_layer_input_norm), hf.post_per_layer_input_norm.eps, scalar)
+        h = ops.residual_norm(h, x, _w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm), scalar)
     return h
 
 
@@ -267,6 +267,12 @@ def _dequant():
     if not _DEQUANT:
         _DEQUANT.append(torch.compile(_dequant_codes, dynamic=True) if torch.cuda.is_available() else _dequant_codes)
     return _DEQUANT[0]
+
+
+def _eps(norm) -> float:
+    """A transformers RMSNorm's epsilon: `eps` up to transformers 5.24, `variance_epsilon` from 5.25."""
+    eps = getattr(norm, "eps", None)
+    return norm.variance_epsilon if eps is None else eps
 
 
 def _w(norm) -> torch.Tensor | None:
