@@ -1,7 +1,7 @@
 """Several streams at once against a real server: aggregate tokens/s, per-stream latency, identity.
 
     python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64]
-                                [--workload tool_calls|agentic] [--out bench/results]
+                                [--workload tool_calls|agentic] [--index DIR] [--out bench/results]
 
 For each setting (drafting on and off; `--parallel 1`, the one-at-a-time baseline, and the default
 `--parallel`) a real server (`python -m server`) is started on the bundled model and the workload's
@@ -12,6 +12,13 @@ the wall time), that over one stream's, per-request latency p50 / p90 and that o
 how many answers equal their solo answer (they must all: batching changes no output). The drafted
 settings run with the online overlay off (`--overlay-tokens 0`): the phases repeat the same requests,
 and a drafter that learnt their answers in one phase would speed up the next.
+
+The drafted settings serve one pinned index: `--index DIR`, or by default the public corpus's (the
+BFCL v4 starter corpus minus its held-out split, which the tool_calls requests come from), built
+into a temporary directory: what `make index` builds on a machine with no traces of its own, so the
+figures do not depend on this machine's personal index, nor on whether it has one (a server with no
+usable index decodes plainly, and its "drafted" rows would measure plain decoding). A drafted
+setting whose server reports no index in service stops the benchmark.
 """
 from __future__ import annotations
 
@@ -45,6 +52,14 @@ def _answer(message: dict) -> tuple:
     return message.get("content"), calls
 
 
+def build_public_index(out_dir: Path) -> dict:
+    """The public corpus's index (BFCL v4 minus its held-out split, no personal traces) in `out_dir`."""
+    from index.build import build_index
+
+    summary = build_index([], out_dir, include_bfcl=True, progress=False)
+    return {"turns": summary.turns, "tokens": summary.tokens}
+
+
 def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path) -> dict:
     import httpx
 
@@ -52,6 +67,9 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
 
     proc, base = start_server(extra, log_path)
     try:
+        drafting = httpx.get(base + "/health").json().get("drafting", "")
+        if "--no-draft" not in extra and not drafting.startswith("index "):
+            raise RuntimeError(f"a drafted setting's server has no index in service: {drafting}")
         client = httpx.Client(base_url=base, timeout=600)
 
         def ask(req: dict) -> tuple[dict, int, float]:
@@ -96,12 +114,22 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
         proc.wait(timeout=60)
 
 
+def _index_line(index: dict | None) -> str:
+    if not index:
+        return "Drafted settings: the machine's default index (not recorded)."
+    if "turns" in index:
+        return (f"Drafted settings: the {index['source']} index, {index['turns']:,} turns, "
+                f"{index['tokens']:,} tokens, built for this run.")
+    return f"Drafted settings: the index in {index['source']}."
+
+
 def markdown(r: dict) -> str:
     lines = ["# Several streams at once, bundled model, CPU\n",
              f"{r['when']}, {r['machine']}. Command: `{r['command']}`.\n",
              f"{r['requests']} {r['workload']} requests, {r['max_tokens']} tokens each, the bundled model on the CPU "
              "int8 path; every stream sends requests one after another until all are done. Speed-up = aggregate "
-             "tokens/s over the same setting's 1 stream; latency ratio = p50 per-request latency over solo's.\n",
+             "tokens/s over the same setting's 1 stream; latency ratio = p50 per-request latency over solo's. "
+             + _index_line(r.get("index")) + "\n",
              "| setting | streams | aggregate tokens/s | speed-up | latency p50 / p90 (s) | latency / solo | identical to solo |",
              "|---|---|---|---|---|---|---|"]
     for name, s in r["settings"].items():
@@ -121,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--workload", choices=["tool_calls", "agentic"], default="tool_calls")
+    p.add_argument("--index", type=Path, help="the drafted settings' index directory "
+                   "(default: the public corpus's, built into a temporary directory; see the docstring)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
     from bench.workloads import agentic_requests, tool_call_requests
@@ -128,13 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     requests = (tool_call_requests if args.workload == "tool_calls" else agentic_requests)(args.requests)
     # The online overlay is off: every phase repeats the same requests, and a drafter that had learnt
     # their answers in an earlier phase would make the later phases look faster.
-    settings = {"drafted, --parallel 4": ["--parallel", "4", "--overlay-tokens", "0"],
-                "plain, --parallel 4": ["--parallel", "4", "--no-draft"],
-                "drafted, --parallel 1 (one at a time)": ["--parallel", "1", "--overlay-tokens", "0"]}
     results = {**run_header(),
                "command": "python -m bench.concurrency" + (" " + " ".join(argv) if argv else ""),
                "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens, "settings": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        index_dir = args.index
+        if index_dir is None:
+            index_dir = Path(tmp) / "index"
+            print("  building the public corpus's index", file=sys.stderr)
+            results["index"] = {"source": "public corpus (BFCL v4 minus its held-out split)", **build_public_index(index_dir)}
+        else:
+            results["index"] = {"source": str(index_dir)}
+        pinned = ["--index", str(index_dir)]
+        settings = {"drafted, --parallel 4": ["--parallel", "4", "--overlay-tokens", "0", *pinned],
+                    "plain, --parallel 4": ["--parallel", "4", "--no-draft"],
+                    "drafted, --parallel 1 (one at a time)": ["--parallel", "1", "--overlay-tokens", "0", *pinned]}
         for name, extra in settings.items():
             print(f"  {name}", file=sys.stderr)
             results["settings"][name] = run_setting(extra, requests, args.streams, args.max_tokens,
