@@ -1026,7 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, st in states.items():
         if name != "baseline" and "draft" in name and (st.get("drafting") or "").startswith("no usable index"):
-            notes.append(f"{name} drafted nothing: {st['drafting']} (build one with `make index`, or pass --index)")
+            notes.append(f"{name} had no index, so it drafted from the live context only: {st['drafting']} "
+                         "(build one with `make index`, or pass --index)")
     measured = {n: [r for r in recs if r["phase"] == "measured"] for n, recs in probe_records.items()}
     result = {
         "name": "agent_sessions", **run_header(),

@@ -88,9 +88,14 @@ def load_engine(settings: Settings):
             note = (f"index {index_dir}: {index.num_turns} turns, "
                     f"{len(index.trie)} n-gram keys, fingerprint {index.fingerprint[:12]}")
         except IndexLoadError as e:
-            # No usable index: plain decoding, as documented; the reason is logged as a warning.
-            note = f"no usable index ({e}): serving with plain decoding"
-    (log.info if drafter is not None or not settings.draft else log.warning)("drafting: %s", note)
+            # No usable index: the drafter still proposes from the live context (a prompt's own
+            # repeats: the arguments an agent copies, a file it quotes back) and from this server's
+            # own completions, which need no index; the reload watcher swaps in the index once one
+            # is built. The reason is logged as a warning.
+            drafter = make_drafter(None, settings.drafter, target.tokenizer)
+            note = (f"no usable index ({e}): drafting from the live context and this server's own "
+                    f"completions only, until an index is built (python -m index build)")
+    (log.warning if settings.draft and getattr(drafter, "index", None) is None else log.info)("drafting: %s", note)
 
     t0 = time.perf_counter()
     # the cost curve is measured whenever drafting is on: an index may arrive later through a reload

@@ -34,7 +34,9 @@ conversion: the bits 0x4300 | code are the bf16 number 128 + code. Weights are s
 floor is their bytes at the memory's rate; on the H200 the largest linear (E4B's gate|up) runs at
 about 1.2 TB/s, a third of it (bench/small_m_bench.py --cold). Neither the decoding's arithmetic nor
 the operand layout changes bound it: decoding half the work per weight (scales applied per group
-after the products) and one layout change per group instead of eight were both slower (e458c5f).
+after the products) and one layout change per group instead of eight were both slower (e458c5f),
+and with the decoding cut to a shift and an OR, or with no products at all, gate|up took as long:
+the weights' loads bound it (README, GPU step speed).
 
 Prefill reads the same layout: `dequantize_t` writes one linear's W^T into a scratch buffer shared
 by all linears (`share_prefill_scratch`, the size of the largest) for one cuBLAS GEMM over many

@@ -5,7 +5,8 @@
   requests identically, while the drafted one really drafts.
 - Streaming returns the same text as non-streaming; concurrent clients get what they get alone.
 - `python -m server` as a subprocess: the start-up log names model, quantization, device, index and
-  the verify cost curve; a corrupted index is refused with its reason and the server serves plainly.
+  the verify cost curve; a corrupted index is refused with its reason and the server drafts from
+  the live context alone, its output still plain decoding's.
 The model is a base model (it does not call tools); tool-call protocol details are in
 test_server_protocol.py. Short max_tokens keep the module around a minute on 2 CPU cores.
 """
@@ -28,6 +29,7 @@ from server.app import create_app
 from server.engine import Engine, EngineConfig
 from server.serving import Service
 from server.settings import Settings
+from tests.test_engine_lossless import run
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
@@ -123,7 +125,9 @@ def test_concurrent_clients_get_their_solo_output(servers):
     assert [out[i] for i in range(len(prompts))] == solo
 
 
-def test_refused_index_serves_plain_and_says_why(tmp_path):
+def test_refused_index_drafts_from_the_context_and_says_why(tmp_path):
+    """A broken index is refused with the loader's message; the server still drafts from the live
+    context (no index needed), its output equal to plain decoding's."""
     from server.serving import load_engine
     from server.settings import Settings
 
@@ -131,8 +135,15 @@ def test_refused_index_serves_plain_and_says_why(tmp_path):
     bad_index.mkdir()
     (bad_index / "meta.msgpack").write_bytes(b"\x00garbage")
     engine, note = load_engine(Settings(index=str(bad_index)))
-    assert engine._drafter is None
-    assert "no usable index" in note and "plain decoding" in note and "rebuild" in note
+    assert engine._drafter is not None and engine._drafter.index is None
+    assert "no usable index" in note and "live context" in note and "rebuild" in note
+    tok = engine.tokenizer
+    prompt = tok("def area(width, height):\n    return width * height\n\n" * 6 + "def area(width,",
+                 add_special_tokens=False)["input_ids"]
+    drafted, *_, stats = run(engine, prompt, max_tokens=24)
+    plain, *_ = run(engine, prompt, max_tokens=24, draft=False)
+    assert drafted == plain
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
 
 
 def test_cli_server_startup_log(tmp_path):
