@@ -17,8 +17,9 @@ The drafted settings serve one pinned index: `--index DIR`, or by default the pu
 BFCL v4 starter corpus minus its held-out split, which the tool_calls requests come from), built
 into a temporary directory: what `make index` builds on a machine with no traces of its own, so the
 figures do not depend on this machine's personal index, nor on whether it has one (a server with no
-usable index decodes plainly, and its "drafted" rows would measure plain decoding). A drafted
-setting whose server reports no index in service stops the benchmark.
+usable index drafts from the live context alone; before 12-03 it decoded plainly, and the
+"drafted" rows measured plain decoding). A drafted setting whose server reports no index in service
+stops the benchmark.
 """
 from __future__ import annotations
 
