@@ -1025,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_server(srv.proc)
 
     for name, st in states.items():
-        if name != "baseline" and "draft" in name and (st.get("drafting") or "").startswith("no usable index"):
+        if name != "baseline" and "draft" in name and "health" in st and st["health"].get("index") is None:
             notes.append(f"{name} had no index, so it drafted from the live context only: {st['drafting']} "
                          "(build one with `make index`, or pass --index)")
     measured = {n: [r for r in recs if r["phase"] == "measured"] for n, recs in probe_records.items()}

@@ -68,9 +68,9 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
 
     proc, base = start_server(extra, log_path)
     try:
-        drafting = httpx.get(base + "/health").json().get("drafting", "")
-        if "--no-draft" not in extra and not drafting.startswith("index "):
-            raise RuntimeError(f"a drafted setting's server has no index in service: {drafting}")
+        health = httpx.get(base + "/health").json()
+        if "--no-draft" not in extra and health["index"] is None:
+            raise RuntimeError(f"a drafted setting's server has no index in service: {health['drafting']}")
         client = httpx.Client(base_url=base, timeout=600)
 
         def ask(req: dict) -> tuple[dict, int, float]:

@@ -47,9 +47,10 @@ class IndexReloader:
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    def _current_generation(self) -> Path | None:
-        drafter = self.engine._drafter
-        index = getattr(drafter, "index", None)
+    def in_service(self) -> Path | None:
+        """The index generation the engine's drafter serves; None when it has no index (drafting
+        off, or from the live context alone)."""
+        index = getattr(self.engine._drafter, "index", None)
         return Path(index.path) if index is not None else None
 
     def reload(self) -> ReloadResult:
@@ -58,7 +59,7 @@ class IndexReloader:
         with self._lock:
             try:
                 generation = resolve_generation(self.directory)
-                if generation == self._current_generation():
+                if generation == self.in_service():
                     return ReloadResult(ReloadStatus.UNCHANGED, f"unchanged: {generation.name} is already in service")
                 index = load_index(generation, self.fingerprint)
             except IndexLoadError as e:
@@ -81,7 +82,7 @@ class IndexReloader:
                     generation = resolve_generation(self.directory)
                 except IndexLoadError:
                     continue
-                if generation != self._current_generation():
+                if generation != self.in_service():
                     self.reload()
         threading.Thread(target=loop, name="index-watch", daemon=True).start()
 

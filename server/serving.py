@@ -508,7 +508,9 @@ class Service:
         return result
 
     def health(self) -> dict:
+        index = self.reloader.in_service()
         return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,
+                "index": None if index is None else str(index),
                 "context_length": self.engine.max_context, "prefix_cache": self.engine.prefix_summary(),
                 "waiting": self.scheduler.waiting, "running": self.scheduler.running,
                 "parallel": self.scheduler.workers, "batching": self.engine.batch_summary()}

@@ -71,6 +71,7 @@ class ScriptedEngine:
     """A stand-in for server.engine.Engine that replays scripted text instead of running a model."""
 
     model_id = "scripted-stand-in"
+    _drafter = None  # as the real engine's when drafting is off
 
     def __init__(self, script=default_script, max_context: int = 8192, delay: float = 0.0):
         self.tokenizer = ByteTokenizer()
@@ -610,8 +611,6 @@ def test_streamed_and_whole_completions_are_the_same(client, req):
 
 
 class ReloadableEngine(ScriptedEngine):
-    _drafter = None
-
     def set_drafter(self, drafter):
         self._drafter = drafter
 
@@ -634,10 +633,12 @@ def test_reload_status_maps_to_http(tmp_path):
         assert r.status_code == 409 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert r.json()["error"]["code"] == "index_refused" and r.json()["error"]["type"] == "invalid_request_error"
         assert r.json()["error"]["message"].startswith("refused: no n-gram index")
+        assert httpx.get(url + "/health").json()["index"] is None
         write_turns(tokenizer_fingerprint(engine.tokenizer))
         r = reload(url)
         assert r.status_code == 200 and r.json()["reloaded"] is True and set(r.json()) == {"reloaded", "message"}
         assert engine._drafter is not None and service.drafter_note == r.json()["message"]
+        assert httpx.get(url + "/health").json()["index"] == str(engine._drafter.index.path)
         r = reload(url)
         assert r.status_code == 200 and r.json()["reloaded"] is False and r.json()["message"].startswith("unchanged")
         in_service = engine._drafter
