@@ -77,9 +77,14 @@ def decode(lane, prompt: list[int], tokens: int, propose=None, max_draft: int = 
     return out, time.perf_counter() - t0, lane.timings.prefill_s - prefill0
 
 
-def draft_cap(streams: int, rows: int) -> int:
-    """The most drafted tokens per stream when `streams` share forwards of about `rows` rows."""
-    return max(1, min(15, rows // streams - 1))
+def draft_cap(streams: int, rows: int | str) -> int:
+    """The most drafted tokens per stream when `streams` share forwards of about `rows` rows;
+    rows "auto": as many as the server fills a forward of that many lanes with
+    (server/fast_batch.py `FastBatch.rows_for`: 16 for one or two, 32 for more)."""
+    if rows == "auto":
+        from server.fast_batch import shared_rows
+        rows = shared_rows(streams)
+    return max(1, min(15, int(rows) // streams - 1))
 
 
 def warm(lane, history: list[int]) -> None:
@@ -89,7 +94,7 @@ def warm(lane, history: list[int]) -> None:
     lane.finish(history, 0)
 
 
-def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int, rows: int = 64,
+def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int, rows: int | str = 64,
                 histories: list | None = None) -> dict:
     from bench.concurrency import run_at_once
     from bench.fast_greedy import oracle
@@ -203,8 +208,9 @@ def markdown(r: dict) -> str:
                                   f"its lane's prefix cache holds (served untimed before each round) and {r['turn']} new")
              + f", {r['tokens']} tokens a stream, greedy, "
              + ("plain." if r["plain"] else "oracle drafts (the stream's own output, 20% of tokens wrong).")
-             + ("" if r["plain"] else f" Max draft per stream: {r.get('rows', 64)} / streams - 1, within 1..15 (the "
-                f"streams' drafts fill about {r.get('rows', 64)} rows a forward, and each stream adds at least 2).")
+             + ("" if r["plain"] else f" Max draft per stream: {_rows_words(r.get('rows', 64))} / streams - 1, "
+                f"within 1..15 (the streams' drafts fill about that many rows a forward, and each stream adds at "
+                f"least 2).")
              + f" Per count: one untimed round (it captures the stacked forwards' graphs), then {r['rounds']} "
              "timed: the median round, the range of aggregate tokens/s, the median of the rounds' p50.", "",
              "| streams | max draft | aggregate tokens/s (range) | x one stream | stream p50 (s) | p50 / one stream | "
@@ -241,6 +247,14 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rows_words(rows: int | str) -> str:
+    return "R (as the server: 16 for one or two streams, 32 for more)" if rows == "auto" else str(rows)
+
+
+def _rows_arg(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -251,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--plain", action="store_true", help="no drafts")
-    ap.add_argument("--rows", type=int, default=64,
-                    help="rows the streams' drafts fill a forward with: max draft per stream = rows / streams - 1 (1..15)")
+    ap.add_argument("--rows", type=_rows_arg, default=64,
+                    help="rows the streams' drafts fill a forward with: max draft per stream = rows / streams - 1 "
+                         "(1..15); 'auto': the server's rows for that many lanes (16 for one or two, 32 for more)")
     ap.add_argument("--turn", type=int, default=0,
                     help="each stream is an agent's next turn: --prompt tokens its lane's prefix cache holds, then "
                          "this many new ones (default 0: every prompt prefilled from position 0)")

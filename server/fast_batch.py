@@ -29,9 +29,9 @@ Prompts: an uncached rest short enough to run as steps (a next turn's, `FastTarg
 joins the shared forwards as steps do; a longer one prefills in pieces under `FastBatch.lock`, the
 others' steps running between pieces; its steps are `rows_budget` tokens wide. Drafts:
 `FastTarget.shared_room` caps a lane's draft so that its step's bucket is at most its share of
-`rows_budget` rows among the lanes in a request (the engine reads it each step), because stacked
-steps are padded to the widest one and wider forwards cost more (E4B on the H200: 4 lanes of 16
-rows 2.4x a lone step).
+`FastBatch.rows_for(lanes)` rows (16 for one or two lanes in a request, 32 for more; the engine
+reads it each step), because stacked steps are padded to the widest one and wider forwards cost
+more (E4B on the H200: 4 lanes of 16 rows 2.4x a lone step).
 
 Memory: `plan_fast_memory(..., lanes=n)` fits every lane's cache and buffers and the stacked
 forward's scratch under the card or the cap (at one context), or under a cap refuses. The engine
@@ -49,7 +49,8 @@ from server.batch_step import padded_rows
 from server.batcher import StepBatcher
 from server.small_m_matmul import MAX_ROWS
 
-ROWS_BUDGET = 16  # rows a shared forward is filled to (FastBatch.rows_budget)
+ROWS_BUDGET = 16  # rows a shared forward of one or two lanes' steps is filled to (FastBatch.rows_budget)
+WIDE_ROWS_BUDGET = 32  # ... of three or more lanes' (FastBatch.rows_for)
 
 
 class FifoLock:
@@ -95,6 +96,7 @@ class FastBatch:
         # _prefill_by_steps): where a forward still costs about one step (E4B on the H200: 16 rows
         # 1.06x one, 2 lanes x 16 rows 1.3x, 4 x 16 2.4x; bench.gpu_concurrency --rows measures it).
         self.rows_budget = min(ROWS_BUDGET, lanes[0].max_bucket)
+        self.wide_rows_budget = min(WIDE_ROWS_BUDGET, self.max_rows)
         self.batcher = StepBatcher(self)  # calls forward_batch with the steps that met
         # On the step kernels: the steps of a forward stacked, one launch per op, captured as graphs
         # (server/batch_step.py). Elsewhere (the CPU, tests): one Segment per step (_run_segments).
@@ -104,6 +106,17 @@ class FastBatch:
         if lanes[0].step_kernels and self.cuda:
             from server.batch_step import StackedStep
             self.stacked = StackedStep(lanes)
+
+    def rows_for(self, lanes: int) -> int:
+        """Rows the drafts of `lanes` lanes in a request fill a shared forward with (each lane takes
+        an equal share: FastTarget.shared_room). One or two lanes: `rows_budget`, where a forward
+        costs about a lone step. Three or more: `wide_rows_budget`, a second tile of 16 rows, because
+        then each lane's share of 16 rows (a draft of 3 tokens at 4 lanes, 1 at 8) gains less than the
+        wider forward costs. Measured on the H200, E4B shape (python -m bench.gpu_concurrency --turn
+        64, --rows 16 against --rows 32, one sitting): 4 streams 2.25x one stream's tokens/s -> 2.44x
+        and p50 1.70x solo -> 1.61x, 8 streams 2.66x -> 3.15x; 2 streams 1.63x with 16 rows, 1.55x
+        with 32."""
+        return shared_rows(lanes, self.rows_budget, max(self.rows_budget, self.wide_rows_budget))
 
     def join(self) -> None:
         """A lane's request started: steps wait for it (a while) before their forward runs."""
@@ -183,6 +196,11 @@ class FastBatch:
             s = steps[i]
             s.lane._after_step(s.ids.tolist(), s.parents, seg.hi - seg.lo)
             out[i] = logits[seg.lo:seg.lo + len(s.ids)]
+
+
+def shared_rows(lanes: int, rows_budget: int = ROWS_BUDGET, wide_rows_budget: int = WIDE_ROWS_BUDGET) -> int:
+    """FastBatch.rows_for's rule: `rows_budget` for one or two lanes, `wide_rows_budget` for more."""
+    return rows_budget if lanes <= 2 else wide_rows_budget
 
 
 def summed_groups(widths: list[int], max_rows: int) -> list[list[int]]:

@@ -837,7 +837,7 @@ class FastTarget:
     def shared_room(self, others: tuple[int, int]) -> int:
         """The most drafted tokens a step of this lane should carry when it shares forwards: the
         lanes in a request now (the batcher's members; at least those of the last forward,
-        `others` = (lanes, rows) besides this one) each get an equal share of `batch.rows_budget`
+        `others` = (lanes, rows) besides this one) each get an equal share of `batch.rows_for(lanes)`
         rows, and the step's bucket (stacked steps are padded to the widest one's) stays within
         it; at least one drafted token. Alone: the largest bucket's."""
         if self.batch is None:
@@ -845,7 +845,7 @@ class FastTarget:
         lanes = max(others[0] + 1, self.batch.batcher.members)
         if lanes <= 1:
             return self.max_bucket - 1
-        share = self.batch.rows_budget // lanes
+        share = self.batch.rows_for(lanes) // lanes
         fitting = [b for b in self.buckets if b <= share]
         return max(1, (fitting[-1] if fitting else 1) - 1)
 

@@ -200,19 +200,22 @@ def test_a_prompt_that_fails_mid_steps_leaves_the_rendezvous(tiny, monkeypatch):
 
 def test_shared_room_keeps_a_forward_within_the_rows_budget(tiny):
     """GPU lanes' drafts (FastTarget.shared_room, read by the engine): alone, the largest bucket's;
-    beside k other lanes, each takes its share of `rows_budget` rows, at least one drafted token."""
+    beside k other lanes, each takes its share of `rows_for(k + 1)` rows (16 for two lanes, 32 for
+    three or more), at least one drafted token."""
     lanes = fast_lanes(cpu_target(tiny, buckets=(2, 4, 8, 16)), 3)
-    lane, budget = lanes[0], lanes[0].batch.rows_budget
-    assert budget == lane.max_bucket == 16
+    lane, batch = lanes[0], lanes[0].batch
+    assert batch.rows_budget == lane.max_bucket == 16 and batch.rows_for(2) == 16
+    assert batch.rows_for(3) == batch.rows_for(16) == 32
     assert lane.shared_room((0, 0)) == 15
-    # each lane's step bucket within its share: 2 lanes 8 rows, 3 lanes 5 -> bucket 4, 16 lanes 1 -> one token
-    assert lane.shared_room((1, 4)) == 7 and lane.shared_room((2, 8)) == 3 and lane.shared_room((3, 9)) == 3
-    assert lane.shared_room((15, 30)) == 1
+    # each lane's step bucket within its share: 2 lanes 8 rows, 3 lanes 10 -> bucket 8, 4 lanes 8,
+    # 8 lanes 4, 16 lanes 2 -> one drafted token
+    assert lane.shared_room((1, 4)) == 7 and lane.shared_room((2, 8)) == 7 and lane.shared_room((3, 9)) == 7
+    assert lane.shared_room((7, 20)) == 3 and lane.shared_room((15, 30)) == 1
     assert lane.shared_load() == (0, 0)  # not in a request: nobody shares its forwards
-    for _ in range(3):  # lanes in a request now count, whoever shared the last forward
+    for _ in range(4):  # lanes in a request now count, whoever shared the last forward
         lane.batch.join()
-    assert lane.shared_room((0, 0)) == 3
-    for _ in range(3):
+    assert lane.shared_room((0, 0)) == 7
+    for _ in range(4):
         lane.batch.leave()
     from server.engine import shared_room
     assert shared_room(lane) == 15 and shared_room(object()) > 1000  # a backend without lanes: no bound
