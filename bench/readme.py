@@ -30,10 +30,14 @@ SECTIONS = [
     ("Several streams at once, bundled model, CPU", "python -m bench.concurrency", "concurrency.md", []),
     ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
      "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
-    ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens) with drafts "
-     "capped at 16 / streams - 1 tokens (at least 1; H200, 12-03, with the prompts as shared steps, PDL and "
-     "staging through numpy)", "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 2 "
-     "--no-costs (on the GPU machine)", "gpu_concurrency-rows16-turn64.md", []),
+    ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens), drafts "
+     "capped as the server caps them: 16 rows a forward for one or two streams, 32 for more (H200, 12-03)",
+     "python -m bench.gpu_concurrency --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
+     "gpu_concurrency-rowsauto-turn64.md", []),
+    ("The same with 16 rows a forward at every count (the server's rule before 12-03; H200, 12-03, the same "
+     "sitting as a --rows 32 run: bench/results/gpu_concurrency-rows32-turn64.md)",
+     "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 2 --no-costs (on the GPU machine)",
+     "gpu_concurrency-rows16-turn64.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
      ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),
     ("Sampled decoding, drafted vs plain with the same seeds, bundled model, CPU int8 path",
