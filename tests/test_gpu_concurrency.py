@@ -37,3 +37,15 @@ def test_gpu_concurrency_tiny_next_turns_resume_from_the_prefix_cache(tmp_path):
     assert (one["max_draft"], three["max_draft"]) == (7, 1) and record["forward_costs"] == []
     assert three["prompt_tokens_computed"] == 3 * 6  # each request prefilled its 6 new tokens only
     assert "6 new" in (tmp_path / "gpu_concurrency-rows8-turn6-tiny.md").read_text()
+
+
+def test_rows_auto_caps_each_streams_draft_as_the_server_caps_a_lane():
+    """--rows auto: the drafts the server's lanes would carry at that many streams (FastBatch.rows_for:
+    16 rows for one or two lanes, 32 for more; FastTarget.shared_room rounds a share down to a
+    bucket, which for these counts is the share itself)."""
+    from bench.gpu_concurrency import draft_cap
+    from server.fast_batch import shared_rows
+
+    assert [shared_rows(s) for s in (1, 2, 3, 4, 16)] == [16, 16, 32, 32, 32]
+    assert [draft_cap(s, "auto") for s in (1, 2, 4, 8, 16)] == [15, 7, 7, 3, 1]
+    assert [draft_cap(s, 16) for s in (1, 2, 4, 8, 16)] == [15, 7, 3, 1, 1]
