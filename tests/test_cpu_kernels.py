@@ -279,7 +279,13 @@ def test_attention_is_causal_softmax_attention(window):
     q, k, v = _cache(rng)
     positions = np.array([0, 1, 5, 63, 64, 65, 100, 150, 199, 200, 250, 251, 252, 297, 298, 299], np.int64)
     ref = _attention_ref(q, k, v, positions, window, 0.0625)
-    np.testing.assert_allclose(_attention(q, k, v, positions, window, 0.0625), ref, rtol=1e-4, atol=1e-5)
+    batch = _attention(q, k, v, positions, window, 0.0625)
+    np.testing.assert_allclose(batch, ref, rtol=1e-4, atol=1e-5)
+    # rows far apart (pairs of rows with few or no keys in common): each row still its own bits
+    for threads in (1, 2):
+        rows = np.concatenate([_attention(q[i:i + 1], k, v, positions[i:i + 1], window, 0.0625, threads=threads)
+                               for i in range(len(positions))])
+        assert np.array_equal(_attention(q, k, v, positions, window, 0.0625, threads=threads), rows)
 
 
 # D % 16 != 0 runs the scalar code throughout; D % 32 != 0 the AVX2 code where AVX-512 would run.
