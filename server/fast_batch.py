@@ -110,9 +110,9 @@ class FastBatch:
     def rows_for(self, lanes: int) -> int:
         """Rows the drafts of `lanes` lanes in a request fill a shared forward with (each lane takes
         an equal share: FastTarget.shared_room). One or two lanes: `rows_budget`, where a forward
-        costs about a lone step. Three or more: `wide_rows_budget`, a second tile of 16 rows, because
-        then each lane's share of 16 rows (a draft of 3 tokens at 4 lanes, 1 at 8) gains less than the
-        wider forward costs. Measured on the H200, E4B shape (python -m bench.gpu_concurrency --turn
+        costs about a lone step. Three or more: `wide_rows_budget`, a second tile of 16 rows: a share
+        of 16 rows would then be a draft of 3 tokens at 4 lanes and 1 at 8, and the tokens the wider
+        shares add outweigh what the second tile costs the forward. Measured on the H200, E4B shape (python -m bench.gpu_concurrency --turn
         64, --rows 16 against --rows 32, one sitting): 4 streams 2.25x one stream's tokens/s -> 2.44x
         and p50 1.70x solo -> 1.61x, 8 streams 2.66x -> 3.15x; 2 streams 1.63x with 16 rows, 1.55x
         with 32."""
