@@ -96,7 +96,7 @@ class FastBatch:
         # _prefill_by_steps): where a forward still costs about one step (E4B on the H200: 16 rows
         # 1.06x one, 2 lanes x 16 rows 1.3x, 4 x 16 2.4x; bench.gpu_concurrency --rows measures it).
         self.rows_budget = min(ROWS_BUDGET, lanes[0].max_bucket)
-        self.wide_rows_budget = min(WIDE_ROWS_BUDGET, self.max_rows)
+        self.wide_rows_budget = max(self.rows_budget, min(WIDE_ROWS_BUDGET, self.max_rows))
         self.batcher = StepBatcher(self)  # calls forward_batch with the steps that met
         # On the step kernels: the steps of a forward stacked, one launch per op, captured as graphs
         # (server/batch_step.py). Elsewhere (the CPU, tests): one Segment per step (_run_segments).
@@ -112,11 +112,11 @@ class FastBatch:
         an equal share: FastTarget.shared_room). One or two lanes: `rows_budget`, where a forward
         costs about a lone step. Three or more: `wide_rows_budget`, a second tile of 16 rows: a share
         of 16 rows would then be a draft of 3 tokens at 4 lanes and 1 at 8, and the tokens the wider
-        shares add outweigh what the second tile costs the forward. Measured on the H200, E4B shape (python -m bench.gpu_concurrency --turn
-        64, --rows 16 against --rows 32, one sitting): 4 streams 2.25x one stream's tokens/s -> 2.44x
-        and p50 1.70x solo -> 1.61x, 8 streams 2.66x -> 3.15x; 2 streams 1.63x with 16 rows, 1.55x
-        with 32."""
-        return shared_rows(lanes, self.rows_budget, max(self.rows_budget, self.wide_rows_budget))
+        shares add outweigh what the second tile costs the forward. Measured on the H200, E4B shape
+        (python -m bench.gpu_concurrency --turn 64, --rows 16 against --rows 32, one sitting): 4
+        streams 2.25x one stream's tokens/s -> 2.44x and p50 1.70x solo -> 1.61x, 8 streams 2.66x ->
+        3.15x; 2 streams 1.63x with 16 rows, 1.55x with 32."""
+        return shared_rows(lanes, self.rows_budget, self.wide_rows_budget)
 
     def join(self) -> None:
         """A lane's request started: steps wait for it (a while) before their forward runs."""
