@@ -7,6 +7,7 @@ import random
 
 from server.backend import accept
 from server.fast_path import FastTarget
+from server.sampling import row_argmax
 
 
 def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propose=None,
@@ -23,14 +24,14 @@ def greedy_generate(fast: FastTarget, prompt_ids: list[int], max_new: int, propo
         if draft:
             out += verify(fast, out[-1], draft)
         else:
-            out.append(int(fast.step([out[-1]])[0].argmax()))
+            out.append(row_argmax(fast.step([out[-1]]))[0])
         steps += 1
     return out[:max_new], steps
 
 
 def verify(fast: FastTarget, pending: int, draft: list[int]) -> list[int]:
     """Verify `draft` after `pending` with server.backend.accept's rule; the accepted tokens + 1."""
-    target = fast.step([pending, *draft]).argmax(-1).tolist()
+    target = row_argmax(fast.step([pending, *draft]))
     k = accept(draft, target)
     fast.rollback(len(draft) - k)
     return list(draft[:k]) + [target[k]]

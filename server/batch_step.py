@@ -34,6 +34,7 @@ import time
 import numpy as np
 import torch
 
+from server.sampling import with_argmax
 from server.small_m_matmul import MAX_ROWS
 
 _IDS, _POS, _WPOS, _RING = range(4)  # staging rows of MAX_ROWS int64 each; the table follows
@@ -118,7 +119,16 @@ class StackedStep:
             logits = self._forward(S, T)
         for s, step in enumerate(steps):
             step.lane._after_step(ids[s], step.parents, T)
-        return [logits[s * T:s * T + n] for s, n in enumerate(ns)]
+        return self.lanes_logits(logits, ns, T)
+
+    @staticmethod
+    def lanes_logits(logits: torch.Tensor, ns: list[int], T: int) -> list[torch.Tensor]:
+        """Each segment's rows of the forward's logits, carrying their argmax (server/sampling.py
+        `with_argmax`): every row's in one launch and one copy back, which waits for the forward,
+        where each lane asking for its own rows' would cost a launch and a wait per lane, one
+        after another under the GIL."""
+        best = logits.argmax(-1).tolist()
+        return [with_argmax(logits[s * T:s * T + n], best[s * T:s * T + n]) for s, n in enumerate(ns)]
 
     def _forward(self, S: int, T: int) -> torch.Tensor:
         # Every segment's full layers read up to the cache's end: step attention skips the chunks

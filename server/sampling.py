@@ -38,12 +38,31 @@ _TOP_P_FIRST = 1024  # top_p without top_k looks at this many most likely tokens
 
 def row_argmax(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first maximal index, NaN counting as maximal) as Python ints; one
-    entry for a single row [vocab]. On the CPU numpy's: torch's CPU argmax along rows of a 262k
-    vocabulary takes about 8 ms for 16 rows where numpy takes 0.3 (it was a third of a 16-token
-    verify on the int8 path, and inflated the measured verify cost curve). Elsewhere torch's."""
+    entry for a single row [vocab]. The values `with_argmax` attached to these very logits when
+    there are any (a shared forward's, read back once for all its lanes). On the CPU numpy's:
+    torch's CPU argmax along rows of a 262k vocabulary takes about 8 ms for 16 rows where numpy
+    takes 0.3 (it was a third of a 16-token verify on the int8 path, and inflated the measured
+    verify cost curve). Elsewhere torch's."""
+    known = getattr(logits, _ARGMAX, None)
+    if known is not None:
+        return list(known)
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
         return np.atleast_1d(logits.detach().numpy().argmax(-1)).tolist()
     return logits.argmax(-1).reshape(-1).tolist()
+
+
+_ARGMAX = "_rows_argmax"
+
+
+def with_argmax(logits: torch.Tensor, argmax: list[int]) -> torch.Tensor:
+    """`logits` [rows, vocab] carrying each row's argmax, computed by whoever made them (`argmax`:
+    torch's argmax of these rows, so `row_argmax` returns what it would compute). A forward shared
+    by several lanes reads all its rows' argmax back in one copy where each lane would wait for
+    its own (server/batch_step.py). Slices and copies of the logits do not carry it."""
+    if len(argmax) != logits.shape[0]:
+        raise ValueError(f"{len(argmax)} argmax values for {logits.shape[0]} rows")
+    setattr(logits, _ARGMAX, tuple(argmax))
+    return logits
 
 
 @dataclass(frozen=True)

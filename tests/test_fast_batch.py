@@ -14,6 +14,7 @@ import torch
 
 from server.fast_batch import FastBatch, LaneStep, fast_lanes, stacked_groups, summed_groups
 from server.fast_path import FastTarget
+from server.sampling import row_argmax, with_argmax
 from tests.test_engine_lossless import engine_for, prompts_for, run, tiny_gemma4
 
 CUDA = torch.cuda.is_available()
@@ -260,6 +261,20 @@ def test_stacked_groups_are_a_partition_within_the_rows_and_as_few_as_any():
     assert summed_groups([8, 8, 40, 8], 48) == [[0, 1], [2, 3]]
 
 
+def test_argmax_a_forward_attaches_is_what_row_argmax_returns():
+    """with_argmax (a shared forward's argmax of all its rows, read back once: server/batch_step.py)
+    is what row_argmax then returns for those logits; a count that does not match is refused, and
+    a slice or copy computes its own."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, -1.0, 5.0]])
+    assert row_argmax(logits) == [1, 0]
+    tagged = with_argmax(logits.clone(), [1, 0])
+    assert row_argmax(tagged) == [1, 0]
+    assert row_argmax(with_argmax(logits.clone(), [2, 2])) == [2, 2]  # the attached values, not recomputed
+    assert row_argmax(tagged[1:]) == [0] and row_argmax(tagged.clone()) == [1, 0]
+    with pytest.raises(ValueError, match="3 argmax values for 2 rows"):
+        with_argmax(logits, [0, 1, 2])
+
+
 # ---------------------------------------------------------------- CUDA
 
 
@@ -346,7 +361,9 @@ def _lanes_equal_alone(model, lanes_n: int, capture: bool, prompt_lens: list[int
         mine = [plan[(k + i) % 3] for i, plan in enumerate(plans)]  # a forward mixes 1, 5 and 7 tokens
         got = lanes[0].batch.forward_batch([LaneStep(lane, *step) for lane, step in zip(lanes, mine)])
         for i, (solo, step) in enumerate(zip(alone, mine)):
-            assert torch.equal(got[i], solo.step(*step)), (k, i)
+            want = solo.step(*step)
+            assert torch.equal(got[i], want), (k, i)
+            assert row_argmax(got[i]) == want.argmax(-1).tolist(), (k, i)  # the shared forward's, read back once
             if step[1] is not None:
                 lanes[i].keep_path([0, 1, 2])
                 solo.keep_path([0, 1, 2])
