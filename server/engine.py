@@ -60,7 +60,7 @@ from server.cost_model import AcceptanceTracker, DraftPolicy, flat_policy
 from server.engine_config import EngineConfig
 from server.grammar import Constraint, GrammarMatcher
 from server.lane_pool import LanePool
-from server.sampling import Sampler, SamplingParams, row_argmax
+from server.sampling import Sampler, SamplingParams, row_argmax, row_of
 
 log = logging.getLogger("sailfish.engine")
 
@@ -497,7 +497,7 @@ class Engine:
                         tracker.record(n, on_chain, probe)
                         session.feedback(n, on_chain)
                     else:
-                        new = [_choose(sampler, grammar, backend.step([pending])[0], stats.completion_tokens)]
+                        new = [_choose(sampler, grammar, row_of(backend.step([pending]), 0), stats.completion_tokens)]
                         stats.plain_steps += 1
                     stats.forward_s += time.perf_counter() - t
         finally:

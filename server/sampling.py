@@ -58,11 +58,22 @@ def with_argmax(logits: torch.Tensor, argmax: list[int]) -> torch.Tensor:
     """`logits` [rows, vocab] carrying each row's argmax, computed by whoever made them (`argmax`:
     torch's argmax of these rows, so `row_argmax` returns what it would compute). A forward shared
     by several lanes reads all its rows' argmax back in one copy where each lane would wait for
-    its own (server/batch_step.py). Slices and copies of the logits do not carry it."""
-    if len(argmax) != logits.shape[0]:
-        raise ValueError(f"{len(argmax)} argmax values for {logits.shape[0]} rows")
+    its own (server/batch_step.py). Slices and copies of the logits do not carry it (`row_of`
+    keeps it for one row). Invariant: nothing changes attached logits in place (a grammar's mask
+    and the penalties make new tensors), or the attached values would be stale."""
+    rows = 1 if logits.dim() == 1 else logits.shape[0]
+    if len(argmax) != rows:
+        raise ValueError(f"{len(argmax)} argmax values for {rows} rows")
     setattr(logits, _ARGMAX, tuple(argmax))
     return logits
+
+
+def row_of(logits: torch.Tensor, i: int) -> torch.Tensor:
+    """Row i of logits [rows, vocab], carrying its argmax when the logits carry theirs
+    (`with_argmax`): a plain step's one row keeps what its shared forward read back."""
+    row = logits[i]
+    known = getattr(logits, _ARGMAX, None)
+    return row if known is None else with_argmax(row, [known[i]])
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from server.fast_batch import FastBatch, LaneStep, fast_lanes, stacked_groups, summed_groups
 from server.fast_path import FastTarget
-from server.sampling import row_argmax, with_argmax
+from server.sampling import row_argmax, row_of, with_argmax
 from tests.test_engine_lossless import engine_for, prompts_for, run, tiny_gemma4
 
 CUDA = torch.cuda.is_available()
@@ -273,6 +273,9 @@ def test_argmax_a_forward_attaches_is_what_row_argmax_returns():
     assert row_argmax(tagged[1:]) == [0] and row_argmax(tagged.clone()) == [1, 0]
     with pytest.raises(ValueError, match="3 argmax values for 2 rows"):
         with_argmax(logits, [0, 1, 2])
+    # a plain step's row (the engine's row_of) keeps its value; untagged logits give a plain row
+    assert row_argmax(row_of(with_argmax(logits.clone(), [2, 2]), 1)) == [2]
+    assert row_argmax(row_of(logits, 1)) == [0] and torch.equal(row_of(logits, 1), logits[1])
 
 
 # ---------------------------------------------------------------- CUDA
