@@ -22,6 +22,9 @@ Verification under sampling (server.engine): the target is sampled at every draf
 these rules; a drafted token is accepted while it equals the sampled one, and the first sampled token
 that differs is the step's new token. With a deterministic drafter the output is distributed as plain
 sampling, and with keyed draws it is the very same sequence.
+
+Greedy rows: `row_argmax(logits)`, or the values `with_argmax` attached to the logits (a shared GPU
+forward reads all its rows' argmax back at once: server/batch_step.py); `row_of` keeps them for one row.
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ import torch
 
 _MASK = (1 << 64) - 1
 _TOP_P_FIRST = 1024  # top_p without top_k looks at this many most likely tokens before sorting all
+
+
+_ARGMAX = "_rows_argmax"  # the attribute `with_argmax` sets on logits: their rows' argmax, a tuple
 
 
 def row_argmax(logits: torch.Tensor) -> list[int]:
@@ -49,9 +55,6 @@ def row_argmax(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
         return np.atleast_1d(logits.detach().numpy().argmax(-1)).tolist()
     return logits.argmax(-1).reshape(-1).tolist()
-
-
-_ARGMAX = "_rows_argmax"
 
 
 def with_argmax(logits: torch.Tensor, argmax: list[int]) -> torch.Tensor:
