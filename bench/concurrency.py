@@ -82,6 +82,9 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
             data = r.json()
             return _answer(data["choices"][0]["message"]), data["usage"]["completion_tokens"], time.perf_counter() - t0
 
+        def batching() -> dict | None:  # the server's shared-forward counters (None: requests one at a time)
+            return httpx.get(base + "/health").json().get("batching")
+
         ask(requests[0])  # warm-up (first-request costs are not a stream's)
         solo = [ask(r) for r in requests]
         out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "streams": {}}
@@ -98,12 +101,14 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
                         return
                     answers[i] = ask(requests[i])
 
+            before = batching()
             wall = run_at_once([stream] * n)
+            shared = forwards_shared(before, batching())
             latencies = [answers[i][2] for i in answers]
             out["streams"][str(n)] = {
                 "tokens_per_s": sum(a[1] for a in answers.values()) / wall, "wall_s": wall,
                 "latency_p50": float(np.median(latencies)), "latency_p90": float(np.percentile(latencies, 90)),
-                "identical": sum(answers[i][0] == solo[i][0] for i in answers), "requests": len(answers)}
+                "identical": sum(answers[i][0] == solo[i][0] for i in answers), "requests": len(answers), **shared}
             s = out["streams"][str(n)]
             print(f"    {n} streams: {s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50']:.2f} s, "
                   f"identical {s['identical']}/{s['requests']}", file=sys.stderr)
@@ -113,6 +118,17 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def forwards_shared(before: dict | None, after: dict | None) -> dict:
+    """The forwards a phase ran for running requests together (server/batcher.py's counters, read
+    from /health before and after it) and what each carried on average: {} without a batcher."""
+    if not before or not after:
+        return {}
+    forwards = after["forwards"] - before["forwards"]
+    return {"forwards": forwards,
+            "requests_per_forward": (after["sequences"] - before["sequences"]) / forwards if forwards else None,
+            "rows_per_forward": (after["rows"] - before["rows"]) / forwards if forwards else None}
 
 
 def _index_line(index: dict | None) -> str:
@@ -131,17 +147,26 @@ def markdown(r: dict) -> str:
              "int8 path; every stream sends requests one after another until all are done. Speed-up = aggregate "
              "tokens/s over the same setting's 1 stream; latency ratio = p50 per-request latency over solo's. "
              + _index_line(r.get("index")) + "\n",
-             "| setting | streams | aggregate tokens/s | speed-up | latency p50 / p90 (s) | latency / solo | identical to solo |",
-             "|---|---|---|---|---|---|---|"]
+             "Requests / rows a forward: what the server's shared forwards carried on average in that phase "
+             "(its batcher's counters; - where requests run one at a time).\n",
+             "| setting | streams | aggregate tokens/s | speed-up | latency p50 / p90 (s) | latency / solo | identical to solo "
+             "| requests / rows a forward |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in r["settings"].items():
         one = s["streams"].get("1", {}).get("tokens_per_s")
         for n, x in s["streams"].items():
             speed = f"{x['tokens_per_s'] / one:.2f}x" if one else "-"
             lines.append(f"| {name} | {n} | {x['tokens_per_s']:.1f} | {speed} | {x['latency_p50']:.2f} / "
                          f"{x['latency_p90']:.2f} | {x['latency_p50'] / s['solo_latency_p50']:.2f}x | "
-                         f"{x['identical']}/{x['requests']} |")
+                         f"{x['identical']}/{x['requests']} | {_carried(x)} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def _carried(x: dict) -> str:
+    if x.get("requests_per_forward") is None:
+        return "-"
+    return f"{x['requests_per_forward']:.2f} / {x['rows_per_forward']:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
