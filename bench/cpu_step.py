@@ -28,9 +28,9 @@ class _TimedKernels:
     def __getattr__(self, name):  # the rest (rms_norm, KV_DTYPE, ...) as the wrapped kernels have it
         return getattr(self.kernels, name)
 
-    def linear(self, x, lin):
+    def linear(self, x, lin, out=None):
         t = time.perf_counter()
-        out = self.kernels.linear(x, lin)
+        out = self.kernels.linear(x, lin, out=out)
         self.spent["linear"] += time.perf_counter() - t
         return out
 

@@ -52,6 +52,9 @@ class CpuBackend:
         if n <= 1:
             return [self]
         self.batcher = self.batcher or StepBatcher(self.model)
+        # Each lane holds its last forward's logits (a view of a reused buffer: server/reused_arrays.py)
+        # while its next forward runs, so n lanes need n + 1 buffers to find a free one every forward.
+        self.model.logits_buffers.keep = max(self.model.logits_buffers.keep, n + 1)
         return [self] + [CpuBackend(self.model, self.max_context, 0, self.max_step, self.prefill_chunk,
                                     store=self.store, batcher=self.batcher) for _ in range(n - 1)]
 

@@ -53,14 +53,19 @@ def pack_weight(codes: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
     return _C.pack_q8(codes, scales, buf[at : at + size])
 
 
-def linear(x: np.ndarray, lin) -> np.ndarray:
+def linear(x: np.ndarray, lin, out: np.ndarray | None = None) -> np.ndarray:
     """x [M, K] times lin's W^T: lin.codes / lin.scales (Q8_0), and lin.packed (pack_weight of them,
-    or None: matmul_q8 packs per call)."""
+    or None: matmul_q8 packs per call). `out`: a float32 [M, N] array to write (None: a new one)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if _C is None:
-        return _linear_numpy(x, lin.codes, lin.scales)
+        result = _linear_numpy(x, lin.codes, lin.scales)
+        if out is None:
+            return result
+        out[...] = result
+        return out
     xq, xs = _C.quantize_rows(x)
-    out = np.empty((x.shape[0], lin.codes.shape[0]), dtype=np.float32)
+    if out is None:
+        out = np.empty((x.shape[0], lin.codes.shape[0]), dtype=np.float32)
     _C.matmul_q8(xq, xs, lin.codes, lin.scales, out, packed=getattr(lin, "packed", None))
     return out
 

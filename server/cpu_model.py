@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ngram.draft import tree_layout
+from server.reused_arrays import ReusedArrays
 
 BLOCK = 32  # input features per int8 scale
 
@@ -154,6 +155,9 @@ class CpuGemma:
         self.embed_scale = np.float32(cfg["embed_scale"])
         self.window, self.softcap = cfg["window"], cfg["softcap"]
         self._rope: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Each forward's logits go into a reused buffer (server/reused_arrays.py says why); the
+        # callers' views keep theirs out of reach until they drop them.
+        self.logits_buffers = ReusedArrays()
 
     @classmethod
     def from_hf(cls, model, kernels=None) -> "CpuGemma":
@@ -293,10 +297,13 @@ class CpuGemma:
         rows = np.concatenate(keep)
         if rows.shape[0] < m:
             x = x[rows]
-        logits = k.linear(self._norm(x, self.final_norm), self.lm_head)
-        if self.softcap:
+        logits = k.linear(self._norm(x, self.final_norm), self.lm_head,
+                          out=self.logits_buffers.empty((x.shape[0], self.lm_head.out_features)))
+        if self.softcap:  # in place: no more arrays of the logits' size (tens of MB for a verify)
             cap = np.float32(self.softcap)
-            logits = (np.tanh(logits / cap) * cap).astype(np.float32)
+            np.divide(logits, cap, out=logits)
+            np.tanh(logits, out=logits)
+            np.multiply(logits, cap, out=logits)
         out, at = [], 0
         for rows_of in keep:
             out.append(logits[at : at + rows_of.shape[0]])

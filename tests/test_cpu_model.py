@@ -112,6 +112,28 @@ def test_threads_do_not_change_a_bit(tiny):
     assert np.array_equal(cpu.forward(ids, 0, cpu.new_cache(64)), one)
 
 
+def test_logits_a_caller_keeps_are_never_overwritten_by_later_forwards(tiny):
+    """Forwards write their logits into reused buffers (server/reused_arrays.py): every buffer a
+    caller still holds a view of stays untouched, and a dropped one is reused."""
+    _, cpu = tiny
+    cpu.logits_buffers.min_bytes = 0  # the tiny vocabulary's logits are small: cache them all the same
+    try:
+        ids = prompts_for(512, [24], seed=5)[0]
+        first = cpu.forward(ids, 0, cpu.new_cache(64))
+        kept = first[3:9]  # a view, as a lane keeps its rows
+        expected = kept.copy()
+        del first
+        for seed in range(4):
+            other = prompts_for(512, [24], seed=6 + seed)[0]
+            later = cpu.forward(other, 0, cpu.new_cache(64))
+            assert not np.shares_memory(later, kept)
+            assert np.array_equal(kept, expected)
+            del later
+        assert cpu.logits_buffers.reused >= 3
+    finally:
+        cpu.logits_buffers.min_bytes = type(cpu.logits_buffers)().min_bytes
+
+
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_drafted_equals_plain_through_the_engine(tiny, prefix_cache):
     model, cpu = tiny
@@ -192,9 +214,12 @@ class FloatKernels:
     AVAILABLE = False
 
     @staticmethod
-    def linear(x, lin):
+    def linear(x, lin, out=None):
         w = (lin.codes.astype(np.float64).reshape(lin.codes.shape[0], -1, 32) * lin.scales[:, :, None])
-        return (x.astype(np.float64) @ w.reshape(lin.codes.shape[0], -1).T).astype(np.float32)
+        result = (x.astype(np.float64) @ w.reshape(lin.codes.shape[0], -1).T).astype(np.float32)
+        if out is not None:
+            out[...] = result
+        return result if out is None else out
 
     rms_norm = staticmethod(cpu_kernels.rms_norm_numpy)
     gelu_mul = staticmethod(cpu_kernels.gelu_mul_numpy)
