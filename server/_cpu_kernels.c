@@ -516,6 +516,7 @@ typedef struct {
     float *out;
     Py_ssize_t M, N, K, ng, m_block;
     int path;
+    Py_ssize_t next_tile, chunk;  /* the threads' shared queue of W tiles (matmul_part) */
 } MatmulCtx;
 
 typedef struct {
@@ -771,18 +772,36 @@ AVX512 static void matmul_tiles_avx512(const MatmulCtx *c, Py_ssize_t t_lo, Py_s
 }
 #endif
 
+/* Each thread takes chunks of W tiles from the shared queue until it is empty, rather than a fixed
+   share: a core that something else (the server's Python threads) takes for a while then costs the
+   call about its share of that time, where a fixed split made the call wait for the slowed share.
+   Which thread computes a tile changes none of its bits (see the top of the file). */
 static void matmul_part(void *ctx, int part, int nparts) {
-    const MatmulCtx *c = ctx;
-    Py_ssize_t lo, hi;
-    part_range((c->N + TILE - 1) / TILE, 1, part, nparts, &lo, &hi);  /* whole tiles */
-    switch (c->path) {
+    MatmulCtx *c = ctx;
+    (void)part;
+    (void)nparts;
+    const Py_ssize_t tiles = (c->N + TILE - 1) / TILE;
+    for (;;) {
+        const Py_ssize_t lo = __atomic_fetch_add(&c->next_tile, c->chunk, __ATOMIC_RELAXED);
+        if (lo >= tiles) return;
+        const Py_ssize_t hi = lo + c->chunk < tiles ? lo + c->chunk : tiles;
+        switch (c->path) {
 #if HAVE_X86
-    case PATH_AVX512: matmul_tiles_avx512(c, lo, hi); return;
-    case PATH_AVXVNNI: matmul_tiles_avxvnni(c, lo, hi); return;
-    case PATH_AVX2: matmul_tiles_avx2(c, lo, hi); return;
+        case PATH_AVX512: matmul_tiles_avx512(c, lo, hi); break;
+        case PATH_AVXVNNI: matmul_tiles_avxvnni(c, lo, hi); break;
+        case PATH_AVX2: matmul_tiles_avx2(c, lo, hi); break;
 #endif
-    default: matmul_tiles_scalar(c, lo, hi); return;
+        default: matmul_tiles_scalar(c, lo, hi); break;
+        }
     }
+}
+
+/* Tiles a matmul_part chunk takes: about CHUNKS_PER_PART chunks a thread, whole micro-tile pairs. */
+#define CHUNKS_PER_PART 8
+static Py_ssize_t tile_chunk(Py_ssize_t tiles, int nparts) {
+    Py_ssize_t chunk = (tiles + (Py_ssize_t)nparts * CHUNKS_PER_PART - 1) / ((Py_ssize_t)nparts * CHUNKS_PER_PART);
+    chunk = (chunk + 1) / 2 * 2;
+    return chunk < 2 ? 2 : chunk;
 }
 
 static void *alloc64(size_t n) {
@@ -897,7 +916,7 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (forced_path < 0 && M == 1 && path > M1_PATH) path = M1_PATH;
     if (M == 0 || N == 0 || K == 0) path = PATH_SCALAR;  /* nothing to pack for (same results) */
     const Py_ssize_t ng = groups_of(K);
-    MatmulCtx c = {v[0].buf, v[2].buf, v[1].buf, v[3].buf, NULL, NULL, v[4].buf, M, N, K, ng, 4, path};
+    MatmulCtx c = {v[0].buf, v[2].buf, v[1].buf, v[3].buf, NULL, NULL, v[4].buf, M, N, K, ng, 4, path, 0, 0};
     /* x rows per m_block: their records (XREC bytes per 128 values) stay in L2 while W tiles pass */
     c.m_block = (512 * 1024 / (ng * XREC)) / 4 * 4;
     if (c.m_block < 4) c.m_block = 4;
@@ -922,7 +941,9 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
         }
         c.wp = wp ? wp : v[5].buf;
     }
-    pool_run(matmul_part, &c, parts_for((N + TILE - 1) / TILE, threads));
+    const int parts = parts_for((N + TILE - 1) / TILE, threads);
+    c.chunk = tile_chunk((N + TILE - 1) / TILE, parts);
+    pool_run(matmul_part, &c, parts);
     Py_END_ALLOW_THREADS
     free(xr);
     free(wp);
