@@ -68,10 +68,25 @@ def _serve(argv: list[str] | None) -> int:
     # signal to the handler it found once done: a quiet one here, so that stopping is not a traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    freeze_start_up_objects(log)
     uvicorn.run(create_app(service), host=settings.host, port=settings.port,
                 log_level=settings.log_level if settings.log_level != "info" else "warning")
     log.info("stopped")
     return 0
+
+
+def freeze_start_up_objects(log: logging.Logger) -> None:
+    """Move every object alive once loading is done (the model's, the tokenizer's and the index's
+    Python objects) out of the cyclic collector's reach, as vLLM does after start-up; objects made
+    later are collected as before. Why: a full collection walks them all while holding the GIL, and
+    requests trigger one every so often. Measured with 4 drafted streams of the bundled model on 2
+    cores (a gc.callbacks log): one full collection of 163 ms inside a 3.4 s phase, which every
+    lane's forward waited for; with the freeze none over 2 ms in that phase."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    log.info("%d start-up objects frozen out of the garbage collector", gc.get_freeze_count())
 
 
 if __name__ == "__main__":
