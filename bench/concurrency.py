@@ -1,13 +1,17 @@
 """Several streams at once against a real server: aggregate tokens/s, per-stream latency, identity.
 
-    python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64]
+    python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64] [--warmup-streams N]
                                 [--workload tool_calls|agentic] [--index DIR] [--out bench/results]
 
 For each setting (drafting on and off; `--parallel 1`, the one-at-a-time baseline, and the default
 `--parallel`) a real server (`python -m server`) is started on the bundled model and the workload's
 requests are sent, first one by one (solo: each request's reference answer), then by N concurrent
 client streams for every N in `--streams`: every stream sends requests one after another until
-`--requests` requests are done. Reported per N: aggregate completion tokens/s (all streams' tokens over
+`--requests` requests are done. Before the timed phases one untimed phase runs at `--warmup-streams`
+streams (default: the most in `--streams`): a server makes what a forward of several requests needs
+once, then reuses it (on the CPU, the buffers its logits go into: server/reused_arrays.py; their
+first pages cost page faults), and a long-running server has long since made them. Before 12-04
+there was no such phase, and the first phase with more streams than before paid for them. Reported per N: aggregate completion tokens/s (all streams' tokens over
 the wall time), that over one stream's, per-request latency p50 / p90 and that over solo's p50, and
 how many answers equal their solo answer (they must all: batching changes no output). The drafted
 settings run with the online overlay off (`--overlay-tokens 0`): the phases repeat the same requests,
@@ -61,7 +65,8 @@ def build_public_index(out_dir: Path) -> dict:
     return {"turns": summary.turns, "tokens": summary.tokens}
 
 
-def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path) -> dict:
+def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path,
+                warmup_streams: int = 0) -> dict:
     import httpx
 
     from bench.server_bench import start_server
@@ -88,7 +93,9 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
         ask(requests[0])  # warm-up (first-request costs are not a stream's)
         solo = [ask(r) for r in requests]
         out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "streams": {}}
-        for n in streams:
+
+        def phase(n: int) -> tuple[dict, float]:
+            """The requests sent by n streams at once: ({request: (answer, tokens, latency)}, wall seconds)."""
             answers: dict = {}
             next_request = iter(range(len(requests)))
             lock = threading.Lock()
@@ -101,8 +108,13 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
                         return
                     answers[i] = ask(requests[i])
 
+            return answers, run_at_once([stream] * n)
+
+        if warmup_streams:
+            phase(warmup_streams)  # untimed: buffers a concurrent forward needs are made once (see the docstring)
+        for n in streams:
             before = batching()
-            wall = run_at_once([stream] * n)
+            answers, wall = phase(n)
             shared = forwards_shared(before, batching())
             latencies = [answers[i][2] for i in answers]
             out["streams"][str(n)] = {
@@ -144,7 +156,9 @@ def markdown(r: dict) -> str:
     lines = ["# Several streams at once, bundled model, CPU\n",
              f"{r['when']}, {r['machine']}. Command: `{r['command']}`.\n",
              f"{r['requests']} {r['workload']} requests, {r['max_tokens']} tokens each, the bundled model on the CPU "
-             "int8 path; every stream sends requests one after another until all are done. Speed-up = aggregate "
+             "int8 path; every stream sends requests one after another until all are done"
+             + (f", after one untimed phase of {r['warmup_streams']} streams" if r.get("warmup_streams") else "")
+             + ". Speed-up = aggregate "
              "tokens/s over the same setting's 1 stream; latency ratio = p50 per-request latency over solo's. "
              + _index_line(r.get("index")) + "\n",
              "Requests / rows a forward: what the server's shared forwards carried on average in that phase "
@@ -177,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=["tool_calls", "agentic"], default="tool_calls")
     p.add_argument("--index", type=Path, help="the drafted settings' index directory "
                    "(default: the public corpus's, built into a temporary directory; see the docstring)")
+    p.add_argument("--warmup-streams", type=int, default=None,
+                   help="one untimed phase of this many streams before the timed ones (default: the most in --streams; 0: none)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
+    warmup = max(args.streams) if args.warmup_streams is None else args.warmup_streams
     from bench.workloads import agentic_requests, tool_call_requests
 
     requests = (tool_call_requests if args.workload == "tool_calls" else agentic_requests)(args.requests)
@@ -186,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     # their answers in an earlier phase would make the later phases look faster.
     results = {**run_header(),
                "command": "python -m bench.concurrency" + (" " + " ".join(argv) if argv else ""),
-               "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens, "settings": {}}
+               "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens,
+               "warmup_streams": warmup, "settings": {}}
     with tempfile.TemporaryDirectory() as tmp:
         index_dir = args.index
         if index_dir is None:
@@ -202,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in settings.items():
             print(f"  {name}", file=sys.stderr)
             results["settings"][name] = run_setting(extra, requests, args.streams, args.max_tokens,
-                                                    Path(tmp) / "server.log")
+                                                    Path(tmp) / "server.log", warmup)
     md = markdown(results)
     write_results(args.out, "concurrency", results, md)
     print(md)
