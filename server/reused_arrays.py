@@ -20,8 +20,9 @@ for four requests' rows in one forward) were a new array, and a new array's page
 it is first written whenever malloc hands back memory it had returned to the kernel. Measured in
 the server with 4 drafted streams of the bundled model (2-core VM, a throwaway log of every forward
 with the process's page faults and a `perf record -e page-faults` of the phase): 97% of the phase's
-page faults were taken in the LM head's matmul writing its output, 500-800 in a faulting forward,
-and those forwards' LM head ran 15-96 ms over its usual time.
+page faults were taken in the matmul kernel (writing its output: the weights are never freed), 500-800
+in a faulting forward, and those forwards' LM head call, the one output of that size, ran 15-96 ms
+over its usual time.
 """
 from __future__ import annotations
 
