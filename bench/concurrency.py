@@ -11,8 +11,8 @@ client streams for every N in `--streams`: every stream sends requests one after
 streams (default: the most in `--streams`): a server makes what a forward of several requests needs
 once, then reuses it (on the CPU, the buffers its logits go into: server/reused_arrays.py; their
 first pages cost page faults), and a long-running server has long since made them. Before 12-04
-there was no such phase, and the first phase with more streams than before paid for them. Reported per N: aggregate completion tokens/s (all streams' tokens over
-the wall time), that over one stream's, per-request latency p50 / p90 and that over solo's p50, and
+there was no such phase, and the first phase with more streams than before paid for them.
+Reported per N: aggregate completion tokens/s (all streams' tokens over the wall time), that over one stream's, per-request latency p50 / p90 and that over solo's p50, and
 how many answers equal their solo answer (they must all: batching changes no output). The drafted
 settings run with the online overlay off (`--overlay-tokens 0`): the phases repeat the same requests,
 and a drafter that learnt their answers in one phase would speed up the next.

@@ -941,8 +941,9 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
         }
         c.wp = wp ? wp : v[5].buf;
     }
-    const int parts = parts_for((N + TILE - 1) / TILE, threads);
-    c.chunk = tile_chunk((N + TILE - 1) / TILE, parts);
+    const Py_ssize_t tiles = (N + TILE - 1) / TILE;
+    const int parts = parts_for(tiles, threads);
+    c.chunk = tile_chunk(tiles, parts);
     pool_run(matmul_part, &c, parts);
     Py_END_ALLOW_THREADS
     free(xr);

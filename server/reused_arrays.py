@@ -59,12 +59,13 @@ class ReusedArrays:
             # A quarter larger than asked, and as large as the largest cached one: the sizes asked for
             # vary from forward to forward, and each new buffer's pages are faulted in once.
             size_new = max([size + size // 4] + [b.shape[0] for b in self._buffers])
-            cached = sum(b.nbytes for i, b in enumerate(self._buffers) if i not in free[:1])
-            if (free or len(self._buffers) < self.keep) and cached + size_new * 4 <= self.max_bytes:
+            replaced = free[0] if free else None  # a free buffer too small: the new one takes its place
+            kept = sum(b.nbytes for i, b in enumerate(self._buffers) if i != replaced)
+            if (free or len(self._buffers) < self.keep) and kept + size_new * 4 <= self.max_bytes:
                 self.allocated += 1
                 buffer = np.empty(size_new, dtype=np.float32)
-                if free:  # a free buffer too small: the new one takes its place
-                    self._buffers[free[0]] = buffer
+                if replaced is not None:
+                    self._buffers[replaced] = buffer
                 else:
                     self._buffers.append(buffer)
                 return buffer[:size].reshape(shape)

@@ -116,7 +116,7 @@ def test_logits_a_caller_keeps_are_never_overwritten_by_later_forwards(tiny):
     """Forwards write their logits into reused buffers (server/reused_arrays.py): every buffer a
     caller still holds a view of stays untouched, and a dropped one is reused."""
     _, cpu = tiny
-    cpu.logits_buffers.min_bytes = 0  # the tiny vocabulary's logits are small: cache them all the same
+    min_bytes, cpu.logits_buffers.min_bytes = cpu.logits_buffers.min_bytes, 0  # the tiny vocabulary's logits are small
     try:
         ids = prompts_for(512, [24], seed=5)[0]
         first = cpu.forward(ids, 0, cpu.new_cache(64))
@@ -131,7 +131,7 @@ def test_logits_a_caller_keeps_are_never_overwritten_by_later_forwards(tiny):
             del later
         assert cpu.logits_buffers.reused >= 3
     finally:
-        cpu.logits_buffers.min_bytes = type(cpu.logits_buffers)().min_bytes
+        cpu.logits_buffers.min_bytes = min_bytes
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
