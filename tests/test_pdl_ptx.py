@@ -41,10 +41,19 @@ def _kernels():
         ("combine", k._step_attention_combine, combine_sig, dict(G=4, D=256, SLIDING=True, BLOCK_S=_block_s(256))),
         ("kv write", k._write_kv_segments, kv_sig, dict(D=256)),
         ("slot positions", k._write_slot_pos_segments, slot_sig, dict(SLOT_POS_FIELD=30)),
+        ("gluon int4 matmul", _gluon_matmul(), dict(MATMUL_SIG),
+         dict(SPLIT=4, TILES=2, ROWS=32, XROWS=32, BLOCK_N=64, STAGES=2)),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+def _gluon_matmul():
+    from server import gluon_matmul
+    if not gluon_matmul.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    return gluon_matmul.int4_step_matmul
+
+
+@pytest.mark.parametrize("index", range(7))
 def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
     name, fn, sig, consts = _kernels()[index]
     for key in list(consts) + ["PDL"]:
@@ -52,7 +61,7 @@ def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
     ptx = sm90_ptx(fn, dict(sig), dict(consts, PDL=True))
     body = ptx[ptx.index(".entry"):]
     wait = body.find("griddepcontrol.wait")
-    access = re.search(r"\b(?:ld\.global|st\.global|atom\.global|red\.global)", body)
+    access = re.search(r"\b(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async\.c[ag]\.shared\.global)", body)
     assert wait >= 0 and access is not None and wait < access.start(), name
     assert "griddepcontrol.launch_dependents" in body, name
     assert "griddepcontrol" not in sm90_ptx(fn, dict(sig), dict(consts, PDL=False)), name

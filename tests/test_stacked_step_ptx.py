@@ -21,10 +21,13 @@ INTS = ("T", "S", "n_cache_chunks", "n_own_chunks", "window", "kv_heads", "k_fie
 
 
 def sm90_ptx(fn, sig: dict, constexprs: dict) -> str:
-    """fn's PTX for sm_90; pointers and strides specialized as Triton does for 16-divisible arguments."""
+    """fn's PTX for sm_90 (a Triton or a Gluon kernel); pointers and strides specialized as Triton does for
+    16-divisible arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if getattr(fn, "is_gluon", lambda: False)():  # server/gluon_matmul.py: Gluon's own source class
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     names = list(sig)
     aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in INTS)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}

@@ -53,6 +53,22 @@ def test_small_m_rows_are_batch_invariant(kind, n, k):
         lin(torch.zeros(MAX_ROWS + 1, k, dtype=torch.bfloat16, device="cuda"))
 
 
+@pytest.mark.parametrize("n,k", [(3072, 2560), (6144, 2560), (2560, 2048), (2560, 4096), (20480, 2560),
+                                 (2560, 10240), (256, 2560), (2560, 256), (10752, 2560)])
+def test_gluon_int4_kernel_gives_the_triton_kernels_bits(n, k):
+    """server/gluon_matmul.py against `_small_m_kernel`, E4B's int4 shapes, every row count: the
+    same bits, so drafted output equals plain output whichever of the two a GPU runs."""
+    lin = int4_linear(n, k, seed=n + k)
+    if not lin.gluon:
+        pytest.skip("Gluon does not run here")
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    for m in ROW_COUNTS:
+        lin.gluon = True
+        ours = lin(x[:m])
+        lin.gluon = False
+        assert torch.equal(ours, lin(x[:m])), f"N={n} K={k}: {m} rows"
+
+
 def test_shared_scratch_changes_nothing():
     """share_partials points split-K linears at one buffer: same outputs, back to back."""
     from server.small_m_matmul import share_partials

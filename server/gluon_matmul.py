@@ -1,0 +1,207 @@
+"""The int4 step matmul in Gluon (Triton's lower-level language): the same products as
+server/gpu_kernels.py `_small_m_kernel` with its int4 weights, bit for bit, with the operands'
+movement written out instead of left to Triton's pipeliner.
+
+Contract: `int4_step_matmul[grid](...)` takes `_small_m_kernel`'s arguments for an int4 weight in
+server/small_m_matmul.py's layout (BLOCK_N = 64 columns a program, K slices of whole 128-feature
+groups, split-K partials summed in slice order by the last program of a column tile) and writes
+the same output bits: each row tile's group sum is the eight m16n8k16 tensor-core products of the
+group's 16-feature slices, in slice order, from zero, then added to the running sum, and each
+weight is decoded by the same bf16 operations (0x4300 | code as bf16, minus 128, times the scale
+plus the offset). `runs_on(device)` says whether it can run there (CUDA, compute capability 8.0
+or later, a Triton with Gluon, not the interpreter); server/small_m_matmul.py launches it there
+for int4 weights and `_small_m_kernel` elsewhere.
+
+What differs is how the operands move. Both kernels copy a group's operands into shared memory
+ahead of its products (cp.async). Triton's pipeliner copies x slice by slice, in 4-byte pieces, with
+a barrier per slice (36 copy instructions and 5 barriers a group at one row tile, in the sm_90 PTX).
+Here one ring of STAGES buffers receives, STAGES - 1 groups ahead, everything a group needs: its
+[16, 64] weight words and x's rows for its 128 features in 16-byte pieces (zero-filled past the
+last row), and its 64 scales and offsets (12 copy instructions, 3 barriers). The products read x's
+slices from the ring with ldmatrix (tests/test_gluon_matmul_ptx.py). Measured on the H200, E4B's
+int4 shapes on cold weights, summed over a forward, three runs: 2.17-2.18 ms a one-row forward
+against 2.35-2.39, 3.60-3.63 ms at 32 rows against 3.72-3.75, 6.34-6.40 ms at 64 rows against
+7.01-7.04, 16 rows level (2.55-2.57 against 2.58), every output bit-identical to `_small_m_kernel`'s
+at every row count (`python -m bench.small_m_bench --cold`). A whole one-token step: 3.90 ms
+against 4.03 (`python -m bench.step_ab`, README).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Gluon ships with Triton 3.5+; without it the step matmul stays on `_small_m_kernel`
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
+    HAS_GLUON = True
+except ImportError:
+    HAS_GLUON = False
+
+STAGES = 2          # groups in flight: deeper rings took more shared memory for no gain (README)
+BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
+NUM_WARPS = 4
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether `int4_step_matmul` can run on `device` (cp.async and mma.sync need sm_80+)."""
+    if not HAS_GLUON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def x_rows(tiles: int) -> int:
+    """Rows of x a ring buffer holds for `tiles` row tiles: shared buffers take power-of-two shapes."""
+    return 1 << (tiles * 16 - 1).bit_length()
+
+
+if HAS_GLUON:
+    @gluon.jit
+    def _pdl_start(PDL: gl.constexpr):
+        """server/gpu_kernels.py `_pdl_start` in Gluon: wait for the previous kernel, then let the
+        next one launch."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _copy_group(w_s, x_s, scale_s, offset_s, slot, w_ptr, x_ptr, scale_ptr, offset_ptr, k0, live, M, N,
+                    stride_xm, pid_n, XROWS: gl.constexpr, BLOCK_N: gl.constexpr, WL: gl.constexpr,
+                    XL: gl.constexpr, SL: gl.constexpr):
+        """Start the asynchronous copies of the group at feature k0 into ring buffer `slot` and
+        commit them as one group (copies with `live` false copy nothing but still commit, so every
+        iteration's wait counts the same)."""
+        words = gl.arange(0, 16, layout=gl.SliceLayout(1, WL))
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
+        w_ptrs = w_ptr + (k0 // 8 + words)[:, None] * N + cols[None, :]
+        cp.async_copy_global_to_shared(w_s.index(slot), w_ptrs, mask=gl.full([16, BLOCK_N], 1, gl.int1, WL) & live)
+        # x as [8 * XROWS, 16]: buffer row j * XROWS + r holds row r's features k0 + 16 j .. k0 + 16 j + 15
+        xi = gl.arange(0, 8 * XROWS, layout=gl.SliceLayout(1, XL))
+        xk = gl.arange(0, 16, layout=gl.SliceLayout(0, XL))
+        row = xi % XROWS
+        x_ptrs = x_ptr + k0 + ((xi // XROWS) * 16 + row * stride_xm)[:, None] + xk[None, :]
+        cp.async_copy_global_to_shared(x_s.index(slot), x_ptrs, mask=(row < M)[:, None] & live)
+        at = (k0 // 128) * N + pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
+        every = gl.full([BLOCK_N], 1, gl.int1, SL) & live
+        cp.async_copy_global_to_shared(scale_s.index(slot), scale_ptr + at, mask=every)
+        cp.async_copy_global_to_shared(offset_s.index(slot), offset_ptr + at, mask=every)
+        cp.commit_group()
+
+    @gluon.jit
+    def _store_tile(out_ptr, acc, tile, M, N, cols, rows16):
+        rows = tile * 16 + rows16
+        gl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None])
+
+    @gluon.jit
+    def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ROWS: gl.constexpr):
+        """As `_small_m_kernel`'s `_store_partial`: padding rows neither written nor read back."""
+        rows = tile * 16 + rows16
+        gl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
+
+    @gluon.jit
+    def _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, cols, rows16, SPLIT: gl.constexpr,
+                           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, ACC: gl.constexpr):
+        """As `_small_m_kernel`'s `_sum_partials`: the K slices' partials added in slice order."""
+        rows = tile * 16 + rows16
+        offsets = rows[:, None] * N + cols[None, :]
+        live = (rows < M)[:, None]
+        total = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        for s in gl.static_range(SPLIT):
+            total += gl.load(partial_ptr + s * ROWS * N + offsets, mask=live, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=live)
+
+    @gluon.jit
+    def int4_step_matmul(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
+                         M, N, K, stride_xm, k_per_split,
+                         SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False):
+        """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
+        (the partials' rows a K slice), XROWS = x_rows(TILES)."""
+        NW: gl.constexpr = gl.num_warps()
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=2)
+        WL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NW, 1], [1, 0])     # 16-byte copies
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [NW, 1], [1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([2], [32], [NW], [0])
+        W_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+        X_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0])
+        S_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        _pdl_start(PDL)
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], W_SHARED)
+        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 8 * XROWS, 16], X_SHARED)
+        scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
+        offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
+        n_groups = k_per_split // 128
+        k_begin = pid_k * k_per_split
+        for s in gl.static_range(STAGES - 1):
+            _copy_group(w_s, x_s, scale_s, offset_s, s, w_ptr, x_ptr, scale_ptr, offset_ptr, k_begin + s * 128,
+                        s < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL)
+        acc0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        acc1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        acc2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        acc3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        for i in range(0, n_groups):
+            slot = i % STAGES
+            cp.wait_group(STAGES - 2)   # this thread's copies of group i are done ...
+            gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
+            ahead = i + STAGES - 1
+            _copy_group(w_s, x_s, scale_s, offset_s, ahead % STAGES, w_ptr, x_ptr, scale_ptr, offset_ptr,
+                        k_begin + ahead * 128, ahead < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL)
+            packed = w_s.index(slot).load(B)
+            scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
+            offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
+            xs = x_s.index(slot)
+            g0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+            g1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+            g2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+            g3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+            for j in gl.static_range(8):
+                nibble = (packed >> (4 * j)) & 0xF
+                code = (nibble.to(gl.int16) | 0x4300).to(gl.bfloat16, bitcast=True) - 128.0
+                w = (code * scale + offset).to(x_ptr.dtype.element_ty)
+                g0 = mma_v2(xs.slice(j * XROWS, 16, 0).load(A), w, g0)
+                if TILES > 1:
+                    g1 = mma_v2(xs.slice(j * XROWS + 16, 16, 0).load(A), w, g1)
+                if TILES > 2:
+                    g2 = mma_v2(xs.slice(j * XROWS + 32, 16, 0).load(A), w, g2)
+                if TILES > 3:
+                    g3 = mma_v2(xs.slice(j * XROWS + 48, 16, 0).load(A), w, g3)
+            acc0 += g0
+            if TILES > 1:
+                acc1 += g1
+            if TILES > 2:
+                acc2 += g2
+            if TILES > 3:
+                acc3 += g3
+        cp.wait_group(0)
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC))
+        rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
+        if SPLIT == 1:
+            _store_tile(out_ptr, acc0, 0, M, N, cols, rows16)
+            if TILES > 1:
+                _store_tile(out_ptr, acc1, 1, M, N, cols, rows16)
+            if TILES > 2:
+                _store_tile(out_ptr, acc2, 2, M, N, cols, rows16)
+            if TILES > 3:
+                _store_tile(out_ptr, acc3, 3, M, N, cols, rows16)
+        else:
+            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ROWS)
+            if TILES > 1:
+                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ROWS)
+            if TILES > 2:
+                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ROWS)
+            if TILES > 3:
+                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ROWS)
+            # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
+            arrived = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                for tile in gl.static_range(TILES):
+                    _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, cols, rows16, SPLIT, ROWS, BLOCK_N, ACC)
+                gl.atomic_xchg(count_ptr + pid_n, 0)

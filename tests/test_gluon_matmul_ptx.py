@@ -1,0 +1,67 @@
+"""server/gluon_matmul.py's int4 step matmul, checked in the sm_90 PTX it compiles to, here on the
+CPU (CI has no GPU; tests/test_step_kernel_rows.py checks its output bits on one).
+
+Its claim is that it computes `_small_m_kernel`'s products with the same instructions and moves the
+operands with fewer instructions: each group's x rows arrive in one copy of 16-byte pieces where
+Triton's pipeliner copies each 16-feature slice in 4-byte pieces.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from tests.test_pdl_ptx import MATMUL_SIG
+from tests.test_stacked_step_ptx import sm90_ptx
+
+pytest.importorskip("triton")
+
+
+def _ptx(tiles: int, split: int) -> tuple[str, str]:
+    from server import gluon_matmul
+    from server.gpu_kernels import _small_m_kernel
+
+    if not gluon_matmul.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    ours = dict(SPLIT=split, TILES=tiles, ROWS=16 * tiles, XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=64, STAGES=2)
+    theirs = dict(INT4=True, SPLIT=split, MAGIC=True, TILES=tiles, ROWS=16 * tiles, BLOCK_M=16, BLOCK_N=64,
+                  BLOCK_K=128)
+    sig = lambda consts: dict(MATMUL_SIG, **{key: "constexpr" for key in consts})
+    return (sm90_ptx(gluon_matmul.int4_step_matmul, sig(ours), ours),
+            sm90_ptx(_small_m_kernel, sig(theirs), theirs))
+
+
+def _arithmetic(ptx: str) -> Counter:
+    """The products and the bf16 decoding arithmetic, by instruction."""
+    return Counter(re.findall(r"mma\.sync[.\w]*|fma\.rn\.bf16x2|add\.bf16x2|sub\.bf16x2|mul\.rn\.bf16x2", ptx))
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_products_and_decoding_are_the_triton_kernels_instructions(tiles):
+    ours, theirs = _ptx(tiles, split=1)
+    assert _arithmetic(ours) == _arithmetic(theirs)
+    assert _arithmetic(ours)["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0
+
+
+def _copies(ptx: str) -> Counter:
+    """Asynchronous copies by width in bytes."""
+    return Counter(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx))
+
+
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_operands_arrive_by_fewer_wider_copies(tiles):
+    """Without split-K the kernel reads global memory only through cp.async; only the scales and
+    offsets (64 bf16 each) are copied in 4-byte pieces, and it issues fewer copies than the Triton
+    kernel."""
+    ours, theirs = _ptx(tiles, split=1)
+    assert not re.search(r"\bld\.global", ours)
+    assert _copies(ours)["0x4"] <= 4 and _copies(ours)["0x10"] > 0
+    assert sum(_copies(ours).values()) < sum(_copies(theirs).values())
+
+
+def test_split_k_reads_back_only_partials():
+    """With split-K the only global loads are the partial sums', read through L2 (.cg)."""
+    ours, _ = _ptx(2, split=4)
+    loads = re.findall(r"\bld\.global[.\w]*", ours)
+    assert loads and all(".cg" in load for load in loads)
