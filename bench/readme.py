@@ -61,9 +61,12 @@ SECTIONS = [
     ("GPU memory with one int4 layout, before the int8 head and before the cap counted the CUDA context (H200)",
      "python -m bench.gpu_memory (on the GPU machine, an earlier build)`; the old configuration beside it:\n"
      "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
+    ("The fast-path step, the int4 step matmul in Gluon (server/gluon_matmul.py) against the Triton kernel "
+     "(E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-gluon.md", []),
     ("The fast-path step, the small-M kernel's int4 groups in their own accumulators (E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab.md", []),
-    ("The step kernel's configurations on cold weights, E4B int4 shapes (H200)",
+    ("The step kernel's configurations on cold weights, E4B int4 shapes, Gluon and Triton kernels (H200)",
      "python -m bench.small_m_bench --cold (on the GPU machine)", "small_m_cold.md", []),
     ("The fast-path step, one step-attention launch a layer instead of two (E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-attention.md", []),

@@ -6,11 +6,11 @@ For every linear layer shape of one E4B decoder layer (and the LM head: bf16, an
 CUDA graph of 50 calls, median of 7). Usage: python -m bench.small_m_bench [--out DIR]
 Writes DIR/small_m.json and DIR/small_m.md (default bench/results/).
 
-`--cold`: the step kernel's configurations (COLD_CONFIGS: K-slice target, pipeline stages, column
-tile, warps) timed as a decode step
+`--cold`: the step kernel's configurations (COLD_CONFIGS: kernel, K-slice target, pipeline stages,
+column tile, warps) timed as a decode step
 meets its weights, cold: each call reads a different copy of the weight, the copies together past
 the GPU's L2 cache (a hot loop over one weight would time the cache, not the memory). Per E4B int4
-shape and summed per forward, for 1 and 16 rows, against each shape's weight-bytes floor at the
+shape and summed per forward, for 1, 16, 32 and 64 rows, against each shape's weight-bytes floor at the
 memory's peak rate. Writes DIR/small_m_cold.json and .md.
 """
 from __future__ import annotations
@@ -147,23 +147,27 @@ def measure_attention(name, head_dim, slots, sliding, context) -> list:
     return out
 
 
-# Step kernel configurations: K-slice target (programs), pipeline stages, column tile, warps; the
-# first is the shipped one. (Two other int4 variants, scales applied after the products and a group
-# decoded as one tile, were measured slower at e458c5f: bench/results/small_m_cold-variants.md.)
+# Step kernel configurations: kernel (server/gluon_matmul.py's, or gpu_kernels.py's Triton
+# `_small_m_kernel`), K-slice target (programs), pipeline stages (the Triton kernel's; the Gluon one
+# runs gluon_matmul.STAGES), column tile, warps; the first is the shipped one. (Two other int4
+# variants, scales applied after the products and a group decoded as one tile, were measured slower
+# at e458c5f: bench/results/small_m_cold-variants.md.)
 COLD_CONFIGS = [
-    {"target": 264, "stages": 3, "block_n": 64, "warps": 4},
-    {"target": 528, "stages": 3, "block_n": 64, "warps": 4},
-    {"target": 264, "stages": 4, "block_n": 64, "warps": 4},
-    {"target": 528, "stages": 4, "block_n": 64, "warps": 4},
-    {"target": 264, "stages": 3, "block_n": 128, "warps": 4},
-    {"target": 1, "stages": 3, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 528, "stages": 3, "block_n": 64, "warps": 4},
+    {"kernel": "triton", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
+    {"kernel": "triton", "target": 528, "stages": 3, "block_n": 64, "warps": 4},
+    {"kernel": "triton", "target": 264, "stages": 4, "block_n": 64, "warps": 4},
 ]
+COLD_ROWS = (1, 16, 32, 64)
 COLD_BYTES = 512 << 20   # the copies of one shape's weight: ~10x the H200's 50 MB L2
 PEAK_BYTES_PER_S = 4.0e12  # the floor's rate: ~H200's 4.8 TB/s at the ~85% a streaming read reaches
 
 
 def config_name(c: dict) -> str:
-    return f"t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}"
+    if c["kernel"] == "gluon":
+        return f"gluon t{c['target']} n{c['block_n']} w{c['warps']}"
+    return f"triton t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}"
 
 
 def random_int4_copies(n: int, k: int, copies: int) -> list[tuple]:
@@ -188,23 +192,32 @@ def measure_cold(name, n, k, count, configs) -> dict:
     weight_bytes = n * k // 2 + 2 * 2 * (k // 128) * n
     copies = max(2, min(64, COLD_BYTES // weight_bytes))
     weights = random_int4_copies(n, k, copies)
-    x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    x64 = torch.randn(max(COLD_ROWS), k, device="cuda", dtype=torch.bfloat16)
     w, s, o = weights[0]
-    ref = x16.float() @ SmallMLinear(w, s, o, n, k).dequantize().float().t()
+    ref = x64.float() @ SmallMLinear(w, s, o, n, k).dequantize().float().t()
     row = {"name": name, "n": n, "k": k, "count": count, "copies": copies, "weight_bytes": weight_bytes,
            "floor_us": weight_bytes / PEAK_BYTES_PER_S * 1e6, "configs": []}
     for c in configs:
         if n % c["block_n"]:
-            row["configs"].append(dict(c, split=0, invariant=True, rel_err=0.0, us_1=float("nan"), us_16=float("nan")))
+            row["configs"].append(dict(c, split=0, invariant=True, rel_err=0.0,
+                                       **{f"us_{m}": float("nan") for m in COLD_ROWS}))
             continue
         lins = [SmallMLinear(w, s, o, n, k, block_n=c["block_n"], num_warps=c["warps"], num_stages=c["stages"],
                              target_programs=c["target"]) for w, s, o in weights]
+        if c["kernel"] == "gluon" and not lins[0].gluon:
+            raise RuntimeError("server/gluon_matmul.py's kernel does not run here")
+        for lin in lins:
+            lin.gluon = c["kernel"] == "gluon"
         share_partials(lins)  # one split-K scratch, as a model's linears share it
-        out16 = lins[0](x16)
+        out64 = lins[0](x64)
         cand = dict(c, split=lins[0].split,
-                    invariant=all(torch.equal(lins[0](x16[:m])[m - 1], out16[m - 1]) for m in (1, 2, 5)),
-                    rel_err=((out16.float() - ref).norm() / ref.norm()).item(),
-                    us_1=cold_time_us(lins, x16[:1]), us_16=cold_time_us(lins, x16))
+                    invariant=all(torch.equal(lins[0](x64[:m])[m - 1], out64[m - 1]) for m in (1, 2, 5, 17, 33)),
+                    rel_err=((out64.float() - ref).norm() / ref.norm()).item(),
+                    **{f"us_{m}": cold_time_us(lins, x64[:m]) for m in COLD_ROWS})
+        if not row["configs"]:
+            first64 = out64
+        elif row["configs"][0]["split"] == cand["split"]:   # same K slices: the same sums expected
+            cand["bits_of_first"] = torch.equal(out64, first64)
         row["configs"].append(cand)
         del lins
     print(json.dumps(row), flush=True)
@@ -216,30 +229,38 @@ def main_cold(out: Path) -> int:
     rows = [measure_cold(*shape, COLD_CONFIGS) for shape in SHAPES]
 
     def forward_ms(pick) -> dict:
-        return {m: sum(pick(r)[f"us_{m}"] * r["count"] for r in rows) / 1e3 for m in (1, 16)}
+        return {m: sum(pick(r)[f"us_{m}"] * r["count"] for r in rows) / 1e3 for m in COLD_ROWS}
 
     usable = lambda r: [c for c in r["configs"] if not math.isnan(c["us_1"])]
     per_forward = {config_name(c): forward_ms(lambda r, i=i: r["configs"][i]) for i, c in enumerate(COLD_CONFIGS)
                    if all(not math.isnan(r["configs"][i]["us_1"]) for r in rows)}
-    best = forward_ms(lambda r: min(usable(r), key=lambda c: c["us_1"] + c["us_16"]))
+    best = forward_ms(lambda r: min(usable(r), key=lambda c: sum(c[f"us_{m}"] for m in COLD_ROWS)))
     floor = sum(r["floor_us"] * r["count"] for r in rows) / 1e3
     results = {"device": torch.cuda.get_device_name(), "configs": COLD_CONFIGS, "rows": rows,
                "per_forward_ms": per_forward, "best_per_shape_ms": best, "floor_ms": floor,
                "peak_bytes_per_s": PEAK_BYTES_PER_S}
     lines = [f"# Step matmul configurations, cold weights, E4B int4 shapes ({results['device']})", "",
-             "Each cell: microseconds per call for 1 row / 16 rows. Configurations: t the K-slice target "
-             "(programs), s pipeline stages, n the column tile, w warps. The first is the shipped configuration.", "",
+             "Each cell: microseconds per call for " + " / ".join(f"{m}" for m in COLD_ROWS) + " rows. "
+             "Configurations: the kernel (gluon: server/gluon_matmul.py; triton: `_small_m_kernel`), t the K-slice "
+             "target (programs), s pipeline stages, n the column tile, w warps. The first is the shipped "
+             "configuration. Same bits: every configuration with the first one's K slices gave its output bit "
+             "for bit.", "",
              "| layer | N | K | x/forward | floor us | " + " | ".join(config_name(c) for c in COLD_CONFIGS)
-             + " | row-invariant | max rel err |",
-             "|---|---|---|---|---|" + "---|" * len(COLD_CONFIGS) + "---|---|"]
+             + " | row-invariant | same bits | max rel err |",
+             "|---|---|---|---|---|" + "---|" * len(COLD_CONFIGS) + "---|---|---|"]
     for r in rows:
-        cells = " | ".join("-" if math.isnan(c["us_1"]) else f"{c['us_1']:.1f} / {c['us_16']:.1f}" for c in r["configs"])
+        cells = " | ".join("-" if math.isnan(c["us_1"]) else " / ".join(f"{c[f'us_{m}']:.1f}" for m in COLD_ROWS)
+                           for c in r["configs"])
+        same = all(c.get("bits_of_first", True) for c in r["configs"])
         lines.append(f"| {r['name']} | {r['n']} | {r['k']} | {r['count']} | {r['floor_us']:.1f} | {cells} | "
-                     f"{all(c['invariant'] for c in r['configs'])} | {max(c['rel_err'] for c in r['configs']):.1e} |")
+                     f"{all(c['invariant'] for c in r['configs'])} | {same} | "
+                     f"{max(c['rel_err'] for c in r['configs']):.1e} |")
     lines += ["", f"Per forward (sum over the 42 layers' linears; the LM head is not int4): floor {floor:.2f} ms "
               f"at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; "
-              + "; ".join(f"{name} {v[1]:.2f} ms (1 row) / {v[16]:.2f} ms (16 rows)" for name, v in per_forward.items())
-              + f"; the fastest configuration per shape {best[1]:.2f} / {best[16]:.2f} ms."]
+              + "; ".join(f"{name} " + " / ".join(f"{v[m]:.2f}" for m in COLD_ROWS) + " ms"
+                          for name, v in per_forward.items())
+              + "; the fastest configuration per shape " + " / ".join(f"{best[m]:.2f}" for m in COLD_ROWS)
+              + " ms (" + " / ".join(f"{m}" for m in COLD_ROWS) + " rows)."]
     md = "\n".join(lines) + "\n"
     write_results(out, "small_m_cold", results, md)
     print(md)
