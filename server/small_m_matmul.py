@@ -27,7 +27,7 @@ this path, near-ties included.
 
 Int4 weights run on server/gluon_matmul.py's kernel where it runs (CUDA sm_80+, Gluon): the same
 products and bits as `_small_m_kernel` below, its operands copied into shared memory in fewer,
-wider pieces (about 8% less time a one-row forward, 10% at 64 rows on the H200); int8 and dense
+wider pieces (about 8% less time a one-row forward and 9% at 64 rows on the H200); int8 and dense
 weights, the interpreter and other GPUs use `_small_m_kernel`.
 
 Int4 layout: `qweight` int32 [K/8, N]; within each group of 128 input features (16 words per
