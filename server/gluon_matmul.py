@@ -57,15 +57,7 @@ def x_rows(tiles: int) -> int:
 
 
 if HAS_GLUON:
-    @gluon.jit
-    def _pdl_start(PDL: gl.constexpr):
-        """server/gpu_kernels.py `_pdl_start` in Gluon: wait for the previous kernel, then let the
-        next one launch."""
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+    from server.gpu_kernels import _pdl_start   # a Triton helper: Gluon calls it as it is
 
     @gluon.jit
     def _copy_group(w_s, x_s, scale_s, offset_s, slot, w_ptr, x_ptr, scale_ptr, offset_ptr, k0, live, M, N,
