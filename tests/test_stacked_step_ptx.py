@@ -10,32 +10,55 @@ shows the instruction widths all the same.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
 import pytest
 
 triton = pytest.importorskip("triton")
+tl = triton.language
+
+
+@triton.jit
+def _noop(x_ptr):
+    """The smallest kernel: whether anything compiles for sm_90 here."""
+    tl.store(x_ptr, 0.0)
+
 
 INTS = ("T", "S", "n_cache_chunks", "n_own_chunks", "window", "kv_heads", "k_field", "v_field")
 
 
-def sm90_ptx(fn, sig: dict, constexprs: dict) -> str:
-    """fn's PTX for sm_90 (a Triton or a Gluon kernel); pointers and strides specialized as Triton does for
-    16-divisible arguments."""
+@functools.cache
+def _sm90_compiler_missing() -> str | None:
+    """Why this Triton cannot compile for sm_90 at all (no NVIDIA backend or ptxas), or None."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    try:
+        triton.compile(ASTSource(_noop, {"x_ptr": "*fp32"}), target=GPUTarget("cuda", 90, 32))
+    except Exception as e:
+        return str(e)
+    return None
+
+
+def sm90_ptx(fn, sig: dict, constexprs: dict) -> str:
+    """fn's PTX for sm_90 (a Triton or a Gluon kernel); pointers and strides specialized as Triton does for
+    16-divisible arguments. Skips only where no kernel compiles for sm_90 here: an error in fn's own
+    compilation fails the test."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    missing = _sm90_compiler_missing()
+    if missing is not None:  # a Triton without its NVIDIA backend's compiler
+        pytest.skip(f"Triton cannot compile for sm_90 here: {missing}")
 
     if getattr(fn, "is_gluon", lambda: False)():  # server/gluon_matmul.py: Gluon's own source class
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     names = list(sig)
     aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in INTS)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    try:
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32))
-    except Exception as e:  # a Triton without its NVIDIA backend's compiler
-        pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32))
     return compiled.asm["ptx"]
 
 
