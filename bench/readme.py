@@ -61,6 +61,9 @@ SECTIONS = [
     ("GPU memory with one int4 layout, before the int8 head and before the cap counted the CUDA context (H200)",
      "python -m bench.gpu_memory (on the GPU machine, an earlier build)`; the old configuration beside it:\n"
      "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
+    ("The fast-path step, the Gluon int4 step matmul decoding two weights with one byte permute and one LOP3 "
+     "(E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-decode.md", []),
     ("The fast-path step, the int4 step matmul in Gluon (server/gluon_matmul.py) against the Triton kernel "
      "(E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-gluon.md", []),

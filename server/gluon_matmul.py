@@ -12,18 +12,30 @@ plus the offset). `runs_on(device)` says whether it can run there (CUDA, compute
 or later, a Triton with Gluon, not the interpreter); server/small_m_matmul.py launches it there
 for int4 weights and `_small_m_kernel` elsewhere.
 
-What differs is how the operands move. Both kernels copy a group's operands into shared memory
-ahead of its products (cp.async). Triton's pipeliner copies x slice by slice, in 4-byte pieces, with
-a barrier per slice (36 copy instructions and 5 barriers a group at one row tile, in the sm_90 PTX).
-Here one ring of STAGES buffers receives, STAGES - 1 groups ahead, everything a group needs: its
-[16, 64] weight words and x's rows for its 128 features in 16-byte pieces (zero-filled past the
-last row), and its 64 scales and offsets (12 copy instructions, 3 barriers). The products read x's
-slices from the ring with ldmatrix (tests/test_gluon_matmul_ptx.py). Measured on the H200, E4B's
-int4 shapes on cold weights, summed over a forward, three runs: 2.17-2.18 ms a one-row forward
-against 2.35-2.39, 3.60-3.63 ms at 32 rows against 3.72-3.75, 6.34-6.40 ms at 64 rows against
-7.01-7.04, 16 rows level (2.55-2.57 against 2.58), every output bit-identical to `_small_m_kernel`'s
-at every row count (`python -m bench.small_m_bench --cold`). A whole one-token step: 3.90 ms
-against 4.03 (`python -m bench.step_ab`, README).
+What differs is how the operands move and how the codes are unpacked. Both kernels copy a group's
+operands into shared memory ahead of its products (cp.async). Triton's pipeliner copies x slice by
+slice, in 4-byte pieces, with a barrier per slice (36 copy instructions and 5 barriers a group at one
+row tile, in the sm_90 PTX). Here one ring of STAGES buffers receives, STAGES - 1 groups ahead,
+everything a group needs: its [16, 64] weight words and x's rows for its 128 features in 16-byte
+pieces (zero-filled past the last row), and its 64 scales and offsets (12 copy instructions, 3
+barriers). The products read x's slices from the ring with ldmatrix. A thread holds a column's words
+in pairs (features k and k + 1), and `_slice_codes` turns a pair's nibbles of one slice into the
+mma operand's bf16x2 register (128 + code, two weights) with one byte permute and one LOP3, where the
+per-element form (shift, mask, 16-bit conversion, OR, then packing) took about nine integer
+instructions a pair; the bf16 arithmetic after it (minus 128, times the scale plus the offset) is
+the same instructions (tests/test_gluon_matmul_ptx.py).
+
+Why the decoding matters: at one row the kernel is not bound by its loads alone. Throwaway variants
+on E4B's gate|up (cold weights, one row, H200): 20.8 us as shipped before the byte permutes, 17.2
+with the decoding cut to a shift (wrong bits, for timing), 15.6 with neither decoding nor products
+(copies only), 10.4 copies only with a ring of four (the floor is 7.0 at 4 TB/s); with the full
+decoding a ring of three or four gave 19.9 and six 25.4. Measured, E4B's int4 shapes on cold
+weights summed over a forward (`python -m bench.small_m_bench --cold`): 1.89 ms a one-row forward
+against the Triton kernel's 2.36, 5.93 ms at 64 rows against 7.01, 16 and 32 rows level (2.57
+against 2.58, 3.71 against 3.75), every output bit-identical to `_small_m_kernel`'s at every row
+count. A whole one-token step: 3.69 ms against 3.93 before the byte permutes, plain decode 236.5 ->
+257.1 tokens/s (`python -m bench.step_ab`, README); the Gluon kernel's first version, against the
+Triton kernel: 3.90 against 4.03.
 """
 from __future__ import annotations
 
@@ -59,6 +71,9 @@ def x_rows(tiles: int) -> int:
 if HAS_GLUON:
     from server.gpu_kernels import _pdl_start   # a Triton helper: Gluon calls it as it is
 
+    # prmt selectors: byte b of the first word into byte 0, byte b of the second word into byte 2
+    _PAIR_SELECTOR = gl.constexpr(tuple(hex(b | b << 4 | (4 + b) << 8 | (4 + b) << 12) for b in range(4)))
+
     @gluon.jit
     def _copy_group(w_s, x_s, scale_s, offset_s, slot, w_ptr, x_ptr, scale_ptr, offset_ptr, k0, live, M, N,
                     stride_xm, pid_n, XROWS: gl.constexpr, BLOCK_N: gl.constexpr, WL: gl.constexpr,
@@ -81,6 +96,18 @@ if HAS_GLUON:
         cp.async_copy_global_to_shared(scale_s.index(slot), scale_ptr + at, mask=every)
         cp.async_copy_global_to_shared(offset_s.index(slot), offset_ptr + at, mask=every)
         cp.commit_group()
+
+    @gluon.jit
+    def _slice_codes(words, byte: gl.constexpr):
+        """128 + code, as bf16, of the nibble in bits 0-3 of byte `byte` of each weight word. A
+        thread holds a column's words in pairs (features k and k + 1: the mma operand's k_width=2),
+        and one byte permute and one LOP3 turn a pair into the operand's bf16x2 register, low half
+        from the first word: two integer instructions for two weights, where the shifts, masks,
+        16-bit conversions and ORs of the per-element form took nine (tests/test_gluon_matmul_ptx.py)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, $2, " + _PAIR_SELECTOR[byte] + "; "
+            "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }",   # (t & 0x000F000F) | 0x43004300
+            "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
     def _store_tile(out_ptr, acc, tile, M, N, cols, rows16):
@@ -154,9 +181,12 @@ if HAS_GLUON:
             g1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
             g2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
             g3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+            high = packed >> 4      # the odd slices' nibbles moved to the bytes' low halves
             for j in gl.static_range(8):
-                nibble = (packed >> (4 * j)) & 0xF
-                code = (nibble.to(gl.int16) | 0x4300).to(gl.bfloat16, bitcast=True) - 128.0
+                if j % 2 == 0:
+                    code = _slice_codes(packed, j // 2) - 128.0
+                else:
+                    code = _slice_codes(high, j // 2) - 128.0
                 w = (code * scale + offset).to(x_ptr.dtype.element_ty)
                 g0 = mma_v2(xs.slice(j * XROWS, 16, 0).load(A), w, g0)
                 if TILES > 1:

@@ -27,8 +27,9 @@ this path, near-ties included.
 
 Int4 weights run on server/gluon_matmul.py's kernel where it runs (CUDA sm_80+, Gluon): the same
 products and bits as `_small_m_kernel` below, its operands copied into shared memory in fewer,
-wider pieces (about 8% less time a one-row forward and 9% at 64 rows on the H200); int8 and dense
-weights, the interpreter and other GPUs use `_small_m_kernel`.
+wider pieces and its codes unpacked two at a time by a byte permute and a LOP3 (on the H200 a
+one-row forward's int4 matmuls take 20% less time, 1.89 against 2.36 ms, and 15% less at 64
+rows); int8 and dense weights, the interpreter and other GPUs use `_small_m_kernel`.
 
 Int4 layout: `qweight` int32 [K/8, N]; within each group of 128 input features (16 words per
 column), nibble j of word r holds the 4-bit code of feature 16 j + r, so the kernel loads a group as
@@ -37,11 +38,12 @@ one [16, BLOCK_N] tile and takes eight contiguous 16-feature slices from it by s
 (code - 8) * scale + shift, the -8 folded into offset). Codes become bf16 without an int-to-float
 conversion: the bits 0x4300 | code are the bf16 number 128 + code. Weights are streamed once per step. The
 floor is their bytes at the memory's rate; on the H200 the largest linear (E4B's gate|up) runs at
-about 1.2 TB/s, a third of it (bench/small_m_bench.py --cold). Neither the decoding's arithmetic nor
-the operand layout changes bound it: decoding half the work per weight (scales applied per group
-after the products) and one layout change per group instead of eight were both slower (e458c5f),
-and with the decoding cut to a shift and an OR, or with no products at all, gate|up took as long:
-the weights' loads bound it (README, GPU step speed).
+about 1.6 TB/s on the Gluon kernel (1.2 on this one), well short of it (bench/small_m_bench.py
+--cold). On this kernel decoding half the work per weight (scales applied per group after the
+products) and one layout change per group instead of eight were both slower (e458c5f), and with
+the decoding cut to a shift and an OR, or with no products at all, gate|up took as long: its loads
+bound it. The Gluon kernel moves its operands better, and there the decoding's integer
+instructions were a bound of their own (server/gluon_matmul.py).
 
 Prefill reads the same layout: `dequantize_t` writes one linear's W^T into a scratch buffer shared
 by all linears (`share_prefill_scratch`, the size of the largest) for one cuBLAS GEMM over many

@@ -1,9 +1,10 @@
 """server/gluon_matmul.py's int4 step matmul, checked in the sm_90 PTX it compiles to, here on the
 CPU (CI has no GPU; tests/test_step_kernel_rows.py checks its output bits on one).
 
-Its claim is that it computes `_small_m_kernel`'s products with the same instructions and moves the
-operands with fewer instructions: each group's x rows arrive in one copy of 16-byte pieces where
-Triton's pipeliner copies each 16-feature slice in 4-byte pieces.
+Its claim is that it computes `_small_m_kernel`'s products with the same instructions, decodes the
+weights with fewer (a byte permute and a LOP3 a pair of weights), and moves the operands with fewer
+instructions: each group's x rows arrive in one copy of 16-byte pieces where Triton's pipeliner
+copies each 16-feature slice in 4-byte pieces.
 """
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ def test_products_and_decoding_are_the_triton_kernels_instructions(tiles):
     ours, theirs = _ptx(tiles, split=1)
     assert _arithmetic(ours) == _arithmetic(theirs)
     assert _arithmetic(ours)["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0
+
+
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_a_pair_of_weights_decodes_in_two_integer_instructions(tiles):
+    """Each bf16x2 operand register (two weights) comes from one byte permute and one LOP3: as many
+    of each as there are bf16x2 FMAs (the scale and offset), and none of the per-element path's 16-bit
+    shifts and conversions, which the Triton kernel's decoding is made of."""
+    ours, theirs = _ptx(tiles, split=1)
+    pairs = len(re.findall(r"fma\.rn\.bf16x2", ours))
+    assert pairs > 0
+    assert len(re.findall(r"prmt\.b32 t, ", ours)) == pairs
+    assert len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", ours)) == pairs
+    per_element = r"\b(?:shr\.u16|cvt\.u16\.u32)\b"
+    assert not re.search(per_element, ours) and re.search(per_element, theirs)
 
 
 def _copies(ptx: str) -> Counter:
