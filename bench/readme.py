@@ -31,7 +31,8 @@ SECTIONS = [
     ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
      "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
     ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens), drafts "
-     "capped as the server caps them: 16 rows a forward for one or two streams, 32 for more (H200, 12-03)",
+     "capped as the server caps them: 16 rows a forward for one or two streams, 32 for more (H200, 12-04, the "
+     "Gluon step matmul with its codes unpacked two at a time)",
      "python -m bench.gpu_concurrency --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
      "gpu_concurrency-rowsauto-turn64.md", []),
     ("The same with 16 rows a forward at every count (the server's rule before 12-03; H200, 12-03, the same "

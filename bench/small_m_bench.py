@@ -148,16 +148,18 @@ def measure_attention(name, head_dim, slots, sliding, context) -> list:
 
 
 # Step kernel configurations: kernel (server/gluon_matmul.py's, or gpu_kernels.py's Triton
-# `_small_m_kernel`), K-slice target (programs), pipeline stages (the Triton kernel's; the Gluon one
-# runs gluon_matmul.STAGES), column tile, warps; the first is the shipped one. (Two other int4
+# `_small_m_kernel`), K-slice target (programs), pipeline stages (the Triton kernel's
+# num_stages; the Gluon kernel's ring of groups), column tile, warps; the first is the shipped one. (Two other int4
 # variants, scales applied after the products and a group decoded as one tile, were measured slower
 # at e458c5f: bench/results/small_m_cold-variants.md.)
+# "same_split": the K slices of the first configuration (its sums, hence its bits) on another tiling.
 COLD_CONFIGS = [
+    {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 64, "warps": 4},
     {"kernel": "gluon", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
-    {"kernel": "gluon", "target": 528, "stages": 3, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 264, "stages": 4, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 128, "warps": 8, "same_split": True},
+    {"kernel": "gluon", "target": 264, "stages": 3, "block_n": 128, "warps": 8, "same_split": True},
     {"kernel": "triton", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
-    {"kernel": "triton", "target": 528, "stages": 3, "block_n": 64, "warps": 4},
-    {"kernel": "triton", "target": 264, "stages": 4, "block_n": 64, "warps": 4},
 ]
 COLD_ROWS = (1, 16, 32, 64)
 COLD_BYTES = 512 << 20   # the copies of one shape's weight: ~10x the H200's 50 MB L2
@@ -166,7 +168,8 @@ PEAK_BYTES_PER_S = 4.0e12  # the floor's rate: ~H200's 4.8 TB/s at the ~85% a st
 
 def config_name(c: dict) -> str:
     if c["kernel"] == "gluon":
-        return f"gluon t{c['target']} n{c['block_n']} w{c['warps']}"
+        split = " (its K slices)" if c.get("same_split") else ""
+        return f"gluon t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}{split}"
     return f"triton t{c['target']} s{c['stages']} n{c['block_n']} w{c['warps']}"
 
 
@@ -202,8 +205,10 @@ def measure_cold(name, n, k, count, configs) -> dict:
             row["configs"].append(dict(c, split=0, invariant=True, rel_err=0.0,
                                        **{f"us_{m}": float("nan") for m in COLD_ROWS}))
             continue
+        split = row["configs"][0]["split"] if c.get("same_split") and row["configs"] else None
         lins = [SmallMLinear(w, s, o, n, k, block_n=c["block_n"], num_warps=c["warps"], num_stages=c["stages"],
-                             target_programs=c["target"]) for w, s, o in weights]
+                             target_programs=c["target"], split=split, gluon_stages=c["stages"])
+                for w, s, o in weights]
         if c["kernel"] == "gluon" and not lins[0].gluon:
             raise RuntimeError("server/gluon_matmul.py's kernel does not run here")
         for lin in lins:

@@ -54,6 +54,9 @@ except ImportError:
 STAGES = 2          # groups in flight: deeper rings took more shared memory for no gain (README)
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
+# (columns a program, warps) the kernel is written for: each warp takes 16 columns. A column's sums do
+# not depend on the tile it is in, so the tilings give the same bits for the same K slices.
+TILINGS = ((BLOCK_N, NUM_WARPS), (2 * BLOCK_N, 2 * NUM_WARPS))
 
 
 def runs_on(device: torch.device) -> bool:

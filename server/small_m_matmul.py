@@ -173,7 +173,8 @@ class SmallMLinear:
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
                  n: int, k: int, block_n: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                 target_programs: int = TARGET_PROGRAMS, magic: bool = True):
+                 target_programs: int = TARGET_PROGRAMS, magic: bool = True, split: int | None = None,
+                 gluon_stages: int | None = None):
         block_n = block_n or _block_n(n)
         if k % BLOCK_K or not block_n or n % block_n:
             raise ValueError(f"shape N={n}, K={k} does not tile by ({block_n}, {BLOCK_K})")
@@ -183,7 +184,11 @@ class SmallMLinear:
         self.int4 = scale is not None and not self.int8
         self.magic = magic and self.int4 and scale.dtype == torch.bfloat16
         self.num_stages = num_stages
-        self.split = _plan(n, k, block_n, target_programs)
+        # K slices: planned for the GPU's programs, or given (a bench's other column tiles with the same
+        # K slices, hence the same sums and bits)
+        self.split = split or _plan(n, k, block_n, target_programs)
+        if (k // BLOCK_K) % self.split:
+            raise ValueError(f"{self.split} K slices do not divide {k // BLOCK_K} groups")
         # The split-K scratch: one buffer shared by a model's linears (`share_partials`), else this
         # linear's own, made at its first call. Not made here: a model's linears, each with its own
         # until they are shared, would hold ~1.2 GiB at once on E4B while the fast path is built.
@@ -192,8 +197,9 @@ class SmallMLinear:
         self._launch = pdl_launch(weight.device)
         # int4 weights run on server/gluon_matmul.py's kernel where it runs (same bits, faster)
         from server import gluon_matmul
-        self.gluon = (GLUON and self.magic and block_n == gluon_matmul.BLOCK_N and num_warps == gluon_matmul.NUM_WARPS
+        self.gluon = (GLUON and self.magic and (block_n, num_warps) in gluon_matmul.TILINGS
                       and gluon_matmul.runs_on(weight.device))
+        self.gluon_stages = gluon_stages or gluon_matmul.STAGES
 
     @property
     def out_features(self) -> int:
@@ -229,11 +235,12 @@ class SmallMLinear:
         tiles = max(1, -(-m // TILE_M))
         grid = (self.n // self.block_n, self.split)
         if self.gluon:
-            from server.gluon_matmul import STAGES, int4_step_matmul, x_rows
+            from server.gluon_matmul import int4_step_matmul, x_rows
             int4_step_matmul[grid](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, SPLIT=self.split, TILES=tiles, ROWS=tiles * TILE_M,
-                XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=STAGES, num_warps=self.num_warps, **self._launch)
+                XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages, num_warps=self.num_warps,
+                **self._launch)
             return out.reshape(*lead, self.n)
         from server.gpu_kernels import _small_m_kernel
         _small_m_kernel[grid](

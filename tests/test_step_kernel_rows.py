@@ -69,6 +69,28 @@ def test_gluon_int4_kernel_gives_the_triton_kernels_bits(n, k):
         assert torch.equal(ours, lin(x[:m])), f"N={n} K={k}: {m} rows"
 
 
+@pytest.mark.parametrize("n,k", [(3072, 2560), (20480, 2560), (2560, 10240), (256, 2560)])
+def test_gluon_tilings_and_rings_give_the_same_bits(n, k):
+    """server/gluon_matmul.py's 128-column tiles (8 warps) and deeper rings, with the same K slices:
+    a column's sums do not depend on its tile or on how far ahead the copies run, so every row
+    count gives the shipped configuration's bits."""
+    from server import gluon_matmul
+
+    lin = int4_linear(n, k, seed=n + k)
+    if not lin.gluon:
+        pytest.skip("Gluon does not run here")
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    for (block_n, warps), stages in [(gluon_matmul.TILINGS[1], 2), (gluon_matmul.TILINGS[0], 4),
+                                     (gluon_matmul.TILINGS[1], 3)]:
+        if n % block_n:
+            continue
+        other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
+                             split=lin.split, gluon_stages=stages)
+        assert other.gluon
+        for m in ROW_COUNTS:
+            assert torch.equal(other(x[:m]), lin(x[:m])), f"N={n} K={k} n{block_n} s{stages}: {m} rows"
+
+
 def test_shared_scratch_changes_nothing():
     """share_partials points split-K linears at one buffer: same outputs, back to back."""
     from server.small_m_matmul import share_partials
