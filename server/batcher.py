@@ -84,8 +84,7 @@ class StepBatcher:
             while not me.done:
                 batch = self._take_batch()
                 if batch is None:
-                    oldest = self._waiting_since(self._pending[0] if self._pending else me)
-                    self._cv.wait(timeout=max(1e-4, oldest + self.linger_s - time.perf_counter()))
+                    self._cv.wait(timeout=self._wait_s(me))
                     continue
                 self._running = True
                 self._cv.release()
@@ -109,6 +108,19 @@ class StepBatcher:
             return None
         batch, self._pending = self._pending, []
         return batch
+
+    def _wait_s(self, me: _Pending) -> float:
+        """How long a lane whose rows are not done sleeps before it looks again. While a forward
+        runs, nothing can start before its end, which wakes every lane (notify_all): the lane sleeps
+        until then (LINGER_MAX_S at most, a bound, not a poll). Otherwise until the oldest rows'
+        linger runs out, when their forward must start. Before, a lane that had waited its linger
+        while a forward still ran looked again every 0.1 ms until it ended: on 16 lanes of a tiny
+        model (CPU) 33,070 of 35,674 waits were such looks, each taking the GIL from the lane
+        that ran the forward."""
+        if self._running:
+            return LINGER_MAX_S
+        oldest = self._waiting_since(self._pending[0] if self._pending else me)
+        return max(1e-4, oldest + self.linger_s - time.perf_counter())
 
     def _waiting_since(self, pending: _Pending) -> float:
         """When rows began to wait for lanes rather than for a forward: their arrival, or the end

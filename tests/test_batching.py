@@ -176,3 +176,41 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving():
         health = httpx.get(url + "/health").json()
         assert health["waiting"] == 0 and health["running"] == 0 and health["parallel"] == 1
         assert 'sailfish_requests_total{endpoint="chat",outcome="rejected"}' in httpx.get(url + "/metrics").text
+
+
+def test_rows_waiting_for_a_running_forward_sleep_until_it_ends():
+    """Rows that arrive while a forward runs, and whose linger runs out before it ends, sleep until
+    its end wakes them (server/batcher.py `_wait_s`); they used to look again every 0.1 ms, taking
+    the GIL from the thread that ran the forward. Their forward runs right after, with them in it."""
+    from server.batcher import StepBatcher
+
+    class Rows:
+        def __init__(self, value):
+            self.value, self.ids = value, np.array([value])
+
+    class SlowModel:
+        def __init__(self):
+            self.batches = []
+
+        def forward_batch(self, rows):
+            self.batches.append(list(rows))
+            time.sleep(0.2 if len(self.batches) == 1 else 0.0)
+            return [np.full(1, r.value) for r in rows]
+
+    batcher = StepBatcher(SlowModel(), linger_s=0.005)
+    looks = []
+    wait = batcher._cv.wait
+    batcher._cv.wait = lambda timeout=None: (looks.append(time.perf_counter()), wait(timeout))[1]
+    batcher.join()
+    batcher.join()
+    first = threading.Thread(target=batcher.run, args=(Rows(1),))
+    first.start()  # alone: its linger runs out and its 0.2 s forward starts
+    time.sleep(0.05)
+    started = time.perf_counter()
+    looks.clear()
+    logits, others = batcher.run(Rows(2))  # arrives mid-forward; linger over long before its end
+    first.join()
+    assert logits.tolist() == [2] and others == (0, 0)
+    assert [len(b) for b in batcher.model.batches] == [1, 1]
+    assert time.perf_counter() - started > 0.1   # it did wait for the running forward
+    assert len(looks) <= 5, f"{len(looks)} looks while one forward ran"
