@@ -3,8 +3,9 @@ server/gpu_kernels.py `_small_m_kernel` with its int4 weights, bit for bit, with
 movement written out instead of left to Triton's pipeliner.
 
 Contract: `int4_step_matmul[grid](...)` takes `_small_m_kernel`'s arguments for an int4 weight in
-server/small_m_matmul.py's layout (BLOCK_N = 64 columns a program, K slices of whole 128-feature
-groups, split-K partials summed in slice order by the last program of a column tile) and writes
+server/small_m_matmul.py's layout (BLOCK_N = 64 columns a program with 4 warps, or 128 with 8:
+`TILINGS`; K slices of whole 128-feature groups, split-K partials summed in slice order by the last
+program of a column tile) and writes
 the same output bits: each row tile's group sum is the eight m16n8k16 tensor-core products of the
 group's 16-feature slices, in slice order, from zero, then added to the running sum, and each
 weight is decoded by the same bf16 operations (0x4300 | code as bf16, minus 128, times the scale
