@@ -187,10 +187,7 @@ if HAS_GLUON:
             g3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
             high = packed >> 4      # the odd slices' nibbles moved to the bytes' low halves
             for j in gl.static_range(8):
-                if j % 2 == 0:
-                    code = _slice_codes(packed, j // 2) - 128.0
-                else:
-                    code = _slice_codes(high, j // 2) - 128.0
+                code = _slice_codes(high if j % 2 else packed, j // 2) - 128.0
                 w = (code * scale + offset).to(x_ptr.dtype.element_ty)
                 g0 = mma_v2(xs.slice(j * XROWS, 16, 0).load(A), w, g0)
                 if TILES > 1:
