@@ -35,6 +35,10 @@ SECTIONS = [
      "Gluon step matmul with its codes unpacked two at a time)",
      "python -m bench.gpu_concurrency --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
      "gpu_concurrency-rowsauto-turn64.md", []),
+    ("The same, 1 and 4 streams (H200, 12-04 evening: the batcher's waiting lanes sleep instead of polling, and "
+     "the gelus run in the step matmuls' epilogues)",
+     "python -m bench.gpu_concurrency --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
+     "gpu_concurrency-streams14-turn64.md", []),
     ("The same with 16 rows a forward at every count (the server's rule before 12-03; H200, 12-03, the same "
      "sitting as a --rows 32 run: bench/results/gpu_concurrency-rows32-turn64.md)",
      "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 2 --no-costs (on the GPU machine)",
@@ -62,6 +66,10 @@ SECTIONS = [
     ("GPU memory with one int4 layout, before the int8 head and before the cap counted the CUDA context (H200)",
      "python -m bench.gpu_memory (on the GPU machine, an earlier build)`; the old configuration beside it:\n"
      "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
+    ("The fast-path step, the gelus in the epilogues of the matmuls they read (E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-gelu.md", []),
+    ("The gelu epilogues per linear, cold weights, E4B int4 shapes (H200)",
+     "python -m bench.small_m_bench --epilogues (on the GPU machine)", "small_m_epilogues.md", []),
     ("The fast-path step, the Gluon int4 step matmul decoding two weights with one byte permute and one LOP3 "
      "(E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-decode.md", []),

@@ -12,6 +12,10 @@ meets its weights, cold: each call reads a different copy of the weight, the cop
 the GPU's L2 cache (a hot loop over one weight would time the cache, not the memory). Per E4B int4
 shape and summed per forward, for 1, 16, 32 and 64 rows, against each shape's weight-bytes floor at the
 memory's peak rate. Writes DIR/small_m_cold.json and .md.
+
+`--epilogues`: the linears a gelu reads (gate|up, the per-layer input gate), cold, at those row counts:
+alone, followed by the compiled gelu kernel, and with the gelu in their epilogue; whether the fused
+output has the unfused bits. Writes DIR/small_m_epilogues.json and .md.
 """
 from __future__ import annotations
 
@@ -272,13 +276,78 @@ def main_cold(out: Path) -> int:
     return 0
 
 
+# The linears whose output a gelu reads (server/small_m_matmul.py GELU_PAIRS / GELU_TIMES), per E4B layer
+EPILOGUE_SHAPES = [("gate|up, gelu(gate) * up", 20480, 2560, 42, "pairs"),
+                   ("ple gate, gelu(y) * ple", 256, 2560, 42, "times")]
+
+
+def measure_epilogue(name, n, k, count, kind) -> dict:
+    """One shape on cold weights: the matmul alone, the matmul then the fast path's compiled gelu_mul
+    kernel (two launches, as steps ran before the epilogues), and the fused launch; and whether the
+    fused output is the unfused one's bits."""
+    from server.fast_path import _compiled_ops
+
+    gelu_mul = _compiled_ops().gelu_mul
+    weight_bytes = n * k // 2 + 2 * 2 * (k // 128) * n
+    lins = [SmallMLinear(w, s, o, n, k) for w, s, o in
+            random_int4_copies(n, k, max(2, min(64, COLD_BYTES // weight_bytes)))]
+    fused = [lin.gelu_pairs() for lin in lins] if kind == "pairs" else lins
+    share_partials(lins + fused)
+    x64 = torch.randn(max(COLD_ROWS), k, device="cuda", dtype=torch.bfloat16)
+    u64 = torch.randn(max(COLD_ROWS), 3, n, device="cuda", dtype=torch.bfloat16)[:, 1]  # strided, as ple[:, layer]
+    row = {"name": name, "n": n, "k": k, "count": count, "kind": kind, "gluon": lins[0].gluon}
+    for m in COLD_ROWS:
+        x, u = x64[:m], u64[:m]
+        if kind == "pairs":
+            separate = lambda lin: gelu_mul(*lin(x).split(n // 2, -1))
+            one = lambda lin, f: f(x)
+        else:
+            separate = lambda lin: gelu_mul(lin(x), u)
+            one = lambda lin, f: lin(x, gelu_times=u)
+        row[f"same_bits_{m}"] = all(torch.equal(one(lin, f), separate(lin)) for lin, f in zip(lins[:4], fused[:4]))
+        per_call = lambda fn: graph_time_us(lambda: [fn(lin, f) for lin, f in zip(lins, fused)], calls=1) / len(lins)
+        row[f"matmul_us_{m}"] = per_call(lambda lin, f: lin(x))
+        row[f"separate_us_{m}"] = per_call(lambda lin, f: separate(lin))
+        row[f"fused_us_{m}"] = per_call(one)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main_epilogues(out: Path) -> int:
+    rows = [measure_epilogue(*shape) for shape in EPILOGUE_SHAPES]
+    saved = {m: sum((r[f"separate_us_{m}"] - r[f"fused_us_{m}"]) * r["count"] for r in rows) / 1e3
+             for m in COLD_ROWS}
+    results = {"device": torch.cuda.get_device_name(), "rows": rows, "saved_per_forward_ms": saved}
+    lines = [f"# The gelus in the step matmuls' epilogues, cold weights, E4B int4 shapes ({results['device']})", "",
+             "Microseconds per call for " + " / ".join(f"{m}" for m in COLD_ROWS) + " rows (CUDA graphs, each call "
+             "a different copy of the weight). separate: the matmul, then the compiled gelu_mul kernel (two "
+             "launches, programmatic dependent launch between them); fused: one launch "
+             "(server/small_m_matmul.py GELU_PAIRS / GELU_TIMES). Same bits: the fused output equals the "
+             "separate one's, at every row count.", "",
+             "| linear | N | K | x/forward | matmul alone | separate | fused | same bits |", "|---|---|---|---|---|---|---|---|"]
+    cells = lambda r, key: " / ".join(f"{r[f'{key}_us_{m}']:.1f}" for m in COLD_ROWS)
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['n']} | {r['k']} | {r['count']} | {cells(r, 'matmul')} | "
+                     f"{cells(r, 'separate')} | {cells(r, 'fused')} | "
+                     f"{all(r[f'same_bits_{m}'] for m in COLD_ROWS)} |")
+    lines += ["", "Saved per forward (both linears, 42 layers): "
+              + " / ".join(f"{saved[m]:.3f}" for m in COLD_ROWS) + " ms."]
+    md = "\n".join(lines) + "\n"
+    write_results(out, "small_m_epilogues", results, md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.small_m_bench")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--cold", action="store_true", help="configurations on cold weights (see the docstring)")
+    p.add_argument("--epilogues", action="store_true", help="the gelu epilogues against a separate gelu kernel")
     args = p.parse_args(argv)
     if args.cold:
         return main_cold(args.out)
+    if args.epilogues:
+        return main_epilogues(args.out)
     configs = [(64, 4, 4, 528, False), (32, 4, 3, 264, True), (64, 4, 4, 528, True), (128, 4, 4, 528, True)]
     rows = [measure(*s, dense=False, configs=configs) for s in SHAPES]
     rows.append(measure(*LM_HEAD, dense=True, configs=[(64, 4, 3, 264, False), (128, 4, 3, 264, False)]))

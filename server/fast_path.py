@@ -80,6 +80,16 @@ DEFAULT_PREFILL_ROWS = 8192   # prompt tokens per prefill_layers call (bounds pr
 # a 64-row one ~11 ms. An agent's next turn (the conversation cached, a tool result new) is this case.
 PREFILL_BY_STEPS_MAX = 6
 SMALL_PREFILL_ROWS = 1024     # the smallest piece plan_fast_memory picks under a memory cap
+# Steps run the MLP's and the per-layer input's gelu_tanh(a) * b in the epilogue of the matmul that
+# computes a (server/small_m_matmul.py GELU_PAIRS / GELU_TIMES): up to two launches a layer fewer (E4B:
+# 84 of 705 at one row), the same bf16 results. False: the separate compiled kernel (A/B runs).
+FUSED_GELU = True
+# The per-layer input gate's gelu is fused only into steps of at most this many rows: its matmul
+# (E4B: 256 columns, 20 K slices) runs the epilogue in the one program of a column tile that sums
+# the slices, which past 16 rows took longer than the separate kernel (H200, cold weights, 1 / 16 /
+# 32 / 64 rows: 3.8 / 5.2 / 8.2 / 13.7 us fused against 4.1 / 5.4 / 7.5 / 11.5;
+# `python -m bench.small_m_bench --epilogues`). Same bits either way.
+PLE_GELU_FUSED_ROWS = 16
 
 
 def step_buckets(max_draft: int) -> tuple[int, ...]:
@@ -248,6 +258,7 @@ class _Layer:
     qkv: object | None = None       # fused q|k|v (int4 only), output split by qkv_sizes
     qkv_sizes: tuple = ()
     gate_up: object | None = None   # fused gate|up (int4 only)
+    gate_up_gelu: object | None = None  # steps: gate|up computing gelu(gate) * up (SmallMLinear.gelu_pairs)
     step: "_Layer | None" = None    # the same layer with step-kernel linears (see _build_step_kernels)
 
 
@@ -518,6 +529,8 @@ class FastTarget:
                 small.update({fused: joined} if joined is not None else {n: small_of([p]) for n, p in parts.items()})
                 if fused == "qkv" and joined is not None:
                     small["qkv_sizes"] = tuple(p.out_features for p in parts.values())
+            if FUSED_GELU and small.get("gate_up") is not None:
+                small["gate_up_gelu"] = small["gate_up"].gelu_pairs()   # the same tensors
             layer.step = replace(layer, **small, step=None)
             if self.release_weights:
                 self._release_layer(layer)
@@ -710,15 +723,25 @@ class FastTarget:
             h, x = ops.residual_norm_rms(h, layer.o(a), _w(hf.post_attention_layernorm),
                                          _eps(hf.post_attention_layernorm), None,
                                          _w(hf.pre_feedforward_layernorm), _eps(hf.pre_feedforward_layernorm))
-            if layer.gate_up is not None:
-                g, u = layer.gate_up(x).split((layer.gate.out_features, layer.up.out_features), -1)
+            # On the step kernels the gelus run in the epilogues of the matmuls they read (one launch
+            # less each, FUSED_GELU): the same arithmetic on the same bits (tests/test_step_kernel_rows.py).
+            if step and layer.gate_up_gelu is not None:
+                x = layer.down(layer.gate_up_gelu(x))
+            elif step and FUSED_GELU:
+                x = layer.down(layer.gate(x, gelu_times=layer.up(x)))
             else:
-                g, u = layer.gate(x), layer.up(x)
-            x = layer.down(ops.gelu_mul(g, u))
+                if layer.gate_up is not None:
+                    g, u = layer.gate_up(x).split((layer.gate.out_features, layer.up.out_features), -1)
+                else:
+                    g, u = layer.gate(x), layer.up(x)
+                x = layer.down(ops.gelu_mul(g, u))
             scalar = getattr(hf, "layer_scalar", None)
             if self.ple_dim:
                 h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm), None)
-                x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
+                if step and FUSED_GELU and T <= PLE_GELU_FUSED_ROWS:
+                    x = layer.ple_proj(layer.ple_gate(h, gelu_times=ple[:, layer.index]))
+                else:
+                    x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
                 h, x = ops.residual_norm_rms(h, x, _w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm),
                                              scalar, _w(next_norm), _eps(next_norm))
             else:

@@ -5,8 +5,8 @@ movement written out instead of left to Triton's pipeliner.
 Contract: `int4_step_matmul[grid](...)` takes `_small_m_kernel`'s arguments for an int4 weight in
 server/small_m_matmul.py's layout (BLOCK_N = 64 columns a program with 4 warps, or 128 with 8:
 `TILINGS`; K slices of whole 128-feature groups, split-K partials summed in slice order by the last
-program of a column tile) and writes
-the same output bits: each row tile's group sum is the eight m16n8k16 tensor-core products of the
+program of a column tile), its EPILOGUE included (the gelus fused into the store: server/gpu_kernels.py
+`_small_m_kernel`), and writes the same output bits: each row tile's group sum is the eight m16n8k16 tensor-core products of the
 group's 16-feature slices, in slice order, from zero, then added to the running sum, and each
 weight is decoded by the same bf16 operations (0x4300 | code as bf16, minus 128, times the scale
 plus the offset). `runs_on(device)` says whether it can run there (CUDA, compute capability 8.0
@@ -48,6 +48,7 @@ try:  # Gluon ships with Triton 3.5+; without it the step matmul stays on `_smal
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
+    from triton.experimental.gluon.language.extra import libdevice
     HAS_GLUON = True
 except ImportError:
     HAS_GLUON = False
@@ -79,14 +80,23 @@ if HAS_GLUON:
     _PAIR_SELECTOR = gl.constexpr(tuple(hex(b | b << 4 | (4 + b) << 8 | (4 + b) << 12) for b in range(4)))
 
     @gluon.jit
+    def _columns(pid_n, N, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """The weight columns program pid_n computes, as server/gpu_kernels.py `_columns`: with
+        GELU_PAIRS its tile's first half are gate columns and the second half their up columns."""
+        c = gl.arange(0, BLOCK_N, layout=layout)
+        if EPILOGUE == 1:
+            return pid_n * (BLOCK_N // 2) + c % (BLOCK_N // 2) + (c // (BLOCK_N // 2)) * (N // 2)
+        return pid_n * BLOCK_N + c
+
+    @gluon.jit
     def _copy_group(w_s, x_s, scale_s, offset_s, slot, w_ptr, x_ptr, scale_ptr, offset_ptr, k0, live, M, N,
                     stride_xm, pid_n, XROWS: gl.constexpr, BLOCK_N: gl.constexpr, WL: gl.constexpr,
-                    XL: gl.constexpr, SL: gl.constexpr):
+                    XL: gl.constexpr, SL: gl.constexpr, EPILOGUE: gl.constexpr):
         """Start the asynchronous copies of the group at feature k0 into ring buffer `slot` and
         commit them as one group (copies with `live` false copy nothing but still commit, so every
         iteration's wait counts the same)."""
         words = gl.arange(0, 16, layout=gl.SliceLayout(1, WL))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
+        cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, WL))
         w_ptrs = w_ptr + (k0 // 8 + words)[:, None] * N + cols[None, :]
         cp.async_copy_global_to_shared(w_s.index(slot), w_ptrs, mask=gl.full([16, BLOCK_N], 1, gl.int1, WL) & live)
         # x as [8 * XROWS, 16]: buffer row j * XROWS + r holds row r's features k0 + 16 j .. k0 + 16 j + 15
@@ -95,7 +105,7 @@ if HAS_GLUON:
         row = xi % XROWS
         x_ptrs = x_ptr + k0 + ((xi // XROWS) * 16 + row * stride_xm)[:, None] + xk[None, :]
         cp.async_copy_global_to_shared(x_s.index(slot), x_ptrs, mask=(row < M)[:, None] & live)
-        at = (k0 // 128) * N + pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
+        at = (k0 // 128) * N + _columns(pid_n, N, EPILOGUE, BLOCK_N, SL)
         every = gl.full([BLOCK_N], 1, gl.int1, SL) & live
         cp.async_copy_global_to_shared(scale_s.index(slot), scale_ptr + at, mask=every)
         cp.async_copy_global_to_shared(offset_s.index(slot), offset_ptr + at, mask=every)
@@ -114,10 +124,44 @@ if HAS_GLUON:
             "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _store_tile(out_ptr, acc, tile, M, N, cols, rows16):
+    def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, ACC: gl.constexpr):
+        """As server/gpu_kernels.py `_store_out`: y, gelu(gate) * up (GELU_PAIRS) or gelu(y) * u
+        (GELU_TIMES), the same arithmetic. With GELU_PAIRS a thread holds column c and c + BLOCK_N / 2
+        (the accumulator's layout repeats every 8 * warps columns), so the pairs split off in registers."""
         rows = tile * 16 + rows16
-        gl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows < M)[:, None])
+        ty = out_ptr.dtype.element_ty
+        if EPILOGUE == 1:
+            HALF: gl.constexpr = BLOCK_N // 2
+            # out's offsets and rows laid out as the accumulator, then split alike: same layouts
+            c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC))
+            at = rows[:, None] * (N // 2) + (pid_n * HALF + c % HALF)[None, :]
+            row_of = rows[:, None] + 0 * c[None, :]
+            gate, up = _pairs(acc, BLOCK_N)
+            at_gate, _ = _pairs(at, BLOCK_N)
+            row_gate, _ = _pairs(row_of, BLOCK_N)
+            y = _gelu(gate.to(ty).to(gl.float32)) * up.to(ty).to(gl.float32)
+            gl.store(out_ptr + at_gate, y.to(ty), mask=row_gate < M)
+        else:
+            live = (rows < M)[:, None]
+            at = rows[:, None] * N + cols[None, :]
+            if EPILOGUE == 2:
+                times = gl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=live, other=0.0)
+                y = _gelu(acc.to(ty).to(gl.float32)) * times.to(gl.float32)
+                gl.store(out_ptr + at, y.to(ty), mask=live)
+            else:
+                gl.store(out_ptr + at, acc.to(ty), mask=live)
+
+    @gluon.jit
+    def _pairs(t, BLOCK_N: gl.constexpr):
+        """[16, BLOCK_N] -> its first and its second half of columns, [16, BLOCK_N / 2] each."""
+        return gl.split(gl.permute(gl.reshape(t, [16, 2, BLOCK_N // 2]), [0, 2, 1]))
+
+    @gluon.jit
+    def _gelu(a):
+        """server/gpu_kernels.py `_gelu`: the same operations in the same order."""
+        inner = 0.7978845608028654 * (a + 0.044715 * (a * a * a))
+        return 0.5 * a * (1.0 + libdevice.tanh(inner))
 
     @gluon.jit
     def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ROWS: gl.constexpr):
@@ -126,8 +170,9 @@ if HAS_GLUON:
         gl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
 
     @gluon.jit
-    def _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, cols, rows16, SPLIT: gl.constexpr,
-                           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, ACC: gl.constexpr):
+    def _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
+                           EPILOGUE: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                           ACC: gl.constexpr):
         """As `_small_m_kernel`'s `_sum_partials`: the K slices' partials added in slice order."""
         rows = tile * 16 + rows16
         offsets = rows[:, None] * N + cols[None, :]
@@ -135,13 +180,14 @@ if HAS_GLUON:
         total = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         for s in gl.static_range(SPLIT):
             total += gl.load(partial_ptr + s * ROWS * N + offsets, mask=live, other=0.0, cache_modifier=".cg")
-        gl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=live)
+        _store_tile(out_ptr, total, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
 
     @gluon.jit
     def int4_step_matmul(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
-                         M, N, K, stride_xm, k_per_split,
+                         M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False):
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
+                         EPILOGUE: gl.constexpr = 0):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
         (the partials' rows a K slice), XROWS = x_rows(TILES)."""
         NW: gl.constexpr = gl.num_warps()
@@ -165,7 +211,7 @@ if HAS_GLUON:
         k_begin = pid_k * k_per_split
         for s in gl.static_range(STAGES - 1):
             _copy_group(w_s, x_s, scale_s, offset_s, s, w_ptr, x_ptr, scale_ptr, offset_ptr, k_begin + s * 128,
-                        s < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL)
+                        s < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL, EPILOGUE)
         acc0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
@@ -176,7 +222,8 @@ if HAS_GLUON:
             gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
             ahead = i + STAGES - 1
             _copy_group(w_s, x_s, scale_s, offset_s, ahead % STAGES, w_ptr, x_ptr, scale_ptr, offset_ptr,
-                        k_begin + ahead * 128, ahead < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL)
+                        k_begin + ahead * 128, ahead < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL,
+                        EPILOGUE)
             packed = w_s.index(slot).load(B)
             scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
             offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
@@ -204,16 +251,16 @@ if HAS_GLUON:
             if TILES > 3:
                 acc3 += g3
         cp.wait_group(0)
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC))
+        cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
         rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
         if SPLIT == 1:
-            _store_tile(out_ptr, acc0, 0, M, N, cols, rows16)
+            _store_tile(out_ptr, acc0, 0, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
             if TILES > 1:
-                _store_tile(out_ptr, acc1, 1, M, N, cols, rows16)
+                _store_tile(out_ptr, acc1, 1, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
             if TILES > 2:
-                _store_tile(out_ptr, acc2, 2, M, N, cols, rows16)
+                _store_tile(out_ptr, acc2, 2, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
             if TILES > 3:
-                _store_tile(out_ptr, acc3, 3, M, N, cols, rows16)
+                _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
         else:
             _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ROWS)
             if TILES > 1:
@@ -226,5 +273,6 @@ if HAS_GLUON:
             arrived = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
             if arrived == SPLIT - 1:
                 for tile in gl.static_range(TILES):
-                    _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, cols, rows16, SPLIT, ROWS, BLOCK_N, ACC)
+                    _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
+                                       EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
                 gl.atomic_xchg(count_ptr + pid_n, 0)

@@ -2,8 +2,11 @@
 (server/small_m_matmul.py states its contract) and step attention (server/step_attention.py).
 Every step kernel starts with `_pdl_start`: on Hopper and later they are launched with
 programmatic dependent launch (server/small_m_matmul.py `pdl_launch`)."""
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 try:  # in the Triton this project pins (3.6); older ones may lack them
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -38,15 +41,68 @@ def _store_partial(partial_ptr, acc, tile, pid_k, M, N, cols, ROWS: tl.constexpr
     tl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
 
 
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter has no libdevice: tanh from exp (tests only)
+    @triton.jit
+    def _tanh(x):
+        e = tl.exp(-2.0 * tl.abs(x))
+        return tl.where(x < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+else:
+    @triton.jit
+    def _tanh(x):
+        return libdevice.tanh(x)   # as torch.compile's kernels compute tanh
+
+
 @triton.jit
-def _store_out(out_ptr, acc, tile, M, N, cols, BLOCK_M: tl.constexpr):
+def _gelu(a):
+    """transformers' gelu_pytorch_tanh in fp32, written as torch's decomposition of it (which
+    torch.compile's kernel, server/fast_path.py `_gelu_mul`, computes): 0.5 a (1 + tanh(sqrt(2/pi)
+    (a + 0.044715 a^3)))."""
+    inner = 0.7978845608028654 * (a + 0.044715 * (a * a * a))
+    return 0.5 * a * (1.0 + _tanh(inner))
+
+
+@triton.jit
+def _gelu_pairs(total, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's columns as (gate, up) pairs: column c < BLOCK_N / 2 is a gate column, c + BLOCK_N / 2
+    its up column (`_columns`)."""
+    return tl.split(tl.permute(tl.reshape(total, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _columns(pid_n, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight columns program pid_n computes. GELU_PAIRS: the first half of its tile is gate
+    columns pid_n * BLOCK_N / 2.., the second half the up columns N / 2 later (W = gate | up), so a
+    tile holds whole pairs. A column's sums do not depend on the tile it is in."""
+    c = tl.arange(0, BLOCK_N)
+    if EPILOGUE == 1:
+        return pid_n * (BLOCK_N // 2) + c % (BLOCK_N // 2) + (c // (BLOCK_N // 2)) * (N // 2)
+    return pid_n * BLOCK_N + c
+
+
+@triton.jit
+def _store_out(out_ptr, acc, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A row tile's output (see `_small_m_kernel` for EPILOGUE). The epilogues round the product to
+    the output's dtype first, as an unfused gelu would read it."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None])
+    live = (rows < M)[:, None]
+    ty = out_ptr.dtype.element_ty
+    if EPILOGUE == 0:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(ty), mask=live)
+    elif EPILOGUE == 1:
+        gate, up = _gelu_pairs(acc, BLOCK_M, BLOCK_N)
+        y = _gelu(gate.to(ty).to(tl.float32)) * up.to(ty).to(tl.float32)
+        half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + rows[:, None] * (N // 2) + half[None, :], y.to(ty), mask=live)
+    else:
+        times = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        y = _gelu(acc.to(ty).to(tl.float32)) * times
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(ty), mask=live)
 
 
 @triton.jit
-def _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE: tl.constexpr,
+                  SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One row tile's output: its K slices' partials summed in slice order (a fixed order)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offsets = rows[:, None] * N + cols[None, :]
@@ -55,25 +111,30 @@ def _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT: tl.constexpr, R
     # Unrolled, so the SPLIT loads are in flight together; fixed order: the sum does not depend on arrival order.
     for s in tl.static_range(SPLIT):
         total += tl.load(partial_ptr + s * ROWS * N + offsets, mask=live, other=0.0, cache_modifier=".cg")
-    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=live)
+    _store_out(out_ptr, total, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
-                    M, N, K, stride_xm, k_per_split,
+                    M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INT8: tl.constexpr = False, PDL: tl.constexpr = False):
+                    INT8: tl.constexpr = False, PDL: tl.constexpr = False, EPILOGUE: tl.constexpr = 0):
     """y[:M] = x @ W^T for one (N tile, K slice). W is int4 (INT4), int8 (INT8: codes [K, N], one
     scale per group of BLOCK_K features and column) or dense bf16 [N, K]. Rows come in TILES tiles of BLOCK_M (16) rows, each
     with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
     BLOCK_M is the partials' rows per K slice. A weight tile is loaded (and its int4 codes decoded)
     once for all row tiles. Invariant: row i's sums are the same instructions in the same order
-    whatever TILES is, so per-row bits do not depend on the bucket. Up to 4 tiles (64 rows)."""
+    whatever TILES is, so per-row bits do not depend on the bucket. Up to 4 tiles (64 rows).
+
+    EPILOGUE (what is stored, each a row's own arithmetic): 0 y itself; 1 (GELU_PAIRS, W = gate | up,
+    N / 2 output columns) gelu(gate) * up, the MLP's activation fused into its gate|up matmul; 2
+    (GELU_TIMES) gelu(y) * u, u [M, N] with row stride stride_u (Gemma 4's per-layer input gate).
+    The gelu reads y rounded to the output's dtype, as it reads a stored y."""
     _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = _columns(pid_n, N, EPILOGUE, BLOCK_N)
     sub = tl.arange(0, 16)
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -133,13 +194,13 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
             if TILES > 3:
                 acc3 += tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w)
     if SPLIT == 1:
-        _store_out(out_ptr, acc0, 0, M, N, cols, BLOCK_M)
+        _store_out(out_ptr, acc0, 0, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
         if TILES > 1:
-            _store_out(out_ptr, acc1, 1, M, N, cols, BLOCK_M)
+            _store_out(out_ptr, acc1, 1, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
         if TILES > 2:
-            _store_out(out_ptr, acc2, 2, M, N, cols, BLOCK_M)
+            _store_out(out_ptr, acc2, 2, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
         if TILES > 3:
-            _store_out(out_ptr, acc3, 3, M, N, cols, BLOCK_M)
+            _store_out(out_ptr, acc3, 3, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
     else:
         _store_partial(partial_ptr, acc0, 0, pid_k, M, N, cols, ROWS, BLOCK_M)
         if TILES > 1:
@@ -152,7 +213,8 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
             for tile in tl.static_range(TILES):
-                _sum_partials(partial_ptr, out_ptr, tile, M, N, cols, SPLIT, ROWS, BLOCK_M, BLOCK_N)
+                _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, SPLIT, ROWS,
+                              BLOCK_M, BLOCK_N)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 

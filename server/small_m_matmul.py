@@ -90,6 +90,11 @@ def triton_available() -> bool:
     return True
 
 
+# What a launch stores (server/gpu_kernels.py `_small_m_kernel`'s EPILOGUE): y = x @ W^T itself, or the
+# activation that reads it, fused so that the step skips a launch: gelu(gate) * up from W = gate | up
+# (`gelu_pairs`), gelu(y) * u for a given u (`lin(x, gelu_times=u)`).
+PLAIN, GELU_PAIRS, GELU_TIMES = 0, 1, 2
+
 PDL = True          # programmatic dependent launch where the GPU has it (pdl_launch)
 GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it runs (False: A/B runs)
 
@@ -200,10 +205,24 @@ class SmallMLinear:
         self.gluon = (GLUON and self.magic and (block_n, num_warps) in gluon_matmul.TILINGS
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
+        self.epilogue = PLAIN
 
     @property
     def out_features(self) -> int:
-        return self.n
+        return self.n // 2 if self.epilogue == GELU_PAIRS else self.n
+
+    def gelu_pairs(self) -> "SmallMLinear":
+        """This linear, W = gate | up (equal halves), as one computing gelu_tanh(gate) * up (N / 2
+        columns): the MLP's activation in the matmul's epilogue, one launch where there were two.
+        Same tensors (no copy) and K slices, so gate and up are the bits this linear computes; the
+        activation is server/fast_path.py `_gelu_mul`'s arithmetic on them (tests/test_step_kernel_rows.py)."""
+        if self.epilogue != PLAIN:
+            raise ValueError("gelu_pairs of a linear that already has an epilogue")
+        fused = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,
+                             num_warps=self.num_warps, num_stages=self.num_stages, magic=self.magic, split=self.split,
+                             gluon_stages=self.gluon_stages)
+        fused.epilogue, fused.partial = GELU_PAIRS, self.partial
+        return fused
 
     @classmethod
     def from_int4(cls, packed: torch.Tensor, scale_shift: torch.Tensor, group_size: int, out_features: int,
@@ -221,7 +240,9 @@ class SmallMLinear:
         n, k = weight.shape
         return cls(weight.contiguous(), None, None, n, k, **kw)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, gelu_times: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T; with `gelu_times` (the output's shape, any row stride) gelu_tanh(x @ W^T) * gelu_times,
+        in one launch; a `gelu_pairs` linear gives gelu_tanh(gate) * up."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         m = x2.shape[0]
@@ -229,7 +250,14 @@ class SmallMLinear:
             raise ValueError(f"{m} rows exceed this kernel's {MAX_ROWS}")
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        out = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, self.out_features), dtype=x.dtype, device=x.device)
+        epilogue, times = self.epilogue, out
+        if gelu_times is not None:
+            if epilogue != PLAIN or gelu_times.shape != (*lead, self.n):
+                raise ValueError(f"gelu_times of shape {tuple(gelu_times.shape)} for an output of {(*lead, self.n)}")
+            epilogue, times = GELU_TIMES, gelu_times.reshape(m, self.n)
+            if times.stride(-1) != 1:
+                times = times.contiguous()
         if self.partial is None:
             self.partial = torch.empty((max(1, self.partial_numel()),), dtype=torch.float32, device=self.weight.device)
         tiles = max(1, -(-m // TILE_M))
@@ -238,19 +266,19 @@ class SmallMLinear:
             from server.gluon_matmul import int4_step_matmul, x_rows
             int4_step_matmul[grid](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
-                x2.stride(0), self.k // self.split, SPLIT=self.split, TILES=tiles, ROWS=tiles * TILE_M,
-                XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages, num_warps=self.num_warps,
-                **self._launch)
-            return out.reshape(*lead, self.n)
+                x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
+                ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages,
+                EPILOGUE=epilogue, num_warps=self.num_warps, **self._launch)
+            return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
         _small_m_kernel[grid](
             x2, self.weight, self.scale if self.scale is not None else self.weight,
             self.offset if self.int4 else self.weight,
-            self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
-            INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles, ROWS=tiles * TILE_M,
-            BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
+            self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split, times,
+            times.stride(0), INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles,
+            ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
             num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
-        return out.reshape(*lead, self.n)
+        return out.reshape(*lead, self.out_features)
 
     def partial_numel(self) -> int:
         """fp32 scratch this linear needs for MAX_ROWS rows (0 without split-K)."""

@@ -327,6 +327,24 @@ def test_per_layer_embeddings_on_the_host_change_nothing_cuda(quant):
     assert torch.cuda.memory_allocated() < before + 64 * 2**20  # nothing as big as a second table
 
 
+@needs_cuda
+@pytest.mark.parametrize("quant", [False, True])
+def test_gelus_fused_into_the_step_matmuls_change_no_logit(quant, monkeypatch):
+    """FUSED_GELU: steps compute the MLP's gelu(gate) * up in gate|up's epilogue and the per-layer
+    input's gelu(gate) * ple in its gate's, two launches a layer fewer. Prefill and steps of every
+    size (captured graphs, step kernels) give the very logits of the separate compiled kernels."""
+    import server.fast_path as fast_path
+
+    ids = prompt_of(60, 1024, seed=9)
+    fused = FastTarget(cuda_model(torch.bfloat16, quant=quant), max_len=256, prefill_chunk=16, min_kv_len=64)
+    assert fused.step_kernels and all(layer.step.gate_up_gelu is not None for layer in fused.layers)
+    want = _steps_logits(fused, ids)
+    monkeypatch.setattr(fast_path, "FUSED_GELU", False)
+    unfused = FastTarget(cuda_model(torch.bfloat16, quant=quant), max_len=256, prefill_chunk=16, min_kv_len=64)
+    assert all(layer.step.gate_up_gelu is None for layer in unfused.layers)
+    assert torch.equal(_steps_logits(unfused, ids), want)
+
+
 def test_memory_plan_fits_a_cap(monkeypatch):
     """plan_fast_memory on the E4B shape (meta tensors, a pretend 140 GiB card): under a cap the
     weights, the static cache with its step scratch and the reserve fit the cap, the prefill piece

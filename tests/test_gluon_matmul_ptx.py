@@ -19,15 +19,16 @@ from tests.test_stacked_step_ptx import sm90_ptx
 pytest.importorskip("triton")
 
 
-def _ptx(tiles: int, split: int) -> tuple[str, str]:
+def _ptx(tiles: int, split: int, epilogue: int = 0) -> tuple[str, str]:
     from server import gluon_matmul
     from server.gpu_kernels import _small_m_kernel
 
     if not gluon_matmul.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
-    ours = dict(SPLIT=split, TILES=tiles, ROWS=16 * tiles, XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=64, STAGES=2)
+    ours = dict(SPLIT=split, TILES=tiles, ROWS=16 * tiles, XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=64, STAGES=2,
+                EPILOGUE=epilogue)
     theirs = dict(INT4=True, SPLIT=split, MAGIC=True, TILES=tiles, ROWS=16 * tiles, BLOCK_M=16, BLOCK_N=64,
-                  BLOCK_K=128)
+                  BLOCK_K=128, EPILOGUE=epilogue)
     sig = lambda consts: dict(MATMUL_SIG, **{key: "constexpr" for key in consts})
     return (sm90_ptx(gluon_matmul.int4_step_matmul, sig(ours), ours),
             sm90_ptx(_small_m_kernel, sig(theirs), theirs))
@@ -80,3 +81,24 @@ def test_split_k_reads_back_only_partials():
     ours, _ = _ptx(2, split=4)
     loads = re.findall(r"\bld\.global[.\w]*", ours)
     assert loads and all(".cg" in load for load in loads)
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_gelu_pairs_split_off_in_registers(split):
+    """GELU_PAIRS (server/small_m_matmul.py): a thread holds each gate column and its up column, so
+    the epilogue adds the activation's arithmetic (libdevice's tanh, as torch.compile's kernels call)
+    and nothing else: no shared-memory round trip, no barrier, and the operands' copies as wide as
+    without it (a tile's two halves are contiguous runs of columns)."""
+    plain, _ = _ptx(2, split)
+    pairs, theirs = _ptx(2, split, epilogue=1)
+    shared = lambda ptx: len(re.findall(r"\b(?:st|ld)\.shared", ptx))
+    barriers = lambda ptx: len(re.findall(r"\bbar\.sync", ptx))
+    assert "__nv_tanhf" in pairs and "__nv_tanhf" in theirs and "__nv_tanhf" not in plain
+    assert shared(pairs) == shared(plain) and barriers(pairs) == barriers(plain)
+    assert _copies(pairs) == _copies(plain)
+    if split > 1:   # the partials' fp32 stores are the same in both
+        return
+    # half the output columns: half the bytes stored
+    stored = lambda ptx: sum(int(v or 1) * int(bits) // 8
+                             for v, bits in re.findall(r"st\.global(?:\.v(\d))?\.b(\d+)", ptx))
+    assert stored(plain) > 0 and 2 * stored(pairs) == stored(plain)

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 MATMUL_SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*bf16", "offset_ptr": "*bf16", "partial_ptr": "*fp32",
               "count_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-              "k_per_split": "i32"}
+              "k_per_split": "i32", "u_ptr": "*bf16", "stride_u": "i32"}
 
 
 def _kernels():

@@ -24,10 +24,14 @@ INT8_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 384)) for m in (1, 
 INT4_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 16, 33, 64) for target in (1, 64)]
 
 
+# the gelu epilogues (GELU_PAIRS: gate | up in one weight; GELU_TIMES: times a strided u), split-K and not
+EPILOGUE_CASES = [(n, k, m, target) for n, k in ((128, 256), (192, 512)) for m in (1, 17, 40) for target in (1, 64)]
+
+
 def test_small_m_kernel_rows_and_slices():
     pytest.importorskip("triton")
     out = run_interpreted(__file__)
-    assert out.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES), out[-2000:]
+    assert out.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES) + 2 * len(EPILOGUE_CASES), out[-2000:]
 
 
 def _main() -> int:
@@ -74,6 +78,26 @@ def _main() -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("int4", n, k, m, target, lin.split, err)
         print("ok int4", n, k, m, lin.split)
+    gelu = lambda a: 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a ** 3)))
+    for n, k, m, target in EPILOGUE_CASES:
+        g = torch.Generator().manual_seed(13 * n + k + m)
+        w = torch.randn(n, k, generator=g) * 0.05
+        lin = SmallMLinear(w, None, None, n, k, target_programs=target)
+        x = torch.randn(m, k, generator=g)
+        y = (x.double() @ w.double().t())
+        pairs = lin.gelu_pairs()
+        assert pairs.out_features == n // 2 and pairs.split == lin.split and lin.out_features == n
+        got = pairs(x)
+        want = gelu(y[:, :n // 2]) * y[:, n // 2:]
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert got.shape == (m, n // 2) and err < 1e-5, ("pairs", n, k, m, target, lin.split, err)
+        print("ok gelu pairs", n, k, m, lin.split)
+        u = torch.randn(m, 3, n, generator=g)[:, 1]   # a strided view, as the per-layer inputs' slice
+        got = lin(x, gelu_times=u)
+        want = gelu(y) * u.double()
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-5, ("times", n, k, m, target, lin.split, err)
+        print("ok gelu times", n, k, m, lin.split)
     return 0
 
 

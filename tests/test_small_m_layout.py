@@ -89,8 +89,14 @@ def _reference_steps(monkeypatch):
         eye = torch.eye(in_features, dtype=torch.bfloat16)
         return torch._weight_int4pack_mm_for_cpu(eye, packed, 32, ones).t().to(torch.int32).contiguous()
 
-    def small_m(self, x):
-        return (x.reshape(-1, self.k) @ self.dequantize().t()).reshape(*x.shape[:-1], self.n)
+    def small_m(self, x, gelu_times=None):
+        y = x.reshape(-1, self.k) @ self.dequantize().t()
+        if self.epilogue == smm.GELU_PAIRS:
+            gate, up = y.split(self.n // 2, -1)
+            y = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        elif gelu_times is not None:
+            y = torch.nn.functional.gelu(y, approximate="tanh") * gelu_times.reshape(-1, self.n)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def attention(self, q, kc, vc, kv_len, qpos, slot_pos, window, scaling, path=None):
         # chain steps only here (a chain's path is each row's own prefix, which the mask below is)

@@ -91,6 +91,28 @@ def test_gluon_tilings_and_rings_give_the_same_bits(n, k):
             assert torch.equal(other(x[:m]), lin(x[:m])), f"N={n} K={k} n{block_n} s{stages}: {m} rows"
 
 
+@pytest.mark.parametrize("n,k", [(20480, 2560), (256, 2560), (512, 256)])
+def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k):
+    """GELU_PAIRS and GELU_TIMES (server/small_m_matmul.py) against the unfused step: the matmul's
+    output, then the fast path's compiled gelu_mul kernel. The same bits at every row count, on the
+    Gluon kernel and on `_small_m_kernel`, so fusing changes no step's output."""
+    from server.fast_path import _compiled_ops
+
+    gelu_mul = _compiled_ops().gelu_mul
+    lin = int4_linear(n, k, seed=n + k + 5)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
+    u = torch.randn(MAX_ROWS, 3, n, generator=gen).to(torch.bfloat16).cuda()[:, 1]  # strided, as ple[:, layer]
+    pairs = lin.gelu_pairs()
+    for gluon in {False, lin.gluon}:
+        lin.gluon = pairs.gluon = gluon
+        for m in ROW_COUNTS:
+            y = lin(x[:m])
+            gate, up = y.split(n // 2, -1)
+            assert torch.equal(pairs(x[:m]), gelu_mul(gate, up)), f"pairs N={n} K={k} gluon={gluon}: {m} rows"
+            assert torch.equal(lin(x[:m], gelu_times=u[:m]), gelu_mul(y, u[:m])), f"times N={n} gluon={gluon}: {m}"
+
+
 def test_shared_scratch_changes_nothing():
     """share_partials points split-K linears at one buffer: same outputs, back to back."""
     from server.small_m_matmul import share_partials
