@@ -16,6 +16,10 @@ memory's peak rate. Writes DIR/small_m_cold.json and .md.
 `--epilogues`: the linears a gelu reads (gate|up, the per-layer input gate), cold, at those row counts:
 alone, followed by the compiled gelu kernel, and with the gelu in their epilogue; whether the fused
 output has the unfused bits. Writes DIR/small_m_epilogues.json and .md.
+
+`--chain`: the Gluon kernel's weight prefetch before its programmatic-dependent-launch wait
+(server/gluon_matmul.py PREFETCH) off and on, over a chain of one layer's int4 matmuls x 42 layers.
+Writes DIR/small_m_chain.json and .md.
 """
 from __future__ import annotations
 
@@ -338,12 +342,92 @@ def main_epilogues(out: Path) -> int:
     return 0
 
 
+# One E4B layer's int4 matmuls in the order a step runs them, each reading the one before's output
+CHAIN = [("qkv", 3072, 2560), ("o", 2560, 2048), ("gate|up", 20480, 2560), ("down", 2560, 10240),
+         ("ple gate", 256, 2560), ("ple proj", 2560, 256)]
+CHAIN_LAYERS = 42
+
+
+def main_chain(out: Path, rounds: int = 5) -> int:
+    """The Gluon kernel's weight prefetch (server/gluon_matmul.py PREFETCH) off and on, in one process:
+    CHAIN over 42 layers of cold weights (a copy per layer), each matmul's input the previous one's
+    output (q's columns for o; gelu(gate) * up for down; gelu(gate) * u for ple proj), one CUDA graph
+    per setting and row count, replayed alternately; ms a chain (median of `rounds`, range) and whether
+    both settings give the same bits."""
+    from server import gluon_matmul
+
+    lins = {name: [SmallMLinear(w, s, o, n, k) for w, s, o in random_int4_copies(n, k, CHAIN_LAYERS)]
+            for name, n, k in CHAIN}
+    pairs = [lin.gelu_pairs() for lin in lins["gate|up"]]
+    share_partials([lin for group in lins.values() for lin in group] + pairs)
+
+    def chain(x, u):
+        for i in range(CHAIN_LAYERS):
+            x = lins["o"][i](lins["qkv"][i](x)[:, :2048])
+            x = lins["down"][i](pairs[i](x))
+            x = lins["ple proj"][i](lins["ple gate"][i](x, gelu_times=u))
+        return x
+
+    rows, saved = [], gluon_matmul.PREFETCH
+    try:
+        for m in (1, 16, 32):
+            x = torch.randn(m, 2560, device="cuda", dtype=torch.bfloat16) * 0.1
+            u = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+            graphs = {}
+            for prefetch in (False, True):
+                gluon_matmul.PREFETCH = prefetch
+                chain(x, u)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = chain(x, u)
+                graphs[prefetch] = (graph, y)
+            outs = {}
+            for prefetch, (graph, y) in graphs.items():
+                graph.replay()
+                torch.cuda.synchronize()
+                outs[prefetch] = y.clone()
+            ms = {False: [], True: []}
+            for _ in range(rounds):
+                for prefetch, (graph, _) in graphs.items():
+                    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                    start.record()
+                    for _ in range(10):
+                        graph.replay()
+                    end.record()
+                    end.synchronize()
+                    ms[prefetch].append(start.elapsed_time(end) / 10)
+            rows.append({"rows": m, "same_bits": torch.equal(outs[False].nan_to_num(), outs[True].nan_to_num()),
+                         **{f"{'on' if k else 'off'}_ms": v for k, v in ms.items()}})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        gluon_matmul.PREFETCH = saved
+    med = lambda v: statistics.median(v)
+    lines = [f"# The Gluon step matmul's weight prefetch, E4B's int4 matmuls chained over 42 layers "
+             f"({torch.cuda.get_device_name()})", "",
+             "ms a chain of 42 x 6 dependent int4 matmuls (cold weights; median of the rounds, range). off: "
+             "each kernel waits for the one before it, then copies its first group; on: it copies the "
+             "group's weights first (server/gluon_matmul.py PREFETCH).", "",
+             "| rows | off | on | on / off | same bits |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rows']} | {med(r['off_ms']):.3f} ({min(r['off_ms']):.3f}-{max(r['off_ms']):.3f}) | "
+                     f"{med(r['on_ms']):.3f} ({min(r['on_ms']):.3f}-{max(r['on_ms']):.3f}) | "
+                     f"{med(r['on_ms']) / med(r['off_ms']):.3f}x | {r['same_bits']} |")
+    md = "\n".join(lines) + "\n"
+    write_results(out, "small_m_chain", {"device": torch.cuda.get_device_name(), "rows": rows}, md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.small_m_bench")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--cold", action="store_true", help="configurations on cold weights (see the docstring)")
     p.add_argument("--epilogues", action="store_true", help="the gelu epilogues against a separate gelu kernel")
+    p.add_argument("--chain", action="store_true", help="the weight prefetch off and on, a layer's matmuls chained")
     args = p.parse_args(argv)
+    if args.chain:
+        return main_chain(args.out)
     if args.cold:
         return main_cold(args.out)
     if args.epilogues:

@@ -26,6 +26,13 @@ per-element form (shift, mask, 16-bit conversion, OR, then packing) took about n
 instructions a pair; the bf16 arithmetic after it (minus 128, times the scale plus the offset) is
 the same instructions (tests/test_gluon_matmul_ptx.py).
 
+Launch: with programmatic dependent launch (server/small_m_matmul.py `pdl_launch`) the kernel starts
+while the one before it runs. Its first group's weight words, scales and offsets are read-only, so
+`PREFETCH` copies them before waiting for that kernel; x (its output), the split-K partials and
+the counters are touched only after, through a value the wait returns (`_wait_prior`). On a chain of
+E4B's int4 matmuls over 42 layers of cold weights this took 0.12 ms off a forward's 2.16 at one row
+(`python -m bench.small_m_bench --chain`).
+
 Why the decoding matters: at one row the kernel is not bound by its loads alone. Throwaway variants
 on E4B's gate|up (cold weights, one row, H200): 20.8 us as shipped before the byte permutes, 17.2
 with the decoding cut to a shift (wrong bits, for timing), 15.6 with neither decoding nor products
@@ -54,6 +61,12 @@ except ImportError:
     HAS_GLUON = False
 
 STAGES = 2          # groups in flight: deeper rings took more shared memory for no gain (README)
+# The first groups' weights copied before waiting for the kernel before this one (PDL only; False: after
+# it, A/B runs). Measured on the H200, E4B's six int4 matmuls a layer chained over 42 layers of cold
+# weights, one process, modes alternating (a throwaway script): 2.157 -> 2.032 ms at 1 row, 3.368 ->
+# 3.252 at 16, 4.096 -> 3.981 at 32, the same bits; L2 prefetches of the program's whole K slice on
+# top of it were slower (2.244 / 3.456 / 4.144 ms).
+PREFETCH = True
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
 # (columns a program, warps) the kernel is written for: each warp takes 16 columns. A column's sums do
@@ -74,41 +87,62 @@ def x_rows(tiles: int) -> int:
 
 
 if HAS_GLUON:
-    from server.gpu_kernels import _pdl_start   # a Triton helper: Gluon calls it as it is
+    from triton.language.extra.cuda import gdc_launch_dependents
 
     # prmt selectors: byte b of the first word into byte 0, byte b of the second word into byte 2
     _PAIR_SELECTOR = gl.constexpr(tuple(hex(b | b << 4 | (4 + b) << 8 | (4 + b) << 12) for b in range(4)))
 
     @gluon.jit
+    def _wait_prior(PDL: gl.constexpr):
+        """server/gpu_kernels.py `_pdl_start` (wait for the kernel before this one, then let the next
+        one launch), returning 1 after the wait, for the reads that must follow it to depend on."""
+        if PDL:
+            ready = gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 1;", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1)
+            gdc_launch_dependents()
+        else:
+            ready = gl.to_tensor(1)
+        return ready
+
+    @gluon.jit
     def _columns(pid_n, N, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
         """The weight columns program pid_n computes, as server/gpu_kernels.py `_columns`: with
         GELU_PAIRS its tile's first half are gate columns and the second half their up columns."""
-        c = gl.arange(0, BLOCK_N, layout=layout)
+        return _columns_at(gl.arange(0, BLOCK_N, layout=layout), pid_n, N, EPILOGUE, BLOCK_N)
+
+    @gluon.jit
+    def _columns_at(c, pid_n, N, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The weight columns at positions c of program pid_n's tile (`_columns`)."""
         if EPILOGUE == 1:
             return pid_n * (BLOCK_N // 2) + c % (BLOCK_N // 2) + (c // (BLOCK_N // 2)) * (N // 2)
         return pid_n * BLOCK_N + c
 
     @gluon.jit
-    def _copy_group(w_s, x_s, scale_s, offset_s, slot, w_ptr, x_ptr, scale_ptr, offset_ptr, k0, live, M, N,
-                    stride_xm, pid_n, XROWS: gl.constexpr, BLOCK_N: gl.constexpr, WL: gl.constexpr,
-                    XL: gl.constexpr, SL: gl.constexpr, EPILOGUE: gl.constexpr):
-        """Start the asynchronous copies of the group at feature k0 into ring buffer `slot` and
-        commit them as one group (copies with `live` false copy nothing but still commit, so every
-        iteration's wait counts the same)."""
+    def _copy_weights(w_s, scale_s, offset_s, slot, w_ptr, scale_ptr, offset_ptr, k0, live, N, pid_n,
+                      BLOCK_N: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr, EPILOGUE: gl.constexpr):
+        """Start the asynchronous copies of the weight words, scales and offsets of the group at
+        feature k0 into ring buffer `slot` (nothing when `live` is false). They are read-only: these
+        copies may start before the kernel before this one has ended (`PREFETCH`)."""
         words = gl.arange(0, 16, layout=gl.SliceLayout(1, WL))
         cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, WL))
         w_ptrs = w_ptr + (k0 // 8 + words)[:, None] * N + cols[None, :]
         cp.async_copy_global_to_shared(w_s.index(slot), w_ptrs, mask=gl.full([16, BLOCK_N], 1, gl.int1, WL) & live)
+        at = (k0 // 128) * N + _columns(pid_n, N, EPILOGUE, BLOCK_N, SL)
+        every = gl.full([BLOCK_N], 1, gl.int1, SL) & live
+        cp.async_copy_global_to_shared(scale_s.index(slot), scale_ptr + at, mask=every)
+        cp.async_copy_global_to_shared(offset_s.index(slot), offset_ptr + at, mask=every)
+
+    @gluon.jit
+    def _copy_x(x_s, slot, x_ptr, k0, live, M, stride_xm, XROWS: gl.constexpr, XL: gl.constexpr):
+        """Start the asynchronous copies of x's rows for the group at feature k0 into ring buffer
+        `slot`, then commit everything started since the last commit as one group (copies with `live`
+        false copy nothing but still commit, so every iteration's wait counts the same)."""
         # x as [8 * XROWS, 16]: buffer row j * XROWS + r holds row r's features k0 + 16 j .. k0 + 16 j + 15
         xi = gl.arange(0, 8 * XROWS, layout=gl.SliceLayout(1, XL))
         xk = gl.arange(0, 16, layout=gl.SliceLayout(0, XL))
         row = xi % XROWS
         x_ptrs = x_ptr + k0 + ((xi // XROWS) * 16 + row * stride_xm)[:, None] + xk[None, :]
         cp.async_copy_global_to_shared(x_s.index(slot), x_ptrs, mask=(row < M)[:, None] & live)
-        at = (k0 // 128) * N + _columns(pid_n, N, EPILOGUE, BLOCK_N, SL)
-        every = gl.full([BLOCK_N], 1, gl.int1, SL) & live
-        cp.async_copy_global_to_shared(scale_s.index(slot), scale_ptr + at, mask=every)
-        cp.async_copy_global_to_shared(offset_s.index(slot), offset_ptr + at, mask=every)
         cp.commit_group()
 
     @gluon.jit
@@ -187,7 +221,7 @@ if HAS_GLUON:
                          M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
-                         EPILOGUE: gl.constexpr = 0):
+                         EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
         (the partials' rows a K slice), XROWS = x_rows(TILES)."""
         NW: gl.constexpr = gl.num_warps()
@@ -200,7 +234,8 @@ if HAS_GLUON:
         W_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
         X_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0])
         S_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        _pdl_start(PDL)
+        if not PREFETCH:
+            ready = _wait_prior(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], W_SHARED)
@@ -209,9 +244,21 @@ if HAS_GLUON:
         offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
         n_groups = k_per_split // 128
         k_begin = pid_k * k_per_split
+        # PREFETCH (with PDL this kernel starts while the one before it runs): the weights are read-only,
+        # so the first groups' weight copies are issued before waiting for it; x, the partials and the
+        # counters only after.
+        # `ready` is 1 once the kernel before this one has ended: a value every read of its output
+        # depends on, so the compiler cannot move such a read above the wait (it did move copies).
         for s in gl.static_range(STAGES - 1):
-            _copy_group(w_s, x_s, scale_s, offset_s, s, w_ptr, x_ptr, scale_ptr, offset_ptr, k_begin + s * 128,
-                        s < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL, EPILOGUE)
+            weights_live = s < n_groups
+            if not PREFETCH:
+                weights_live = weights_live & (ready != 0)
+            _copy_weights(w_s, scale_s, offset_s, s, w_ptr, scale_ptr, offset_ptr, k_begin + s * 128, weights_live,
+                          N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
+        if PREFETCH:
+            ready = _wait_prior(PDL)
+        for s in gl.static_range(STAGES - 1):
+            _copy_x(x_s, s, x_ptr, k_begin + s * 128, (s < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
         acc0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
@@ -221,9 +268,10 @@ if HAS_GLUON:
             cp.wait_group(STAGES - 2)   # this thread's copies of group i are done ...
             gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
             ahead = i + STAGES - 1
-            _copy_group(w_s, x_s, scale_s, offset_s, ahead % STAGES, w_ptr, x_ptr, scale_ptr, offset_ptr,
-                        k_begin + ahead * 128, ahead < n_groups, M, N, stride_xm, pid_n, XROWS, BLOCK_N, WL, XL, SL,
-                        EPILOGUE)
+            _copy_weights(w_s, scale_s, offset_s, ahead % STAGES, w_ptr, scale_ptr, offset_ptr, k_begin + ahead * 128,
+                          ahead < n_groups, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
+            _copy_x(x_s, ahead % STAGES, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M,
+                    stride_xm, XROWS, XL)
             packed = w_s.index(slot).load(B)
             scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
             offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)

@@ -263,12 +263,14 @@ class SmallMLinear:
         tiles = max(1, -(-m // TILE_M))
         grid = (self.n // self.block_n, self.split)
         if self.gluon:
+            from server import gluon_matmul
             from server.gluon_matmul import int4_step_matmul, x_rows
             int4_step_matmul[grid](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
                 ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages,
-                EPILOGUE=epilogue, num_warps=self.num_warps, **self._launch)
+                EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), num_warps=self.num_warps,
+                **self._launch)
             return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
         _small_m_kernel[grid](

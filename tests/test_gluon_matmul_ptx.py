@@ -26,7 +26,7 @@ def _ptx(tiles: int, split: int, epilogue: int = 0) -> tuple[str, str]:
     if not gluon_matmul.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
     ours = dict(SPLIT=split, TILES=tiles, ROWS=16 * tiles, XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=64, STAGES=2,
-                EPILOGUE=epilogue)
+                EPILOGUE=epilogue, PREFETCH=False)
     theirs = dict(INT4=True, SPLIT=split, MAGIC=True, TILES=tiles, ROWS=16 * tiles, BLOCK_M=16, BLOCK_N=64,
                   BLOCK_K=128, EPILOGUE=epilogue)
     sig = lambda consts: dict(MATMUL_SIG, **{key: "constexpr" for key in consts})

@@ -35,15 +35,18 @@ def _kernels():
     slot_sig = {"table_ptr": "*i64", "wpos_ptr": "*i64", "ring_slot_ptr": "*i64", "T": "i32", "stride_table": "i32"}
     return [
         ("small_m", k._small_m_kernel, dict(MATMUL_SIG), dict(INT4=True, SPLIT=4, MAGIC=True, TILES=2, ROWS=32,
-                                                            BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+                                                            BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EPILOGUE=0)),
         ("attention", k._step_attention_partials, _lone_signature(att), att),
         ("attention segments", k._step_attention_partials_segments, _segments_signature(seg), seg),
         ("combine", k._step_attention_combine, combine_sig, dict(G=4, D=256, SLIDING=True, BLOCK_S=_block_s(256))),
         ("kv write", k._write_kv_segments, kv_sig, dict(D=256)),
         ("slot positions", k._write_slot_pos_segments, slot_sig, dict(SLOT_POS_FIELD=30)),
         ("gluon int4 matmul", _gluon_matmul(), dict(MATMUL_SIG),
-         dict(SPLIT=4, TILES=2, ROWS=32, XROWS=32, BLOCK_N=64, STAGES=2)),
+         dict(SPLIT=4, TILES=2, ROWS=32, XROWS=32, BLOCK_N=64, STAGES=2, EPILOGUE=0, PREFETCH=False)),
     ]
+
+
+# (A constexpr left out of a compile from source is not its default: every one the kernel has is given.)
 
 
 def _gluon_matmul():
@@ -65,3 +68,25 @@ def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
     assert wait >= 0 and access is not None and wait < access.start(), name
     assert "griddepcontrol.launch_dependents" in body, name
     assert "griddepcontrol" not in sm90_ptx(fn, dict(sig), dict(consts, PDL=False)), name
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_gluon_matmul_copies_only_weights_before_its_wait(split):
+    """server/gluon_matmul.py PREFETCH: the kernel starts (programmatic dependent launch) while the one
+    before it runs, and copies its first group's weight words, scales and offsets, which no kernel
+    writes, before waiting for it; x (the previous kernel's output), the partials and the counters
+    are read or written only after the wait."""
+    from server import gluon_matmul
+
+    fn = _gluon_matmul()
+    consts = dict(SPLIT=split, TILES=2, ROWS=32, XROWS=32, BLOCK_N=64, STAGES=2, EPILOGUE=0, PDL=True)
+    sig = dict(MATMUL_SIG, **{key: "constexpr" for key in list(consts) + ["PREFETCH"]})
+    body = lambda prefetch: (lambda ptx: ptx[ptx.index(".entry"):])(sm90_ptx(fn, sig, dict(consts, PREFETCH=prefetch)))
+    early = body(True)[:body(True).index("griddepcontrol.wait")]
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", early)
+    # one group's weights: [16, 64] words (two 16-byte copies a thread), 64 scales and 64 offsets (4 bytes)
+    assert sorted(copies) == ["0x10", "0x10", "0x4", "0x4"], copies
+    assert not re.search(r"\b(?:ld|st|atom|red)\.global", early)
+    late = body(False)
+    assert "cp.async" not in late[:late.index("griddepcontrol.wait")]
+    assert gluon_matmul.PREFETCH
