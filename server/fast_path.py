@@ -362,6 +362,7 @@ class FastTarget:
         self.released_bytes = 0      # quanto tensors freed from the GPU once re-laid out (see _build_step_kernels)
         self.prefill_scratch_bytes = 0
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
+        self.fused_gelu = False   # steps' gelus in the matmuls' epilogues (FUSED_GELU; step kernels only)
         self.embed_on_host = False
         if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
             self._int8_head(lm, text)
@@ -379,6 +380,7 @@ class FastTarget:
             # at least 2 rows (one padding token; the step kernels cost the same for 1 and 2 rows),
             # so every step shares one compiled kernel per op and stays batch-invariant.
             self.buckets = tuple(sorted({max(2, b) for b in self.buckets}))
+            self.fused_gelu = FUSED_GELU   # read once: the step layers are built for it
             self._build_step_kernels()
         from server.fast_prefill import keep_dense_weights
         self.prefill_note = keep_dense_weights(self, prefill_dense) if self.step_kernels else "prefill: model's own layers"
@@ -529,7 +531,7 @@ class FastTarget:
                 small.update({fused: joined} if joined is not None else {n: small_of([p]) for n, p in parts.items()})
                 if fused == "qkv" and joined is not None:
                     small["qkv_sizes"] = tuple(p.out_features for p in parts.values())
-            if FUSED_GELU and small.get("gate_up") is not None:
+            if self.fused_gelu and small.get("gate_up") is not None:
                 small["gate_up_gelu"] = small["gate_up"].gelu_pairs()   # the same tensors
             layer.step = replace(layer, **small, step=None)
             if self.release_weights:
@@ -727,7 +729,7 @@ class FastTarget:
             # less each, FUSED_GELU): the same arithmetic on the same bits (tests/test_step_kernel_rows.py).
             if step and layer.gate_up_gelu is not None:
                 x = layer.down(layer.gate_up_gelu(x))
-            elif step and FUSED_GELU:
+            elif step and self.fused_gelu and layer.gate_up is None:
                 x = layer.down(layer.gate(x, gelu_times=layer.up(x)))
             else:
                 if layer.gate_up is not None:
@@ -738,7 +740,7 @@ class FastTarget:
             scalar = getattr(hf, "layer_scalar", None)
             if self.ple_dim:
                 h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm), None)
-                if step and FUSED_GELU and T <= PLE_GELU_FUSED_ROWS:
+                if step and self.fused_gelu and T <= PLE_GELU_FUSED_ROWS:
                     x = layer.ple_proj(layer.ple_gate(h, gelu_times=ple[:, layer.index]))
                 else:
                     x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))

@@ -28,8 +28,9 @@ the same instructions (tests/test_gluon_matmul_ptx.py).
 
 Launch: with programmatic dependent launch (server/small_m_matmul.py `pdl_launch`) the kernel starts
 while the one before it runs. Its first group's weight words, scales and offsets are read-only, so
-`PREFETCH` copies them before waiting for that kernel; x (its output), the split-K partials and
-the counters are touched only after, through a value the wait returns (`_wait_prior`). On a chain of
+`PREFETCH` copies them before waiting for that kernel; x and the epilogue's u (earlier kernels'
+outputs), the split-K partials and the counters (scratch the kernels share) are touched only after,
+each through a value the wait returns (`_wait_prior`). On a chain of
 E4B's int4 matmuls over 42 layers of cold weights this took 0.12 ms off a forward's 2.16 at one row
 (`python -m bench.small_m_bench --chain`).
 
@@ -158,7 +159,7 @@ if HAS_GLUON:
             "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE: gl.constexpr,
+    def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE: gl.constexpr,
                     BLOCK_N: gl.constexpr, ACC: gl.constexpr):
         """As server/gpu_kernels.py `_store_out`: y, gelu(gate) * up (GELU_PAIRS) or gelu(y) * u
         (GELU_TIMES), the same arithmetic. With GELU_PAIRS a thread holds column c and c + BLOCK_N / 2
@@ -175,9 +176,9 @@ if HAS_GLUON:
             at_gate, _ = _pairs(at, BLOCK_N)
             row_gate, _ = _pairs(row_of, BLOCK_N)
             y = _gelu(gate.to(ty).to(gl.float32)) * up.to(ty).to(gl.float32)
-            gl.store(out_ptr + at_gate, y.to(ty), mask=row_gate < M)
+            gl.store(out_ptr + at_gate, y.to(ty), mask=(row_gate < M) & (ready != 0))
         else:
-            live = (rows < M)[:, None]
+            live = (rows < M)[:, None] & (ready != 0)
             at = rows[:, None] * N + cols[None, :]
             if EPILOGUE == 2:
                 times = gl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=live, other=0.0)
@@ -198,23 +199,24 @@ if HAS_GLUON:
         return 0.5 * a * (1.0 + libdevice.tanh(inner))
 
     @gluon.jit
-    def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ROWS: gl.constexpr):
+    def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ready, ROWS: gl.constexpr):
         """As `_small_m_kernel`'s `_store_partial`: padding rows neither written nor read back."""
         rows = tile * 16 + rows16
-        gl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
+        gl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc,
+                 mask=(rows < M)[:, None] & (ready != 0))
 
     @gluon.jit
-    def _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
+    def _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready,
                            EPILOGUE: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                            ACC: gl.constexpr):
         """As `_small_m_kernel`'s `_sum_partials`: the K slices' partials added in slice order."""
         rows = tile * 16 + rows16
         offsets = rows[:, None] * N + cols[None, :]
-        live = (rows < M)[:, None]
+        live = (rows < M)[:, None] & (ready != 0)
         total = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         for s in gl.static_range(SPLIT):
             total += gl.load(partial_ptr + s * ROWS * N + offsets, mask=live, other=0.0, cache_modifier=".cg")
-        _store_tile(out_ptr, total, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
+        _store_tile(out_ptr, total, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
 
     @gluon.jit
     def int4_step_matmul(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
@@ -247,8 +249,9 @@ if HAS_GLUON:
         # PREFETCH (with PDL this kernel starts while the one before it runs): the weights are read-only,
         # so the first groups' weight copies are issued before waiting for it; x, the partials and the
         # counters only after.
-        # `ready` is 1 once the kernel before this one has ended: a value every read of its output
-        # depends on, so the compiler cannot move such a read above the wait (it did move copies).
+        # `ready` is 1 once the kernel before this one has ended: every read of what an earlier kernel
+        # wrote (x, u) and every write to what it may still read (the shared partials, the counters)
+        # depends on its value, so the compiler cannot move one above the wait (it did move copies).
         for s in gl.static_range(STAGES - 1):
             weights_live = s < n_groups
             if not PREFETCH:
@@ -302,25 +305,25 @@ if HAS_GLUON:
         cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
         rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
         if SPLIT == 1:
-            _store_tile(out_ptr, acc0, 0, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
+            _store_tile(out_ptr, acc0, 0, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
             if TILES > 1:
-                _store_tile(out_ptr, acc1, 1, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
+                _store_tile(out_ptr, acc1, 1, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
             if TILES > 2:
-                _store_tile(out_ptr, acc2, 2, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
+                _store_tile(out_ptr, acc2, 2, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
             if TILES > 3:
-                _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, EPILOGUE, BLOCK_N, ACC)
+                _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
         else:
-            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ROWS)
+            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ready, ROWS)
             if TILES > 1:
-                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ROWS)
+                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ready, ROWS)
             if TILES > 2:
-                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ROWS)
+                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS)
             if TILES > 3:
-                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ROWS)
+                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS)
             # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
-            arrived = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
             if arrived == SPLIT - 1:
                 for tile in gl.static_range(TILES):
                     _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
-                                       EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
+                                       ready, EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
                 gl.atomic_xchg(count_ptr + pid_n, 0)

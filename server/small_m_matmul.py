@@ -5,7 +5,9 @@ tinygemm-packed int4 weight, read once and re-laid out), `SmallMLinear.from_dens
 (bf16 [N, K], shared, not copied) or `quantize_int8(weight)` (bf16 [N, K] quantized to int8, one
 scale per group of 128 input features and output column: the LM head of a small card, see
 server/fast_path.py) gives a callable `y = lin(x)`, x [..., K] bf16 with at most `MAX_ROWS` rows,
-y [..., N] bf16.
+y [..., N] bf16. `lin(x, gelu_times=u)` (u [..., N], any row stride) gives gelu_tanh(y) * u, and
+`lin.gelu_pairs()` (W = gate | up) a linear giving gelu_tanh(gate) * up [..., N / 2]: the activation
+in the matmul's epilogue, one launch, the bits of the separate kernel (server/fast_path.py `_gelu_mul`).
 
 Why not tinygemm (quanto's kernel): its int4 matmul time grows with the number of rows (E4B:
 2.4 ms a step for 1 row, 5.8 ms for 16), so a 16-token verify cost 1.8x a decode step; and cuBLAS /
@@ -54,8 +56,9 @@ Int8 layout: `weight` int8 [K, N] (codes -127..127, contiguous along N as the in
 
 Launch: on Hopper and later every step kernel (these, step attention, the stacked steps' writes)
 and the compiled elementwise ops use programmatic dependent launch (`pdl_launch`): a kernel is
-scheduled while the one before it ends and waits for it before touching memory
-(server/gpu_kernels.py `_pdl_start`, tests/test_pdl_ptx.py), which hides part of the gap between
+scheduled while the one before it ends and waits for it before touching memory another kernel
+writes (server/gpu_kernels.py `_pdl_start`; the Gluon int4 kernel copies its first weights before
+it: server/gluon_matmul.py PREFETCH; tests/test_pdl_ptx.py), which hides part of the gap between
 two of a step's ~700 launches. Measured on the H200 (E4B shape, in one process, the step kernels'
 PDL off and on, the compiled ops' on in both): a 1-token step 4.96 -> 4.59 ms, 4 lanes' 4-token
 steps 6.09 -> 5.29 ms. Same bits either way.

@@ -31,7 +31,7 @@ EPILOGUE_CASES = [(n, k, m, target) for n, k in ((128, 256), (192, 512)) for m i
 def test_small_m_kernel_rows_and_slices():
     pytest.importorskip("triton")
     out = run_interpreted(__file__)
-    assert out.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES) + 2 * len(EPILOGUE_CASES), out[-2000:]
+    assert out.count("ok") == len(CASES) + len(INT8_CASES) + len(INT4_CASES) + 4 * len(EPILOGUE_CASES), out[-2000:]
 
 
 def _main() -> int:
@@ -79,25 +79,29 @@ def _main() -> int:
         assert err < 1e-5, ("int4", n, k, m, target, lin.split, err)
         print("ok int4", n, k, m, lin.split)
     gelu = lambda a: 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a ** 3)))
-    for n, k, m, target in EPILOGUE_CASES:
+    for (n, k, m, target), kind in [(case, kind) for case in EPILOGUE_CASES for kind in ("dense", "int4")]:
         g = torch.Generator().manual_seed(13 * n + k + m)
-        w = torch.randn(n, k, generator=g) * 0.05
-        lin = SmallMLinear(w, None, None, n, k, target_programs=target)
+        if kind == "dense":
+            lin = SmallMLinear(torch.randn(n, k, generator=g) * 0.05, None, None, n, k, target_programs=target)
+        else:  # the int4 words, scales and offsets read through the pairs' column mapping
+            scale = torch.rand(k // 128, n, generator=g) * 0.01
+            lin = SmallMLinear(pack_codes(torch.randint(0, 16, (n, k), generator=g)), scale, -8 * scale, n, k,
+                               target_programs=target)
         x = torch.randn(m, k, generator=g)
-        y = (x.double() @ w.double().t())
+        y = (x.double() @ lin.dequantize().double().t())
         pairs = lin.gelu_pairs()
         assert pairs.out_features == n // 2 and pairs.split == lin.split and lin.out_features == n
         got = pairs(x)
         want = gelu(y[:, :n // 2]) * y[:, n // 2:]
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert got.shape == (m, n // 2) and err < 1e-5, ("pairs", n, k, m, target, lin.split, err)
-        print("ok gelu pairs", n, k, m, lin.split)
+        assert got.shape == (m, n // 2) and err < 1e-5, ("pairs", kind, n, k, m, target, lin.split, err)
+        print("ok gelu pairs", kind, n, k, m, lin.split)
         u = torch.randn(m, 3, n, generator=g)[:, 1]   # a strided view, as the per-layer inputs' slice
         got = lin(x, gelu_times=u)
         want = gelu(y) * u.double()
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err < 1e-5, ("times", n, k, m, target, lin.split, err)
-        print("ok gelu times", n, k, m, lin.split)
+        assert err < 1e-5, ("times", kind, n, k, m, target, lin.split, err)
+        print("ok gelu times", kind, n, k, m, lin.split)
     return 0
 
 
