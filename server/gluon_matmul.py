@@ -56,7 +56,6 @@ try:  # Gluon ships with Triton 3.5+; without it the step matmul stays on `_smal
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
-    from triton.experimental.gluon.language.extra import libdevice
     HAS_GLUON = True
 except ImportError:
     HAS_GLUON = False
@@ -90,6 +89,8 @@ def x_rows(tiles: int) -> int:
 if HAS_GLUON:
     from triton.language.extra.cuda import gdc_launch_dependents
 
+    from server.gpu_kernels import _gelu   # a Triton helper: Gluon calls it as it is (one gelu formula)
+
     # prmt selectors: byte b of the first word into byte 0, byte b of the second word into byte 2
     _PAIR_SELECTOR = gl.constexpr(tuple(hex(b | b << 4 | (4 + b) << 8 | (4 + b) << 12) for b in range(4)))
 
@@ -109,11 +110,7 @@ if HAS_GLUON:
     def _columns(pid_n, N, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
         """The weight columns program pid_n computes, as server/gpu_kernels.py `_columns`: with
         GELU_PAIRS its tile's first half are gate columns and the second half their up columns."""
-        return _columns_at(gl.arange(0, BLOCK_N, layout=layout), pid_n, N, EPILOGUE, BLOCK_N)
-
-    @gluon.jit
-    def _columns_at(c, pid_n, N, EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The weight columns at positions c of program pid_n's tile (`_columns`)."""
+        c = gl.arange(0, BLOCK_N, layout=layout)
         if EPILOGUE == 1:
             return pid_n * (BLOCK_N // 2) + c % (BLOCK_N // 2) + (c // (BLOCK_N // 2)) * (N // 2)
         return pid_n * BLOCK_N + c
@@ -191,12 +188,6 @@ if HAS_GLUON:
     def _pairs(t, BLOCK_N: gl.constexpr):
         """[16, BLOCK_N] -> its first and its second half of columns, [16, BLOCK_N / 2] each."""
         return gl.split(gl.permute(gl.reshape(t, [16, 2, BLOCK_N // 2]), [0, 2, 1]))
-
-    @gluon.jit
-    def _gelu(a):
-        """server/gpu_kernels.py `_gelu`: the same operations in the same order."""
-        inner = 0.7978845608028654 * (a + 0.044715 * (a * a * a))
-        return 0.5 * a * (1.0 + libdevice.tanh(inner))
 
     @gluon.jit
     def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ready, ROWS: gl.constexpr):
