@@ -66,6 +66,13 @@ SECTIONS = [
     ("GPU memory with one int4 layout, before the int8 head and before the cap counted the CUDA context (H200)",
      "python -m bench.gpu_memory (on the GPU machine, an earlier build)`; the old configuration beside it:\n"
      "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
+    ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-kvwrite.md", []),
+    ("The fast-path step, the Gluon matmul's first weights copied before its programmatic-dependent-launch wait "
+     "(E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-prefetch.md", []),
+    ("The weight prefetch on a chain of E4B's int4 matmuls, cold weights (H200)",
+     "python -m bench.small_m_bench --chain (on the GPU machine)", "small_m_chain.md", []),
     ("The fast-path step, the gelus in the epilogues of the matmuls they read (E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-gelu.md", []),
     ("The gelu epilogues per linear, cold weights, E4B int4 shapes (H200)",

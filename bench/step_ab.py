@@ -77,14 +77,18 @@ def measure(tiny: bool, reps: int) -> dict:
     for _ in range(5):
         step1.append(timed(one, reps))
         step16.append(timed(verify, reps))
-    kernels, kernel_names = None, {}
+    kernels, kernel_names, timeline = None, {}, {}
     if cuda:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fast.step(one)[0].argmax().item()
         fast.rollback(1)
         launched = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels = sum(e.count for e in launched)
-        kernel_names = {e.key[:90]: e.count for e in sorted(launched, key=lambda e: -e.count)[:24]}
+        counts: dict[str, int] = {}
+        for e in launched:  # names cut to 90 characters: kernels of one template can share one
+            counts[e.key[:90]] = counts.get(e.key[:90], 0) + e.count
+        kernel_names = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:24])
+        timeline = {"one": step_timeline(fast, one), "verify": step_timeline(fast, verify)}
     # A first decode captures the graphs that later positions need (kv_len past 1024): not timed.
     greedy_generate(fast, prompt, GEN)
     t = time.perf_counter()
@@ -97,8 +101,41 @@ def measure(tiny: bool, reps: int) -> dict:
     decode_s = time.perf_counter() - t - prefill_s
     drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
     return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
-            "kernels_per_step": kernels, "kernel_names": kernel_names, "plain_tps_1k": GEN / decode_s,
+            "kernels_per_step": kernels, "kernel_names": kernel_names, "timeline": timeline,
+            "plain_tps_1k": GEN / decode_s,
             "drafted_equals_plain": drafted == plain, "drafted_steps": steps}
+
+
+HOST_GAP_US = 20  # a gap between kernels this long is the host's (staging, the graph's launch): not the step's
+
+
+def step_timeline(fast, ids: list[int], steps: int = 20) -> dict:
+    """Where a captured step's GPU time goes: the step's span (first kernel's start to last kernel's
+    end, ms a step, less the gaps of HOST_GAP_US or more) cut into pieces that do not overlap, each
+    charged to one kernel name, or to "(idle)" where no kernel ran. Kernels overlap under
+    programmatic dependent launch (a kernel starts while the one before it runs, then waits), so a
+    kernel is charged only from the later of its start and the previous kernel's end: the pieces add
+    up to the span. Mean over `steps` steps."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fast.step(ids)[0].argmax().item()
+            fast.rollback(len(ids))
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    if not kernels:
+        return {}
+    charged: dict[str, float] = {}
+    covered = kernels[0][0]
+    for start, end, name in kernels:
+        if covered < start < covered + HOST_GAP_US:
+            charged["(idle)"] = charged.get("(idle)", 0.0) + (start - covered)
+        if end > max(start, covered):
+            charged[name[:90]] = charged.get(name[:90], 0.0) + end - max(start, covered)
+        covered = max(covered, end)
+    us_per_ms = 1e3 * steps
+    return {name: round(t / us_per_ms, 4) for name, t in sorted(charged.items(), key=lambda kv: -kv[1])}
 
 
 def _tiny_gemma4():
@@ -176,6 +213,20 @@ def markdown(r: dict) -> str:
                   "| kernel | base | head |", "|---|---|---|"]
         for key in dict.fromkeys([*names["head"], *names["base"]]):
             lines.append(f"| `{key}` | {names['base'].get(key, '-')} | {names['head'].get(key, '-')} |")
+        lines.append("")
+    spans = {v: (r["samples"][v][-1].get("timeline") or {}) for v in ("base", "head")}
+    for kind, label in (("one", "one-token step"), ("verify", f"{VERIFY}-token verify")):
+        times = {v: spans[v].get(kind) or {} for v in spans}
+        if not (times["base"] or times["head"]):
+            continue
+        lines += [f"Where a {label}'s GPU time goes, ms a step (last round; a kernel is charged from the later of "
+                  "its start and the previous kernel's end, so overlapping launches are not counted twice; gaps of "
+                  f"{HOST_GAP_US} us or more, the host's, are left out of the span):",
+                  "", "| kernel | base | head |", "|---|---|---|",
+                  f"| (span) | {sum(times['base'].values()):.3f} | {sum(times['head'].values()):.3f} |"]
+        for key in list(dict.fromkeys([*times["head"], *times["base"]]))[:16]:
+            cell = lambda v: f"{times[v][key]:.3f}" if key in times[v] else "-"
+            lines.append(f"| `{key}` | {cell('base')} | {cell('head')} |")
         lines.append("")
     return "\n".join(lines)
 

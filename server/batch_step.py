@@ -9,11 +9,11 @@ The forward's rows are padded to a power of two (`padded_rows`): rows past S*T b
 
 How: segment s's rows are rows s*T..s*T+T-1 of the forward. Their ids, positions and where they
 write sit in one staging buffer, with one row of int64 addresses per segment (its K/V caches,
-ring positions, tree paths: the table). The per-sequence work runs once per layer for all
-segments: the K/V write and ring-position kernels scatter through the table, and
-server/step_attention.py's `segments` runs every segment's attention in one launch of the lone
-kernels' programs. So a forward of S steps launches what one step does, and the forward is captured
-once per (S, T) as a CUDA graph that reads the staging buffer: any S lanes, in any order, at any
+ring positions, tree paths: the table). The per-sequence work runs once for all segments: one
+kernel a forward scatters the ring positions through the table, and server/step_attention.py's
+`segments` runs every segment's attention in one launch a layer of the lone kernels' programs,
+which also writes each segment's new K/V rows into its caches. So a forward of S steps launches
+what one step does, and the forward is captured once per (S, T) as a CUDA graph that reads the staging buffer: any S lanes, in any order, at any
 context, replay it. Full layers read up to the cache's end (kv_len = max_len: step attention skips
 the chunks past each query's position, so a larger kv_len reads the same keys in the same order).
 
@@ -181,18 +181,8 @@ class _Segments:
         _write_slot_pos_segments[(self.S * self.T,)](st.table, st.wpos, st.ring_slot, self.T, st.width,
                                                        SLOT_POS_FIELD=st.slot_pos_field, **st.launch)
 
-    def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
-        from server.gpu_kernels import _write_kv_segments
-
-        st = self.stacked
-        cache = st.lead.k_cache[layer.index]
-        where = st.ring_slot if layer.sliding else st.wpos
-        _write_kv_segments[(self.S * self.T, layer.kv_heads)](
-            k, v, st.table, st.k_field[layer.index], st.k_field[layer.index] + 1, where, self.T,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache.stride(0), cache.stride(1), st.width,
-            D=layer.head_dim, **st.launch)
-
-    def attend(self, layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops) -> torch.Tensor:
+    def attend(self, layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops,
+               new_kv: tuple | None = None) -> torch.Tensor:
         st = self.stacked
         lead = st.lead
         cache = lead.k_cache[layer.source]
@@ -200,4 +190,4 @@ class _Segments:
         return st.attention[layer.head_dim].segments(
             q, st.table, field, field + 1, self.S, self.T, self.kv_len, pos,
             layer.sliding, cache.shape[1], cache.stride(0), cache.stride(1), lead.path_buf.stride(0), st.width,
-            st.slot_pos_field, st.path_field, lead.window, layer.hf.self_attn.scaling)
+            st.slot_pos_field, st.path_field, lead.window, layer.hf.self_attn.scaling, new_kv=new_kv)

@@ -14,8 +14,8 @@ forwards share the GPU's scratch buffers at once.
 One forward, several sequences: on the step kernels (CUDA) the steps are stacked
 (server/batch_step.py): each padded to the widest one's bucket (the steps that met are split into
 as few forwards as fit 64 rows, narrowest together: `stacked_groups`), their rows run every op once, the
-per-sequence K/V writes and attention in one launch per layer through a table of each lane's cache
-addresses, and the forward is a CUDA graph per (steps, rows) that any lanes replay. Elsewhere
+per-sequence K/V writes and attention in one launch per layer (the attention's) through a table of
+each lane's cache addresses, and the forward is a CUDA graph per (steps, rows) that any lanes replay. Elsewhere
 (`FastTarget._forward(..., segments=...)`, the CPU): each lane's rows write and attend to its own
 cache (fast_path.Segment), uncaptured. Why outputs do not change: on the step kernels every op is
 per row and batch-invariant (server/small_m_matmul.py, the compiled norms, the step attention's

@@ -713,14 +713,18 @@ class FastTarget:
                     k_raw = layer.k(x).view(T, layer.kv_heads, D)
                     v_raw = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
             q_raw = q_raw.view(T, self.num_heads, D)
+            new_kv = None
             if layer.source == layer.index:  # q, k and v normed (q and k rotated) in one kernel
                 q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), _eps(attn.q_norm), _w(attn.k_norm),
                                             _eps(attn.k_norm), _w(attn.v_norm), _eps(attn.v_norm), cos, sin)
-                for seg in segments:
-                    seg.write_kv(layer, k, v)
+                if step:  # the step attention's launch writes them (server/step_attention.py new_kv)
+                    new_kv = (k, v)
+                else:
+                    for seg in segments:
+                        seg.write_kv(layer, k, v)
             else:
                 q = ops.norm_rope(q_raw, _w(attn.q_norm), _eps(attn.q_norm), cos, sin)
-            parts = [seg.attend(layer, q, pos, step, ops) for seg in segments]
+            parts = [seg.attend(layer, q, pos, step, ops, new_kv) for seg in segments]
             a = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = ops.residual_norm_rms(h, layer.o(a), _w(hf.post_attention_layernorm),
                                          _eps(hf.post_attention_layernorm), None,
@@ -1114,18 +1118,25 @@ class Segment:
                 self.masks = ops.masks(t.slot_pos, t.full_pos[:self.kv_len], rows, t.window)
 
     def write_kv(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The rows' K/V into the cache, off the step kernels (on them the step attention writes them)."""
         where = self.slots if layer.sliding else self.wpos
         self.target.k_cache[layer.index].index_copy_(1, where, k[self.lo:self.hi].transpose(0, 1))
         self.target.v_cache[layer.index].index_copy_(1, where, v[self.lo:self.hi].transpose(0, 1))
 
-    def attend(self, layer: _Layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops) -> torch.Tensor:
+    def attend(self, layer: _Layer, q: torch.Tensor, pos: torch.Tensor, step: bool, ops,
+               new_kv: tuple | None = None) -> torch.Tensor:
+        """The rows' attention; `new_kv` (a step's, on the step kernels): the layer's new K/V rows, not
+        yet in the cache, which the step attention's launch writes (write_kv is not called then)."""
         t, attn = self.target, layer.hf.self_attn
         kc, vc = t.k_cache[layer.source], t.v_cache[layer.source]
         q = q[self.lo:self.hi]
+        if new_kv is not None:
+            new_kv = tuple(x[self.lo:self.hi] for x in new_kv)
         if step:
             return t.step_attention[layer.head_dim](q, kc, vc, self.kv_len, pos[self.lo:self.hi],
                                                     t.slot_pos if layer.sliding else None, t.window, attn.scaling,
-                                                    t.path_buf)
+                                                    t.path_buf, new_kv=new_kv)
+        assert new_kv is None, "new K/V rows are written by the step attention only"
         sliding_mask, full_mask = self.masks
         if layer.sliding:
             mask = sliding_mask

@@ -250,9 +250,11 @@ def _step_span(start, T, S, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
 @triton.jit
 def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
                              T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
-                             stride_ks, stride_pt, n_rows, n_chunks,
+                             stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
+                             stride_nvt, stride_nvh,
                              G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+                             WRITE: tl.constexpr = False):
     """Every chunk partial of a step, in one launch. Grid: (KV heads, R = query-row blocks,
     n_cache_chunks + n_own_chunks * ceil(T / R)). Program (kvh, a, c) with c < n_cache_chunks is a
     chunk the step did not write, for query-row block a (`_chunk_partials`); with o = c -
@@ -262,27 +264,38 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
     wrote or did not write, a chunk past the token's position on a full layer) return at once.
     Each program's arithmetic is what it was as one of two kernels, so the partials are the same
     bits (checked under Triton's interpreter on the 35 cases of tests/test_step_attention_interpreted.py);
-    one launch instead of two per layer."""
+    one launch instead of two per layer.
+
+    WRITE: the step's own K/V rows (nk / nv [T, KV heads, D], row strides stride_nkt / stride_nvt, head
+    strides stride_nkh / stride_nvh) are not in the cache yet: this launch writes them (row t at slot
+    start + t, modulo the ring; the bits of index_copy_), and the programs of the chunks the step
+    wrote read the step's positions from nk / nv, the rest from the cache. No program reads a slot
+    this launch writes (those are the step's positions, read from nk / nv), so the keys are the
+    ones a write before the launch would have left: the same partials, one launch less a layer."""
     _pdl_start(PDL)
     _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
-                  G, D, SLIDING, BLOCK_R, BLOCK_S)
+                  nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                  G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
 def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_ptr, m_ptr, l_ptr, acc_ptr,
                                       kv_heads, T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt,
                                       stride_qh, stride_kh, stride_ks, stride_pt, stride_table, n_rows, n_chunks,
+                                      nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                                       SLOT_POS_FIELD: tl.constexpr, PATH_FIELD: tl.constexpr,
                                       G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+                                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+                                      WRITE: tl.constexpr = False):
     """`_step_attention_partials` of several sequences' steps of T rows each, in one launch. Grid:
     (segments x KV heads, R, as the lone kernel). Segment s owns query rows s*T.. of q and qpos
     and its scratch rows from s*T*G on; its caches, ring positions and tree paths are the
     addresses in row s of `table` (int64: fields k_field / v_field for this layer's K and V,
     SLOT_POS_FIELD, PATH_FIELD). Each program is the lone kernel's program on the segment's
-    pointers, so a segment's partials are the bits of its step alone."""
+    pointers, so a segment's partials are the bits of its step alone. WRITE: as the lone kernel's,
+    segment s's new rows are rows s*T.. of nk / nv, written into its own caches."""
     _pdl_start(PDL)
     seg = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
@@ -299,16 +312,18 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                   m_ptr + first_row * n_chunks, l_ptr + first_row * n_chunks, acc_ptr + first_row * n_chunks * D,
                   kvh, tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
-                  G, D, SLIDING, BLOCK_R, BLOCK_S)
+                  nk_ptr + seg * T * stride_nkt, nv_ptr + seg * T * stride_nvt, stride_nkt, stride_nkh, stride_nvt,
+                  stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
 def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
                   T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
-                  stride_ks, stride_pt, n_rows, n_chunks,
-                  G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (kvh, a, c) of `_step_attention_partials` (its docstring says what each does)."""
+                  stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
+                  stride_nvh, G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
+    """Program (kvh, a, c) of `_step_attention_partials` (its docstring says what each does). With
+    WRITE, the program of token t's first own chunk also writes t's K/V row of head kvh into the cache."""
     start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
     first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
     if c < n_cache_chunks:  # row block a < R: its rows start before T * G
@@ -324,6 +339,10 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
         o = c - n_cache_chunks
         t = a + tl.num_programs(1) * (o // n_own_chunks)
         which = o % n_own_chunks
+        if WRITE:
+            if (t < T) & (which == 0):
+                _write_own_row(k_ptr, v_ptr, nk_ptr, nv_ptr, kvh, t, start, S, stride_kh, stride_ks, stride_nkt,
+                               stride_nkh, stride_nvt, stride_nvh, D, SLIDING)
         if (t < T) & (which < span):
             chunk = (first + which) % n_all
             qpos_t = tl.load(qpos_ptr + t)
@@ -335,7 +354,22 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
             if visible_chunk:
                 _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
                               qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
-                              stride_pt, n_rows, n_chunks, G, D, SLIDING, BLOCK_R, BLOCK_S)
+                              stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
+                              stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
+
+
+@triton.jit
+def _write_own_row(k_ptr, v_ptr, nk_ptr, nv_ptr, kvh, t, start, S, stride_kh, stride_ks, stride_nkt, stride_nkh,
+                   stride_nvt, stride_nvh, D: tl.constexpr, SLIDING: tl.constexpr):
+    """Row t of a step starting at `start`: its K and V of head kvh into the cache at slot start + t
+    (modulo the ring S on a sliding layer), where server/fast_path.py's index_copy_ put them."""
+    slot = start + t
+    if SLIDING:
+        slot = slot % S
+    d = tl.arange(0, D)
+    at = kvh * stride_kh + slot * stride_ks + d
+    tl.store(k_ptr + at, tl.load(nk_ptr + t * stride_nkt + kvh * stride_nkh + d))
+    tl.store(v_ptr + at, tl.load(nv_ptr + t * stride_nvt + kvh * stride_nvh + d))
 
 
 @triton.jit
@@ -374,9 +408,9 @@ def _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, a
 @triton.jit
 def _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk, qpos_t,
                   start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt,
-                  n_rows, n_chunks,
+                  n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                   G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
     """A chunk the step wrote into, for one token t (its G query heads, padded to BLOCK_R rows):
     the same position-aligned chunks as a chain's, the step's keys gathered into them by depth.
     Column c of a chunk is the slot of one position p (full: p = slot; sliding: p = slot_pos[slot]);
@@ -384,7 +418,9 @@ def _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc
     the slot of t's ancestor at depth j, row path[t, j] (its K/V sit at slot s + path[t, j], modulo
     the ring). The columns and the visibility rule are a chain row's (p <= qpos[t] = s + depth(t);
     sliding: also > qpos[t] - window), so a tree row's sum is its path's chain row's, bit for bit;
-    for a chain path[t, j] = j and every column reads its own slot, as _chunk_partials would."""
+    for a chain path[t, j] = j and every column reads its own slot, as _chunk_partials would. With
+    WRITE the step's positions are read from its new rows (row path[t, j] of nk / nv: what that slot
+    holds once written), the other columns from the cache."""
     g = tl.arange(0, BLOCK_R)
     row_ok = g < G
     qpos = tl.where(row_ok, qpos_t, -1)
@@ -403,9 +439,15 @@ def _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc
     src = start + row
     if SLIDING:
         src = src % S
-    src = tl.where(own, src, s_idx)
-    k = tl.load(k_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+    if WRITE:  # each column's row address picked first: one load a tile (two tiles then a select spilled)
+        k_rows = tl.where(own, nk_ptr + row * stride_nkt + kvh * stride_nkh, k_ptr + kvh * stride_kh + s_idx * stride_ks)
+        v_rows = tl.where(own, nv_ptr + row * stride_nvt + kvh * stride_nvh, v_ptr + kvh * stride_kh + s_idx * stride_ks)
+        k = tl.load(k_rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)
+    else:
+        src = tl.where(own, src, s_idx)
+        k = tl.load(k_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
     if SLIDING:
         visible = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > qpos[:, None] - window) & (kp[None, :] >= 0)
     else:
@@ -471,22 +513,6 @@ def _write_slot_pos_segments(table_ptr, wpos_ptr, ring_slot_ptr, T, stride_table
     r = tl.program_id(0)
     slot_pos = tl.load(table_ptr + (r // T) * stride_table + SLOT_POS_FIELD).to(tl.pointer_type(tl.int64))
     tl.store(slot_pos + tl.load(ring_slot_ptr + r), tl.load(wpos_ptr + r))
-
-
-@triton.jit
-def _write_kv_segments(k_ptr, v_ptr, table_ptr, k_field, v_field, slot_ptr, T, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_ch, stride_cs, stride_table, D: tl.constexpr, PDL: tl.constexpr = False):
-    """Stacked steps: row r's K and V of KV head `program_id(1)` into the caches of its segment
-    (r // T; table fields k_field / v_field) at slot slot[r]. A copy: the bits of index_copy_."""
-    _pdl_start(PDL)
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    row = table_ptr + (r // T) * stride_table
-    k_cache = tl.multiple_of(tl.load(row + k_field).to(tl.pointer_type(k_ptr.dtype.element_ty)), 16)
-    v_cache = tl.multiple_of(tl.load(row + v_field).to(tl.pointer_type(v_ptr.dtype.element_ty)), 16)
-    at = h * stride_ch + tl.load(slot_ptr + r) * stride_cs + tl.arange(0, D)
-    tl.store(k_cache + at, tl.load(k_ptr + r * stride_kt + h * stride_kh + tl.arange(0, D)))
-    tl.store(v_cache + at, tl.load(v_ptr + r * stride_vt + h * stride_vh + tl.arange(0, D)))
 
 
 # Positions change with every prompt: not specialized on (a compilation per divisibility pattern

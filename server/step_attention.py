@@ -26,6 +26,10 @@ function, so a chain row's bits do not depend on which kind of program did a chu
 verify equals 64 one-token steps, and a tree row equals its path's chain row. Both kinds run in one
 launch (`_step_attention_partials`); a second kernel merges one row's chunks in chunk order. Full layers skip the chunks past each query's position, so a step reads the
 keys up to the context, not the whole cache.
+
+The step's own K/V rows can be handed to the launch (`new_kv`) instead of written into the cache
+before it: the launch writes them, and reads the step's positions from them (the values the cache
+would hold), so the KV write of a layer costs no launch of its own.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ class StepAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                  qpos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, scaling: float,
-                 path: torch.Tensor | None = None) -> torch.Tensor:
+                 path: torch.Tensor | None = None, new_kv: tuple | None = None) -> torch.Tensor:
         from server.gpu_kernels import _step_attention_partials
         T, H, D = q.shape
         if q.stride(-1) != 1:
@@ -77,25 +81,27 @@ class StepAttention:
         slots = k_cache.shape[1] if sliding else kv_len
         chunks, own_chunks, grid = self._grid(T, slots, sliding)
         out = torch.empty((T, H * D), dtype=q.dtype, device=q.device)
+        nk, nv = _new_rows(new_kv, k_cache, T, self.kv_heads, D)
         _step_attention_partials[(self.kv_heads, *grid)](
             q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, path, self.m, self.l, self.acc,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            path.stride(0), self.n_rows, self.n_chunks,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D),
-            **self._launch)
+            path.stride(0), self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
+            num_warps=_warps(D), **self._launch)
         self._merge(qpos, out, T, chunks, sliding, D)
         return out
 
     def segments(self, q: torch.Tensor, table: torch.Tensor, k_field: int, v_field: int, S: int, T: int,
                  kv_len: int, qpos: torch.Tensor, sliding: bool, cache_slots: int, stride_kh: int, stride_ks: int,
                  stride_pt: int, stride_table: int, slot_pos_field: int, path_field: int, window: int,
-                 scaling: float) -> torch.Tensor:
+                 scaling: float, new_kv: tuple | None = None) -> torch.Tensor:
         """S sequences' steps of T rows each (q [>= S*T, H, D], qpos [>= S*T]: segment s's rows from
         s*T; rows past S*T belong to no segment and get zeros),
         each over its own cache, ring positions and tree paths (the int64 addresses in row s of
         `table`: server/batch_step.py), in one launch of the partials and one of the merge: [S*T, H*D],
         segment s's rows the bits `__call__` gives its step alone (the same programs, on its pointers
-        and its own rows of the scratch, sized here for S*T <= max_tokens rows)."""
+        and its own rows of the scratch, sized here for S*T <= max_tokens rows). `new_kv`: as
+        `__call__`'s, segment s's rows s*T.. written into its caches."""
         from server.gpu_kernels import _step_attention_partials_segments
         rows_out, H, D = q.shape
         R = S * T
@@ -105,13 +111,14 @@ class StepAttention:
         slots = cache_slots if sliding else kv_len
         chunks, own_chunks, grid = self._grid(T, slots, sliding)
         out = (torch.empty if rows_out == R else torch.zeros)((rows_out, H * D), dtype=q.dtype, device=q.device)
+        nk, nv = _new_rows(new_kv, q, R, self.kv_heads, D)
         _step_attention_partials_segments[(S * self.kv_heads, *grid)](
             q, table, k_field, v_field, qpos, self.m, self.l, self.acc, self.kv_heads,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), stride_kh, stride_ks,
-            stride_pt, stride_table, self.n_rows, self.n_chunks,
-            SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
-            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, num_warps=_warps(D),
-            **self._launch)
+            stride_pt, stride_table, self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0),
+            nv.stride(1), SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
+            num_warps=_warps(D), **self._launch)
         self._merge(qpos, out, R, chunks, sliding, D)
         return out
 
@@ -132,6 +139,19 @@ class StepAttention:
         _step_attention_combine[(self.kv_heads, rows * self.group)](
             self.m, self.l, self.acc, qpos, out, out.stride(0), self.n_rows, self.n_chunks, chunks,
             G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4, **self._launch)
+
+
+def _new_rows(new_kv: tuple | None, placeholder: torch.Tensor, rows: int, kv_heads: int, D: int) -> tuple:
+    """(K, V) [>= rows, kv_heads, D] of a step's new rows, unit stride along D, checked; without new
+    rows, `placeholder` twice (a tensor the kernel never reads then)."""
+    if new_kv is None:
+        return placeholder, placeholder
+    k, v = new_kv
+    for t in (k, v):
+        if t.dim() != 3 or t.shape[0] < rows or t.shape[1:] != (kv_heads, D) or t.stride(2) != 1:
+            raise ValueError(f"new K/V rows of shape {tuple(t.shape)}, strides {t.stride()}: want "
+                             f"[>= {rows}, {kv_heads}, {D}], unit stride along the head dimension")
+    return k, v
 
 
 def _warps(head_dim: int) -> int:

@@ -31,17 +31,16 @@ def _kernels():
     seg = dict(att, SLOT_POS_FIELD=30, PATH_FIELD=31)
     combine_sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "qpos_ptr": "*i64", "out_ptr": "*bf16",
                    "stride_ot": "i32", "n_rows": "i32", "n_chunks": "i32", "n_used": "i32"}
-    kv_sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i64", "k_field": "i32", "v_field": "i32",
-              "slot_ptr": "*i64", "T": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
-              "stride_vh": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_table": "i32"}
     slot_sig = {"table_ptr": "*i64", "wpos_ptr": "*i64", "ring_slot_ptr": "*i64", "T": "i32", "stride_table": "i32"}
     return [
         ("small_m", k._small_m_kernel, dict(MATMUL_SIG), dict(INT4=True, SPLIT=4, MAGIC=True, TILES=2, ROWS=32,
                                                             BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EPILOGUE=0)),
         ("attention", k._step_attention_partials, _lone_signature(att), att),
+        ("attention writing K/V", k._step_attention_partials, _lone_signature(att), dict(att, WRITE=True)),
         ("attention segments", k._step_attention_partials_segments, _segments_signature(seg), seg),
+        ("attention segments writing K/V", k._step_attention_partials_segments, _segments_signature(seg),
+         dict(seg, WRITE=True)),
         ("combine", k._step_attention_combine, combine_sig, dict(G=4, D=256, SLIDING=True, BLOCK_S=_block_s(256))),
-        ("kv write", k._write_kv_segments, kv_sig, dict(D=256)),
         ("slot positions", k._write_slot_pos_segments, slot_sig, dict(SLOT_POS_FIELD=30)),
         ("gluon int4 matmul", _gluon_matmul(), dict(MATMUL_SIG),
          dict(SPLIT=4, TILES=2, ROWS=32, XROWS=32, BLOCK_N=64, STAGES=2, EPILOGUE=0, PREFETCH=False)),
@@ -58,7 +57,7 @@ def _gluon_matmul():
     return gluon_matmul.int4_step_matmul
 
 
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(8))
 def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
     name, fn, sig, consts = _kernels()[index]
     for key in list(consts) + ["PDL"]:

@@ -5,7 +5,9 @@ run by Triton's interpreter on the CPU against the lone step's kernels and plain
   through a table of addresses, equal what the lone kernel gives that step alone, exactly (the
   same programs; the merge is the torch twin of tests/test_step_attention_interpreted.py), with
   chains and trees, different start positions and a shared kv_len larger than a segment's own.
-- The K/V write and ring-position kernels put each row where index_copy_ would.
+- With the steps' K/V rows handed to the launch (not yet in the caches), the same rows, and the
+  caches written as index_copy_ would; the ring-position kernel puts each position where
+  index_copy_ would.
 
 CI has no GPU; tests/test_fast_batch.py checks the bits of the whole stacked forward on CUDA.
 Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are defined.
@@ -103,38 +105,47 @@ def main(out: str) -> int:
         stacked = [got[s * T:(s + 1) * T] for s in range(len(segs))]
         stacked.append(got[R:])  # no segment's: zeros
         alone.append(torch.zeros(pad, got.shape[1]))
-        results.append((stacked, alone, writes_right(inputs, table, sliding, slots, T, segs)))
+        # The same forward with the steps' K/V rows not yet in the caches (those slots hold other
+        # numbers), handed to the launch, which writes them (server/step_attention.py new_kv).
+        where = torch.cat([torch.arange(start, start + T) for start, _ in segs]) % (slots if sliding else 1 << 30)
+        new_k = torch.cat([k[:, where[s * T:(s + 1) * T]].transpose(0, 1) for s, (_, k, *_) in enumerate(inputs)])
+        new_v = torch.cat([v[:, where[s * T:(s + 1) * T]].transpose(0, 1) for s, (_, _, v, *_) in enumerate(inputs)])
+        new_k = torch.cat([new_k, torch.randn(pad, 2, 64)])  # the rows of no segment: written nowhere
+        new_v = torch.cat([new_v, torch.randn(pad, 2, 64)])
+        stale = [(k.clone(), v.clone()) for _, k, v, *_ in inputs]
+        for s, (k, v) in enumerate(stale):
+            k[:, where[s * T:(s + 1) * T]] += 100.0
+            v[:, where[s * T:(s + 1) * T]] -= 100.0
+        stale_table = table.clone()
+        stale_table[:, 0] = torch.tensor([k.data_ptr() for k, _ in stale])
+        stale_table[:, 1] = torch.tensor([v.data_ptr() for _, v in stale])
+        written = attn.segments(q, stale_table, 0, 1, len(segs), T, kv_len, qpos, sliding, slots, k0.stride(0),
+                                k0.stride(1), inputs[0][5].stride(0), table.stride(0), 2, 3, window, scaling,
+                                new_kv=(new_k, new_v))
+        caches_right = all(torch.equal(a, b) for (k, v), (_, k0_, v0_, *_) in zip(stale, inputs)
+                           for a, b in ((k, k0_), (v, v0_)))
+        results.append((stacked, alone, torch.equal(written, got) and caches_right
+                        and slot_positions_right(inputs, table, slots, T, segs)))
     torch.save(results, out)
     return 0
 
 
-def writes_right(inputs, table, sliding, slots, T, segs) -> bool:
-    """The K/V write and ring-position kernels against index_copy_ on copies of the caches."""
+def slot_positions_right(inputs, table, slots, T, segs) -> bool:
+    """The ring-position kernel against index_copy_ on copies of the ring positions."""
     import torch
 
-    from server.gpu_kernels import _write_kv_segments, _write_slot_pos_segments
+    from server.gpu_kernels import _write_slot_pos_segments
 
     S = len(segs)
-    g = torch.Generator().manual_seed(99)
-    new_k = torch.randn(S * T, 2, 64, generator=g)
-    new_v = torch.randn(S * T, 2, 64, generator=g)
     wpos = torch.cat([torch.arange(start, start + T) for start, _ in segs])
     ring = wpos % slots
-    where = ring if sliding else wpos
     want = []
     for s, (q, k, v, slot_pos, qpos, path) in enumerate(inputs):
-        rows = slice(s * T, (s + 1) * T)
-        wk, wv, wsp = k.clone(), v.clone(), slot_pos.clone()
-        wk.index_copy_(1, where[rows], new_k[rows].transpose(0, 1))
-        wv.index_copy_(1, where[rows], new_v[rows].transpose(0, 1))
-        wsp.index_copy_(0, ring[rows], wpos[rows])
-        want.append((wk, wv, wsp))
-    k0 = inputs[0][1]
-    _write_kv_segments[(S * T, 2)](new_k, new_v, table, 0, 1, where, T, new_k.stride(0), new_k.stride(1),
-                                   new_v.stride(0), new_v.stride(1), k0.stride(0), k0.stride(1), table.stride(0), D=64)
+        wsp = slot_pos.clone()
+        wsp.index_copy_(0, ring[s * T:(s + 1) * T], wpos[s * T:(s + 1) * T])
+        want.append(wsp)
     _write_slot_pos_segments[(S * T,)](table, wpos, ring, T, table.stride(0), SLOT_POS_FIELD=2)
-    return all(torch.equal(a, w) for (q, k, v, sp, qpos, path), (wk, wv, wsp) in zip(inputs, want)
-               for a, w in ((k, wk), (v, wv), (sp, wsp)))
+    return all(torch.equal(sp, w) for (q, k, v, sp, qpos, path), w in zip(inputs, want))
 
 
 if __name__ == "__main__":

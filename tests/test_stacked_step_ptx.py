@@ -80,8 +80,14 @@ def _lone_signature(consts: dict) -> dict:
     sig["scaling"] = "fp32"
     sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_pt", "n_rows",
                                    "n_chunks")})
+    sig.update(_NEW_ROWS)
     sig.update({n: "constexpr" for n in consts})
     return sig
+
+
+# the step's new K/V rows (server/step_attention.py new_kv): pointers and their row / head strides
+_NEW_ROWS = {"nk_ptr": "*bf16", "nv_ptr": "*bf16", "stride_nkt": "i32", "stride_nkh": "i32", "stride_nvt": "i32",
+             "stride_nvh": "i32"}
 
 
 def _segments_signature(consts: dict) -> dict:
@@ -91,6 +97,7 @@ def _segments_signature(consts: dict) -> dict:
     sig["scaling"] = "fp32"
     sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_pt", "stride_table",
                                    "n_rows", "n_chunks")})
+    sig.update(_NEW_ROWS)
     sig.update({n: "constexpr" for n in consts})
     return sig
 
@@ -110,12 +117,19 @@ def test_stacked_attention_loads_keys_as_wide_as_the_lone_kernel(sliding, head_d
     assert "ld.global.b16" not in stacked and "ld.global.u16" not in stacked, stacked
 
 
-def test_stacked_kv_write_stores_more_than_one_element_at_a_time():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_attention_writes_new_kv_rows_in_wide_stores(stacked):
+    """With the step's K/V rows handed to it (WRITE), the attention launch stores them into the cache
+    in 128-bit pieces, as the K/V loads, not one element at a time."""
     from server import gpu_kernels as kernels
+    from server.step_attention import BLOCK_R, _block_s
 
-    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i64", "k_field": "i32", "v_field": "i32",
-           "slot_ptr": "*i64", "T": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
-           "stride_vh": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_table": "i32", "D": "constexpr"}
-    accesses = _ptx_accesses(kernels._write_kv_segments, sig, {"D": 256})
-    stores = [k for k in accesses if k.startswith("st.")]
-    assert stores and all(not k.endswith(("b16", "u16")) for k in stores), accesses
+    consts = dict(G=4, D=256, SLIDING=True, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(256), WRITE=True)
+    if stacked:
+        consts.update(SLOT_POS_FIELD=30, PATH_FIELD=31)
+        accesses = _ptx_accesses(kernels._step_attention_partials_segments, _segments_signature(consts), consts)
+    else:
+        accesses = _ptx_accesses(kernels._step_attention_partials, _lone_signature(consts), consts)
+    stores = [k for k in accesses if k.startswith("st.") and k != "st.global.b32"]   # b32: m and l
+    assert any(".v4" in k for k in stores), accesses
+    assert "st.global.b16" not in accesses, accesses

@@ -36,11 +36,16 @@ def interpreted(script: str, tmp_path):
 
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     pytest.importorskip("triton")
+    import torch
 
     outputs = interpreted(__file__, tmp_path)
     assert len(outputs) == len(CASES)
     errors = {}
-    for case, got in zip(CASES, outputs):
+    for case, (got, written, cache_right) in zip(CASES, outputs):
+        # The step's K/V handed to the launch instead of written before it: the same bits, and the
+        # launch leaves the cache as the write would have (server/step_attention.py new_kv).
+        assert torch.equal(written, got), (case, float((written - got).abs().max()))
+        assert cache_right, case
         q, k, v, slot_pos, parents, qpos, path = case_inputs(*case)
         want = reference(q, k, v, case[1], parents, slot_pos, WINDOW, SCALING)
         errors[case] = float((got.double() - want).abs().max())
@@ -147,7 +152,17 @@ def main(out: str) -> int:
     for sliding, start, slots, T, tree in CASES:
         q, k, v, slot_pos, _, qpos, path = case_inputs(sliding, start, slots, T, tree)
         attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
-        outputs.append(attn(q, k, v, slots if sliding else start + T, qpos, slot_pos, WINDOW, SCALING, path))
+        kv_len = slots if sliding else start + T
+        got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+        # The same step with its rows not yet in the cache (those slots hold other numbers), handed
+        # to the launch, which writes them: row t at slot start + t.
+        where = torch.arange(start, start + T) % (slots if sliding else 1 << 30)
+        new_k, new_v = k[:, where].transpose(0, 1).contiguous(), v[:, where].transpose(0, 1).contiguous()
+        stale_k, stale_v = k.clone(), v.clone()
+        stale_k[:, where] += 100.0
+        stale_v[:, where] -= 100.0
+        written = attn(q, stale_k, stale_v, kv_len, qpos, slot_pos, WINDOW, SCALING, path, new_kv=(new_k, new_v))
+        outputs.append((got, written, torch.equal(stale_k, k) and torch.equal(stale_v, v)))
     torch.save(outputs, out)
     return 0
 
