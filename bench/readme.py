@@ -1,8 +1,9 @@
 """Copy the latest benchmark tables into README.md: `python -m bench.readme`.
 
 Replaces everything between the README's `<!-- results -->` and `<!-- /results -->` markers with the
-Markdown that the benchmarks wrote under bench/results/, each under the command that produced it,
-so the README's numbers are always the files' numbers.
+Markdown that the benchmarks wrote under bench/results/ (SECTIONS), each under the command that
+produced it, so the README's numbers are always the files' numbers; and writes docs/gpu_history.md
+the same way from HISTORY (earlier runs and sweeps the README's current tables replaced).
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ SECTIONS = [
      "python -m bench.cpu_path --requests 10 --llama-server PATH", "cpu_path.md", []),
     ("A CPU int8 forward, by part: a step and a verify", "python -m bench.cpu_step", "cpu_step.md", []),
     ("Several streams at once, bundled model, CPU", "python -m bench.concurrency", "concurrency.md", []),
-    ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
-     "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
     ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens), drafts "
      "capped as the server caps them: 16 rows a forward for one or two streams, 32 for more (H200, 12-04, the "
      "Gluon step matmul with its codes unpacked two at a time)",
@@ -39,10 +38,6 @@ SECTIONS = [
      "the gelus run in the step matmuls' epilogues)",
      "python -m bench.gpu_concurrency --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
      "gpu_concurrency-streams14-turn64.md", []),
-    ("The same with 16 rows a forward at every count (the server's rule before 12-03; H200, 12-03, the same "
-     "sitting as a --rows 32 run: bench/results/gpu_concurrency-rows32-turn64.md)",
-     "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 2 --no-costs (on the GPU machine)",
-     "gpu_concurrency-rows16-turn64.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
      ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),
     ("Sampled decoding, drafted vs plain with the same seeds, bundled model, CPU int8 path",
@@ -63,11 +58,22 @@ SECTIONS = [
      "python -m bench.gpu_memory --lm-head bf16,auto (on the GPU machine)", "gpu_memory-head-bf16-auto.md", []),
     ("The int8 LM head's cost in quality, on a real Gemma (bundled model, CPU)",
      "python -m bench.lm_head_quality", "lm_head_quality.md", []),
+    ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-kvwrite.md", []),
+    ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
+     "gpu_projection.md", []),
+]
+# Earlier runs the README's tables replaced, and configurations tried and dropped: docs/gpu_history.md
+HISTORY = [
+    ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
+     "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
+    ("The same with 16 rows a forward at every count (the server's rule before 12-03; H200, 12-03, the same "
+     "sitting as a --rows 32 run: bench/results/gpu_concurrency-rows32-turn64.md)",
+     "python -m bench.gpu_concurrency --turn 64 --rows 16 --rounds 2 --no-costs (on the GPU machine)",
+     "gpu_concurrency-rows16-turn64.md", []),
     ("GPU memory with one int4 layout, before the int8 head and before the cap counted the CUDA context (H200)",
      "python -m bench.gpu_memory (on the GPU machine, an earlier build)`; the old configuration beside it:\n"
      "`python -m bench.gpu_memory --allocator default --buckets all --contexts 32768", "gpu_memory.md", []),
-    ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",
-     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-kvwrite.md", []),
     ("The fast-path step, the Gluon matmul's first weights copied before its programmatic-dependent-launch wait "
      "(E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-prefetch.md", []),
@@ -91,21 +97,19 @@ SECTIONS = [
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-attention.md", []),
     ("The fast-path step, before and after fusing its norm kernels (E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-norms.md", []),
-    ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
-     "gpu_projection.md", []),
 ]
 
 
-def section() -> str:
+def section(sections=SECTIONS, images_from: str = "bench/results") -> str:
     parts = []
-    for title, command, name, charts in SECTIONS:
+    for title, command, name, charts in sections:
         path = RESULTS / name
         if not path.exists():
             continue
         body = path.read_text().strip()
         body = re.sub(r"^# .*\n+", "", body)  # the file's own title, if any
         body = re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + 3) + " ", body, flags=re.M)
-        images = "\n".join(f"![{c}](bench/results/{c})" for c in charts if (RESULTS / c).exists())
+        images = "\n".join(f"![{c}]({images_from}/{c})" for c in charts if (RESULTS / c).exists())
         parts.append(f"### {title}\n\n`{command}`\n\n{body}\n" + (f"\n{images}\n" if images else ""))
     return "\n".join(parts)
 
@@ -119,6 +123,11 @@ def main() -> int:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{section()}\n{end}{tail}")
+    Path("docs/gpu_history.md").write_text(
+        "# Earlier GPU runs\n\nWritten by `python -m bench.readme` from bench/results/: the step A/Bs and "
+        "configuration sweeps whose results the README's current tables replaced or built on, and the earlier "
+        "sittings of the concurrency and memory benchmarks, each under the command that produced it. "
+        "docs/bars.md tells the story around them.\n\n" + section(HISTORY, "../bench/results") + "\n")
     return 0
 
 

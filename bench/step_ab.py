@@ -110,9 +110,10 @@ HOST_GAP_US = 20  # a gap between kernels this long is the host's (staging, the 
 
 
 def step_timeline(fast, ids: list[int], steps: int = 20) -> dict:
-    """Where a captured step's GPU time goes: the step's span (first kernel's start to last kernel's
-    end, ms a step, less the gaps of HOST_GAP_US or more) cut into pieces that do not overlap, each
-    charged to one kernel name, or to "(idle)" where no kernel ran. Kernels overlap under
+    """Where a step's GPU time goes: all a `fast.step(ids)` and its argmax put on the GPU (the
+    staging copies, the captured graph's kernels, the argmax and its copy back), its span (first
+    start to last end, ms a step, less the gaps of HOST_GAP_US or more) cut into pieces that do not
+    overlap, each charged to one kernel name, or to "(idle)" where none ran. Kernels overlap under
     programmatic dependent launch (a kernel starts while the one before it runs, then waits), so a
     kernel is charged only from the later of its start and the previous kernel's end: the pieces add
     up to the span. Mean over `steps` steps."""

@@ -2,15 +2,20 @@
 static cache, on the GPU.
 
 Contract: `StepAttention(kv_heads, group, head_dim, max_slots, max_tokens, device)` allocates its
-scratch once; `attn(q, k_cache, v_cache, kv_len, qpos, slot_pos, window, scaling, path=None)` with
-q [T, H, D] bf16 (H = kv_heads * group), caches [kv_heads, slots, D], qpos [T] (each query's
-position), `slot_pos` [slots] (the ring's positions) for a sliding layer or None for a full layer,
-and `path` [T, >= T] int64 (path[t, j]: the row of t's ancestor at depth j, for j <= depth(t);
-None: a chain, path[t, j] = j), returns [T, H * D]: softmax(q k^T * scaling) v over the visible
-keys, softmax in fp32. The step's row j wrote its K/V at slot qpos[0] + j (modulo the ring on a
-sliding layer) and sits at qpos[t] = qpos[0] + depth(t). Row t sees the keys of positions before
+scratch once; `attn(q, k_cache, v_cache, kv_len, qpos, slot_pos, window, scaling, path=None,
+new_kv=None)` with q [T, H, D] bf16 (H = kv_heads * group), caches [kv_heads, slots, D], qpos [T]
+(each query's position), `slot_pos` [slots] (the ring's positions) for a sliding layer or None for
+a full layer, and `path` [T, >= T] int64 (path[t, j]: the row of t's ancestor at depth j, for j <=
+depth(t); None: a chain, path[t, j] = j), returns [T, H * D]: softmax(q k^T * scaling) v over the
+visible keys, softmax in fp32. The step's row j wrote its K/V at slot qpos[0] + j (modulo the ring
+on a sliding layer) and sits at qpos[t] = qpos[0] + depth(t). Row t sees the keys of positions before
 the step (full: position <= its own; sliding: also > qpos[t] - window) and, at position qpos[0] + j,
 the key of its ancestor at depth j: the keys a chain of its root path would see.
+`new_kv=(k, v)` ([>= T, kv_heads, D] each, the caches' dtype): the step's own K/V rows, not yet in
+the caches; the launch writes row j at slot qpos[0] + j (modulo the ring) and reads the step's
+positions from k / v. A sliding layer's `slot_pos` must already map those slots to the step's
+positions (server/fast_path.py Segment.prepare does, before the layers): that is how the launch
+knows a slot is the step's, so no program reads a slot while another writes it.
 
 Same meaning as server/fast_path.py's `_attention`, computed so that a query's output is
 bit-identical whatever other queries share the step and wherever the step starts (batch
@@ -141,16 +146,19 @@ class StepAttention:
             G=self.group, D=D, SLIDING=sliding, BLOCK_S=self.block_s, num_warps=4, **self._launch)
 
 
-def _new_rows(new_kv: tuple | None, placeholder: torch.Tensor, rows: int, kv_heads: int, D: int) -> tuple:
-    """(K, V) [>= rows, kv_heads, D] of a step's new rows, unit stride along D, checked; without new
-    rows, `placeholder` twice (a tensor the kernel never reads then)."""
+def _new_rows(new_kv: tuple | None, like: torch.Tensor, rows: int, kv_heads: int, D: int) -> tuple:
+    """(K, V) [>= rows, kv_heads, D] of a step's new rows, checked: unit stride along D, the dtype
+    and device of `like` (the cache, or q, which the cache's dtype follows); without new rows,
+    `like` twice (a tensor the kernel never reads then)."""
     if new_kv is None:
-        return placeholder, placeholder
+        return like, like
     k, v = new_kv
     for t in (k, v):
         if t.dim() != 3 or t.shape[0] < rows or t.shape[1:] != (kv_heads, D) or t.stride(2) != 1:
             raise ValueError(f"new K/V rows of shape {tuple(t.shape)}, strides {t.stride()}: want "
                              f"[>= {rows}, {kv_heads}, {D}], unit stride along the head dimension")
+        if t.dtype != like.dtype or t.device != like.device:
+            raise ValueError(f"new K/V rows of {t.dtype} on {t.device} for a cache of {like.dtype} on {like.device}")
     return k, v
 
 

@@ -118,18 +118,25 @@ def test_stacked_attention_loads_keys_as_wide_as_the_lone_kernel(sliding, head_d
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_the_attention_writes_new_kv_rows_in_wide_stores(stacked):
-    """With the step's K/V rows handed to it (WRITE), the attention launch stores them into the cache
-    in 128-bit pieces, as the K/V loads, not one element at a time."""
+@pytest.mark.parametrize("sliding,head_dim", [(False, 512), (True, 256)])
+def test_writing_new_kv_rows_adds_only_row_stores_and_loads(stacked, sliding, head_dim):
+    """With the step's K/V rows handed to it (WRITE), the attention launch's K/V loads are as wide as
+    without (136 / 144 128-bit loads: one address a column, then one load a tile), and what it adds
+    is the rows' copy: loads and stores of at least two elements a thread (a row of D contiguous
+    elements over the program's threads), none one element at a time."""
     from server import gpu_kernels as kernels
     from server.step_attention import BLOCK_R, _block_s
 
-    consts = dict(G=4, D=256, SLIDING=True, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(256), WRITE=True)
+    consts = dict(G=4, D=head_dim, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(head_dim))
     if stacked:
         consts.update(SLOT_POS_FIELD=30, PATH_FIELD=31)
-        accesses = _ptx_accesses(kernels._step_attention_partials_segments, _segments_signature(consts), consts)
+        fn, signature = kernels._step_attention_partials_segments, _segments_signature
     else:
-        accesses = _ptx_accesses(kernels._step_attention_partials, _lone_signature(consts), consts)
-    stores = [k for k in accesses if k.startswith("st.") and k != "st.global.b32"]   # b32: m and l
-    assert any(".v4" in k for k in stores), accesses
-    assert "st.global.b16" not in accesses, accesses
+        fn, signature = kernels._step_attention_partials, _lone_signature
+    plain = _ptx_accesses(fn, signature(consts), consts)
+    writing = _ptx_accesses(fn, signature(dict(consts, WRITE=True)), dict(consts, WRITE=True))
+    wide = [k for k in plain if ".v4" in k]
+    assert wide and {k: writing[k] for k in wide} == {k: plain[k] for k in wide}, (writing, plain)
+    added = writing - plain
+    assert any(k.startswith("st.") for k in added) and any(k.startswith("ld.") for k in added), added
+    assert not any(k.endswith(("b16", "u16")) for k in added), added

@@ -200,6 +200,47 @@ def test_step_attention_tree_rows_equal_their_chains(sliding, start, slots):
             assert torch.equal(tree[t], chain[-1]), f"reach {reach}: row {t} (depth {depth[t]}) differs from its chain"
 
 
+@pytest.mark.parametrize("sliding,start,slots,d", [(False, 100, 1024, 512), (True, 100, 1024, 256),
+                                                   (True, 1000, 1024, 256), (True, 150, 200, 256)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_step_attention_writing_its_rows_changes_no_bit(sliding, start, slots, d, tree):
+    """The step's K/V rows handed to the launch (`new_kv`), the cache's slots for them holding other
+    numbers: the output is the one over a cache written beforehand, bit for bit, at every row count,
+    chains and trees, and the cache ends as index_copy_ leaves it (row j at slot start + j)."""
+    import random
+
+    from server.fast_path import tree_paths, tree_rows
+    from server.step_attention import StepAttention
+
+    kv_heads, group, window = 2, 4, 96
+    g = torch.Generator().manual_seed(11)
+    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
+    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
+    slot_pos = ring_positions(slots, start + MAX_ROWS) if sliding else None
+    rng = random.Random(start)
+    for T in ROW_COUNTS:
+        if tree:
+            parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, T)]
+            depth, _ = tree_rows(parents, T, T)
+            path = torch.zeros(MAX_ROWS, MAX_ROWS, dtype=torch.int64)
+            path[:T, :T] = torch.from_numpy(tree_paths(parents, T, T))
+            path, qpos = path.cuda(), torch.from_numpy(depth).cuda() + start
+        else:
+            path, qpos = None, torch.arange(start, start + T, device="cuda")
+        kv_len = slots if sliding else start + T
+        want = attn(q[:T], k, v, kv_len, qpos, slot_pos, window, d ** -0.5, path)
+        where = torch.arange(start, start + T, device="cuda") % (slots if sliding else 1 << 30)
+        new_k, new_v = k[:, where].transpose(0, 1).contiguous(), v[:, where].transpose(0, 1).contiguous()
+        stale_k, stale_v = k.clone(), v.clone()
+        stale_k[:, where] += 100.0
+        stale_v[:, where] -= 100.0
+        got = attn(q[:T], stale_k, stale_v, kv_len, qpos, slot_pos, window, d ** -0.5, path, new_kv=(new_k, new_v))
+        assert torch.equal(got, want), f"{T} rows (tree: {tree}) differ with the rows written by the launch"
+        assert torch.equal(stale_k, k) and torch.equal(stale_v, v), f"{T} rows: the cache is not index_copy_'s"
+
+
 @pytest.mark.parametrize("n,k", [(3072, 2560), (2560, 10240), (96, 384)])
 def test_prefill_dequantization_kernel_equals_the_layout(n, k):
     """Prefill's Triton dequantization (W^T into a shared scratch) gives the layout's weights bit for
