@@ -98,8 +98,14 @@ def _reference_steps(monkeypatch):
             y = torch.nn.functional.gelu(y, approximate="tanh") * gelu_times.reshape(-1, self.n)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def attention(self, q, kc, vc, kv_len, qpos, slot_pos, window, scaling, path=None):
+    def attention(self, q, kc, vc, kv_len, qpos, slot_pos, window, scaling, path=None, new_kv=None):
         # chain steps only here (a chain's path is each row's own prefix, which the mask below is)
+        if new_kv is not None:  # the step's rows, which the kernel's launch writes: row j at slot qpos[0] + j
+            slots = qpos[0] + torch.arange(q.shape[0])
+            if slot_pos is not None:
+                slots = slots % kc.shape[1]
+            kc.index_copy_(1, slots, new_kv[0][:q.shape[0]].transpose(0, 1))
+            vc.index_copy_(1, slots, new_kv[1][:q.shape[0]].transpose(0, 1))
         if slot_pos is None:
             kc, vc = kc[:, :kv_len], vc[:, :kv_len]
             mask = torch.arange(kv_len)[None, :] <= qpos[:, None]
