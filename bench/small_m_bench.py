@@ -19,7 +19,9 @@ output has the unfused bits. Writes DIR/small_m_epilogues.json and .md.
 
 `--chain`: the Gluon kernel's weight prefetch before its programmatic-dependent-launch wait
 (server/gluon_matmul.py PREFETCH) off and on, over a chain of one layer's int4 matmuls x 42 layers.
-Writes DIR/small_m_chain.json and .md.
+Writes DIR/small_m_chain.json and .md. `--chain-tails`: the same chain with the split-K sums left
+out (each K slice stores its partial and ends: SmallMLinear.reduce) and in, so the difference is
+what the sums cost; writes DIR/small_m_chain-tails.json and .md.
 """
 from __future__ import annotations
 
@@ -348,18 +350,31 @@ CHAIN = [("qkv", 3072, 2560), ("o", 2560, 2048), ("gate|up", 20480, 2560), ("dow
 CHAIN_LAYERS = 42
 
 
-def main_chain(out: Path, rounds: int = 5) -> int:
-    """The Gluon kernel's weight prefetch (server/gluon_matmul.py PREFETCH) off and on, in one process:
-    CHAIN over 42 layers of cold weights (a copy per layer), each matmul's input the previous one's
-    output (q's columns for o; gelu(gate) * up for down; gelu(gate) * u for ple proj), one CUDA graph
-    per setting and row count, replayed alternately; ms a chain (median of `rounds`, range) and whether
-    both settings give the same bits."""
+# What `--chain` and `--chain-tails` switch, off then on: (what the setting is, the off and on labels, results' name)
+CHAIN_SETTINGS = {
+    "prefetch": ("off: each kernel waits for the one before it, then copies its first group; on: it copies the "
+                 "group's weights first (server/gluon_matmul.py PREFETCH)", "off", "on", "small_m_chain"),
+    "tails": ("no sum: each K slice stores its fp32 partial and its program ends (no counter, no fence, no "
+              "summing program; the outputs are not written, so the chain's values are not the model's); "
+              "shipped: the last slice of a column tile to arrive sums the partials (an acq_rel atomic, then "
+              "the partials read back). The difference is what a split-K sum costs a chain: the bound on "
+              "what summing the partials in the next kernel could save", "no sum", "shipped", "small_m_chain-tails"),
+}
+
+
+def main_chain(out: Path, setting: str = "prefetch", rounds: int = 5) -> int:
+    """One setting (CHAIN_SETTINGS) off and on, in one process: CHAIN over 42 layers of cold weights (a
+    copy per layer), each matmul's input the previous one's output (q's columns for o; gelu(gate) * up
+    for down; gelu(gate) * u for ple proj), one CUDA graph per setting and row count, replayed
+    alternately; ms a chain (median of `rounds`, range) and whether both settings give the same bits
+    (prefetch only: without the sums the outputs are not written)."""
     from server import gluon_matmul
 
     lins = {name: [SmallMLinear(w, s, o, n, k) for w, s, o in random_int4_copies(n, k, CHAIN_LAYERS)]
             for name, n, k in CHAIN}
     pairs = [lin.gelu_pairs() for lin in lins["gate|up"]]
-    share_partials([lin for group in lins.values() for lin in group] + pairs)
+    every = [lin for group in lins.values() for lin in group] + pairs
+    share_partials(every)
 
     def chain(x, u):
         for i in range(CHAIN_LAYERS):
@@ -368,53 +383,60 @@ def main_chain(out: Path, rounds: int = 5) -> int:
             x = lins["ple proj"][i](lins["ple gate"][i](x, gelu_times=u))
         return x
 
+    def switch(on: bool) -> None:
+        if setting == "prefetch":
+            gluon_matmul.PREFETCH = on
+        else:
+            for lin in every:
+                lin.reduce = on
+
+    what, off_label, on_label, name = CHAIN_SETTINGS[setting]
     rows, saved = [], gluon_matmul.PREFETCH
     try:
         for m in (1, 16, 32):
             x = torch.randn(m, 2560, device="cuda", dtype=torch.bfloat16) * 0.1
             u = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
             graphs = {}
-            for prefetch in (False, True):
-                gluon_matmul.PREFETCH = prefetch
+            for on in (False, True):
+                switch(on)
                 chain(x, u)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     y = chain(x, u)
-                graphs[prefetch] = (graph, y)
+                graphs[on] = (graph, y)
             outs = {}
-            for prefetch, (graph, y) in graphs.items():
+            for on, (graph, y) in graphs.items():
                 graph.replay()
                 torch.cuda.synchronize()
-                outs[prefetch] = y.clone()
+                outs[on] = y.clone()
             ms = {False: [], True: []}
             for _ in range(rounds):
-                for prefetch, (graph, _) in graphs.items():
+                for on, (graph, _) in graphs.items():
                     start, end = torch.cuda.Event(True), torch.cuda.Event(True)
                     start.record()
                     for _ in range(10):
                         graph.replay()
                     end.record()
                     end.synchronize()
-                    ms[prefetch].append(start.elapsed_time(end) / 10)
-            rows.append({"rows": m, "same_bits": torch.equal(outs[False].nan_to_num(), outs[True].nan_to_num()),
-                         **{f"{'on' if k else 'off'}_ms": v for k, v in ms.items()}})
+                    ms[on].append(start.elapsed_time(end) / 10)
+            same = torch.equal(outs[False].nan_to_num(), outs[True].nan_to_num()) if setting == "prefetch" else None
+            rows.append({"rows": m, "same_bits": same, **{f"{'on' if k else 'off'}_ms": v for k, v in ms.items()}})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         gluon_matmul.PREFETCH = saved
+        for lin in every:
+            lin.reduce = True
     med = lambda v: statistics.median(v)
-    lines = [f"# The Gluon step matmul's weight prefetch, E4B's int4 matmuls chained over 42 layers "
-             f"({torch.cuda.get_device_name()})", "",
-             "ms a chain of 42 x 6 dependent int4 matmuls (cold weights; median of the rounds, range). off: "
-             "each kernel waits for the one before it, then copies its first group; on: it copies the "
-             "group's weights first (server/gluon_matmul.py PREFETCH).", "",
-             "| rows | off | on | on / off | same bits |", "|---|---|---|---|---|"]
+    lines = [f"# E4B's int4 matmuls chained over 42 layers, {setting} ({torch.cuda.get_device_name()})", "",
+             f"ms a chain of 42 x 6 dependent int4 matmuls (cold weights; median of the rounds, range). {what}.", "",
+             f"| rows | {off_label} | {on_label} | {on_label} / {off_label} | same bits |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['rows']} | {med(r['off_ms']):.3f} ({min(r['off_ms']):.3f}-{max(r['off_ms']):.3f}) | "
                      f"{med(r['on_ms']):.3f} ({min(r['on_ms']):.3f}-{max(r['on_ms']):.3f}) | "
-                     f"{med(r['on_ms']) / med(r['off_ms']):.3f}x | {r['same_bits']} |")
+                     f"{med(r['on_ms']) / med(r['off_ms']):.3f}x | {'-' if r['same_bits'] is None else r['same_bits']} |")
     md = "\n".join(lines) + "\n"
-    write_results(out, "small_m_chain", {"device": torch.cuda.get_device_name(), "rows": rows}, md)
+    write_results(out, name, {"device": torch.cuda.get_device_name(), "setting": setting, "rows": rows}, md)
     print(md)
     return 0
 
@@ -425,9 +447,13 @@ def main(argv=None) -> int:
     p.add_argument("--cold", action="store_true", help="configurations on cold weights (see the docstring)")
     p.add_argument("--epilogues", action="store_true", help="the gelu epilogues against a separate gelu kernel")
     p.add_argument("--chain", action="store_true", help="the weight prefetch off and on, a layer's matmuls chained")
+    p.add_argument("--chain-tails", action="store_true",
+                   help="the split-K sums left out and in, a layer's matmuls chained (what the sums cost)")
     args = p.parse_args(argv)
     if args.chain:
         return main_chain(args.out)
+    if args.chain_tails:
+        return main_chain(args.out, "tails")
     if args.cold:
         return main_cold(args.out)
     if args.epilogues:

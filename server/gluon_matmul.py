@@ -214,9 +214,11 @@ if HAS_GLUON:
                          M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
-                         EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False):
+                         EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False, REDUCE: gl.constexpr = True):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
-        (the partials' rows a K slice), XROWS = x_rows(TILES)."""
+        (the partials' rows a K slice), XROWS = x_rows(TILES). REDUCE False (split-K only; for
+        measurements: bench.small_m_bench --chain-tails): each K slice stores its partial and the
+        program ends, out is not written (no counter, no fence, no sum)."""
         NW: gl.constexpr = gl.num_warps()
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -311,10 +313,11 @@ if HAS_GLUON:
                 _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS)
             if TILES > 3:
                 _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS)
-            # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
-            arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
-            if arrived == SPLIT - 1:
-                for tile in gl.static_range(TILES):
-                    _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
-                                       ready, EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
-                gl.atomic_xchg(count_ptr + pid_n, 0)
+            if REDUCE:
+                # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
+                arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
+                if arrived == SPLIT - 1:
+                    for tile in gl.static_range(TILES):
+                        _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
+                                           ready, EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
+                    gl.atomic_xchg(count_ptr + pid_n, 0)

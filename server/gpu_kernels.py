@@ -119,7 +119,8 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INT8: tl.constexpr = False, PDL: tl.constexpr = False, EPILOGUE: tl.constexpr = 0):
+                    INT8: tl.constexpr = False, PDL: tl.constexpr = False, EPILOGUE: tl.constexpr = 0,
+                    REDUCE: tl.constexpr = True):
     """y[:M] = x @ W^T for one (N tile, K slice). W is int4 (INT4), int8 (INT8: codes [K, N], one
     scale per group of BLOCK_K features and column) or dense bf16 [N, K]. Rows come in TILES tiles of BLOCK_M (16) rows, each
     with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
@@ -130,7 +131,8 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
     EPILOGUE (what is stored, each a row's own arithmetic): 0 y itself; 1 (GELU_PAIRS, W = gate | up,
     N / 2 output columns) gelu(gate) * up, the MLP's activation fused into its gate|up matmul; 2
     (GELU_TIMES) gelu(y) * u, u [M, N] with row stride stride_u (Gemma 4's per-layer input gate).
-    The gelu reads y rounded to the output's dtype, as it reads a stored y."""
+    The gelu reads y rounded to the output's dtype, as it reads a stored y. REDUCE False (split-K
+    only; for measurements): each K slice stores its partial and the program ends, out not written."""
     _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -209,13 +211,14 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
             _store_partial(partial_ptr, acc2, 2, pid_k, M, N, cols, ROWS, BLOCK_M)
         if TILES > 3:
             _store_partial(partial_ptr, acc3, 3, pid_k, M, N, cols, ROWS, BLOCK_M)
-        # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            for tile in tl.static_range(TILES):
-                _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, SPLIT, ROWS,
-                              BLOCK_M, BLOCK_N)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+        if REDUCE:
+            # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                for tile in tl.static_range(TILES):
+                    _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, SPLIT,
+                                  ROWS, BLOCK_M, BLOCK_N)
+                tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @triton.jit

@@ -209,6 +209,9 @@ class SmallMLinear:
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
         self.epilogue = PLAIN
+        # False: split-K slices store their partials and end, the output unwritten (a measurement of
+        # what the split-K sum costs: bench.small_m_bench --chain-tails); never set when serving
+        self.reduce = True
 
     @property
     def out_features(self) -> int:
@@ -272,8 +275,8 @@ class SmallMLinear:
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
                 ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages,
-                EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), num_warps=self.num_warps,
-                **self._launch)
+                EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), REDUCE=self.reduce,
+                num_warps=self.num_warps, **self._launch)
             return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
         _small_m_kernel[grid](
@@ -282,7 +285,7 @@ class SmallMLinear:
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split, times,
             times.stride(0), INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles,
             ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
-            num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
+            REDUCE=self.reduce, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
 
     def partial_numel(self) -> int:
