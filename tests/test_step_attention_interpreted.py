@@ -8,7 +8,10 @@ tree row reads at each depth, the window, the ring) on every CI run. The interpr
 numpy, so the inputs are float32 (it does not emulate bfloat16): this proves what each row
 attends to, and the CUDA tests prove the bits. The interpreter cannot run the merge kernel's
 data-dependent loop, so the merge (each row's chunk partials combined in chunk order) is done by a
-torch twin here. Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are defined.
+torch twin here. The step's K/V rows handed to the launch instead of written before it (new_kv) must
+give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
+and leave the cache as index_copy_ would. Runs in a subprocess: TRITON_INTERPRET must be set before the
+kernels are defined.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ CASES = [(sliding, start, slots, T, tree)
          for sliding, start, slots in ((False, 70, 256), (False, 127, 320), (True, 70, 96), (True, 200, 96),
                                        (True, 150, 200))
          for T, tree in ((1, False), (5, False), (16, False), (64, False), (16, True), (40, True), (64, True))]
+# The cases also run with the step's K/V rows handed to the launch (new_kv): all but the 64-row ones,
+# which only the ring that wraps keeps (the interpreter's time grows with the rows)
+WRITE_CASES = [case for case in CASES if case[3] < 64 or (case[0] and case[1] == 200)]
 
 
 def interpreted(script: str, tmp_path):
@@ -45,9 +51,12 @@ def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
         # The step's K/V handed to the launch instead of written before it: the same bits, whether or
         # not its writes land (no program reads a slot the launch writes), and the launch leaves the
         # cache as the write would have (server/step_attention.py new_kv).
-        assert torch.equal(written, got), (case, float((written - got).abs().max()))
-        assert torch.equal(unwritten, got), (case, float((unwritten - got).abs().max()))
-        assert cache_right, case
+        if case in WRITE_CASES:
+            assert torch.equal(written, got), (case, float((written - got).abs().max()))
+            assert torch.equal(unwritten, got), (case, float((unwritten - got).abs().max()))
+            assert cache_right, case
+        else:
+            assert written is None
         q, k, v, slot_pos, parents, qpos, path = case_inputs(*case)
         want = reference(q, k, v, case[1], parents, slot_pos, WINDOW, SCALING)
         errors[case] = float((got.double() - want).abs().max())
@@ -156,6 +165,9 @@ def main(out: str) -> int:
         attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
         kv_len = slots if sliding else start + T
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+        if (sliding, start, slots, T, tree) not in WRITE_CASES:
+            outputs.append((got, None, None, None))
+            continue
         # The same step with its rows not yet in the cache (those slots hold other numbers), handed
         # to the launch, which writes them: row t at slot start + t.
         where = torch.arange(start, start + T) % (slots if sliding else 1 << 30)
