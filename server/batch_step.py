@@ -13,8 +13,8 @@ ring positions, tree paths: the table). The per-sequence work runs once for all 
 kernel a forward scatters the ring positions through the table, and server/step_attention.py's
 `segments` runs every segment's attention in one launch a layer of the lone kernels' programs,
 which also writes each segment's new K/V rows into its caches. So a forward of S steps launches
-what one step does, and the forward is captured once per (S, T) as a CUDA graph that reads the staging buffer: any S lanes, in any order, at any
-context, replay it. Full layers read up to the cache's end (kv_len = max_len: step attention skips
+what one step does, and the forward is captured once per (S, T) as a CUDA graph that reads the
+staging buffer: any S lanes, in any order, at any context, replay it. Full layers read up to the cache's end (kv_len = max_len: step attention skips
 the chunks past each query's position, so a larger kv_len reads the same keys in the same order).
 
 Why each lane's logits are its step's alone, bit for bit: the matmuls and norms are per row and

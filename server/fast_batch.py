@@ -15,11 +15,11 @@ One forward, several sequences: on the step kernels (CUDA) the steps are stacked
 (server/batch_step.py): each padded to the widest one's bucket (the steps that met are split into
 as few forwards as fit 64 rows, narrowest together: `stacked_groups`), their rows run every op once, the
 per-sequence K/V writes and attention in one launch per layer (the attention's) through a table of
-each lane's cache addresses, and the forward is a CUDA graph per (steps, rows) that any lanes replay. Elsewhere
-(`FastTarget._forward(..., segments=...)`, the CPU): each lane's rows write and attend to its own
-cache (fast_path.Segment), uncaptured. Why outputs do not change: on the step kernels every op is
-per row and batch-invariant (server/small_m_matmul.py, the compiled norms, the step attention's
-programs per sequence), so a lane's logits are bit for bit those of its step alone.
+each lane's cache addresses, and the forward is a CUDA graph per (steps, rows) that any lanes
+replay. Elsewhere (`FastTarget._forward(..., segments=...)`, the CPU): each lane's rows write and
+attend to its own cache (fast_path.Segment), uncaptured. Why outputs do not change: on the step
+kernels every op is per row and batch-invariant (server/small_m_matmul.py, the compiled norms, the
+step attention's programs per sequence), so a lane's logits are bit for bit those of its step alone.
 tests/test_fast_batch.py checks that on CUDA (2 and 8 lanes, captured and not), and on the CPU
 (fp32, no step kernels, where row counts change the matmuls' rounding) that the logits are close
 and every request's tokens are its solo tokens. A forward takes at most the step kernels' 64

@@ -439,15 +439,15 @@ def _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc
     own = (kp >= start) & (kp < start + T) & s_ok
     j = tl.minimum(tl.maximum(kp - start, 0), T - 1)
     row = tl.load(path_ptr + t * stride_pt + j, mask=own, other=0)
-    src = start + row
-    if SLIDING:
-        src = src % S
     if WRITE:  # each column's row address picked first: one load a tile (two tiles then a select spilled)
         k_rows = tl.where(own, nk_ptr + row * stride_nkt + kvh * stride_nkh, k_ptr + kvh * stride_kh + s_idx * stride_ks)
         v_rows = tl.where(own, nv_ptr + row * stride_nvt + kvh * stride_nvh, v_ptr + kvh * stride_kh + s_idx * stride_ks)
         k = tl.load(k_rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)
         v = tl.load(v_rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)
-    else:
+    else:  # the step's positions from the slots the step wrote them to
+        src = start + row
+        if SLIDING:
+            src = src % S
         src = tl.where(own, src, s_idx)
         k = tl.load(k_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
         v = tl.load(v_ptr + kvh * stride_kh + src[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)

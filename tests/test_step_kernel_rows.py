@@ -23,6 +23,21 @@ def ring_positions(slots: int, end: int) -> torch.Tensor:
     return out.cuda()
 
 
+def attention_case(seed: int, slots: int, d: int, start: int, sliding: bool) -> tuple:
+    """(k, v, q, attn, slot_pos): random bf16 caches of 2 KV heads x `slots` slots, MAX_ROWS queries
+    of 4 heads each, a StepAttention for them, and the ring's positions after start + MAX_ROWS
+    positions (None for a full layer)."""
+    from server.step_attention import StepAttention
+
+    kv_heads, group = 2, 4
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
+    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
+    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
+    return k, v, q, attn, ring_positions(slots, start + MAX_ROWS) if sliding else None
+
+
 def int4_linear(n: int, k: int, seed: int) -> SmallMLinear:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
@@ -133,15 +148,8 @@ def test_step_attention_rows_are_batch_invariant(sliding, start):
     """T queries at consecutive positions over a cache: each query's output equals the same query
     alone (T = 1), for T up to 64, across chunk boundaries (start 100: the step's keys span two
     chunks of 128) and the sliding window (start 1000: the ring of 1024 slots wraps)."""
-    from server.step_attention import StepAttention
-
-    kv_heads, group, d, slots, window = 2, 4, 256, 1024, 96
-    g = torch.Generator().manual_seed(5)
-    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
-    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
-    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
-    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
-    slot_pos = ring_positions(slots, start + MAX_ROWS) if sliding else None
+    group, d, slots, window = 4, 256, 1024, 96
+    k, v, q, attn, slot_pos = attention_case(5, slots, d, start, sliding)
     qpos = torch.arange(start, start + MAX_ROWS, device="cuda")
     alone = torch.cat([attn(q[i:i + 1], k, v, slots, qpos[i:i + 1], slot_pos, window, d ** -0.5)
                        for i in range(MAX_ROWS)])
@@ -171,15 +179,9 @@ def test_step_attention_tree_rows_equal_their_chains(sliding, start, slots):
     import random
 
     from server.fast_path import tree_paths, tree_rows
-    from server.step_attention import StepAttention
 
-    kv_heads, group, d, window = 2, 4, 256, 96
-    g = torch.Generator().manual_seed(7)
-    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
-    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
-    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
-    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
-    slot_pos = ring_positions(slots, start + MAX_ROWS) if sliding else None
+    d, window = 256, 96
+    k, v, q, attn, slot_pos = attention_case(7, slots, d, start, sliding)
     rng = random.Random(start + slots)
     for reach in (None, 2):
         T = MAX_ROWS
@@ -210,15 +212,9 @@ def test_step_attention_writing_its_rows_changes_no_bit(sliding, start, slots, d
     import random
 
     from server.fast_path import tree_paths, tree_rows
-    from server.step_attention import StepAttention
 
-    kv_heads, group, window = 2, 4, 96
-    g = torch.Generator().manual_seed(11)
-    k = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
-    v = (torch.randn(kv_heads, slots, d, generator=g)).to(torch.bfloat16).cuda()
-    q = (torch.randn(MAX_ROWS, kv_heads * group, d, generator=g)).to(torch.bfloat16).cuda()
-    attn = StepAttention(kv_heads, group, d, slots, MAX_ROWS, "cuda")
-    slot_pos = ring_positions(slots, start + MAX_ROWS) if sliding else None
+    window = 96
+    k, v, q, attn, slot_pos = attention_case(11, slots, d, start, sliding)
     rng = random.Random(start)
     for T in ROW_COUNTS:
         if tree:
