@@ -1,12 +1,13 @@
 """Several streams at once on the GPU fast path's lanes: aggregate tokens/s, latency, identity.
 
     python -m bench.gpu_concurrency [--streams 1,2,4,8,16] [--tokens 128] [--prompt 1000] [--plain] [--rounds 3]
-                                    [--ple host|gpu] [--out DIR]
+                                    [--ple host|staged|gpu] [--out DIR]
                                                                                     (GPU machine)
     python -m bench.gpu_concurrency --tiny                                          (any machine: a smoke run)
 
 Contract: builds the E4B shape (random init, quanto int4, the per-layer table on the host, as
-bench.gpu_e4b builds it, or on the GPU with `--ple gpu`) and one FastTarget, then lanes for the
+bench.gpu_e4b builds it, read by the GPU in place where it can be as the engine's is, with its rows
+staged before each replay with `--ple staged`, or on the GPU with `--ple gpu`) and one FastTarget, then lanes for the
 largest stream count (server/fast_batch.py, what `--parallel N` builds). First each stream's reference: its prompt (random
 ids, `--prompt` tokens, a different one per stream) decoded alone on the first lane, greedy, plain.
 Then for each count S, S threads each decode their own prompt on their own lane at once, greedy,
@@ -41,10 +42,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(tiny: bool, max_len: int, prefix_bytes: int = 0, ple_on_host: bool = True):
+PLE_PLACES = {"host": "on the host", "staged": "on the host, staged", "gpu": "on the GPU"}
+
+
+def build(tiny: bool, max_len: int, prefix_bytes: int = 0, ple: str = "host"):
     """(a FastTarget, its model's vocabulary size); `prefix_bytes`: its prefix cache's budget (the
-    lanes share its store); `ple_on_host`: the per-layer table on the host (the engine's placement;
-    False: on the GPU, looked up inside the captured forwards)."""
+    lanes share its store); `ple`: where the per-layer table sits: "host" (the engine's placement:
+    read by the GPU in place where it can be, server/host_rows.py), "staged" (on the host, each
+    forward's rows gathered there and copied before its replay) or "gpu" (looked up inside the
+    captured forwards)."""
     from server.fast_path import FastTarget
 
     if tiny:
@@ -56,11 +62,11 @@ def build(tiny: bool, max_len: int, prefix_bytes: int = 0, ple_on_host: bool = T
     from bench.gpu_e4b import build_model
 
     model = build_model(quant=True)
-    if ple_on_host:
+    if ple != "gpu":
         model.model.embed_tokens_per_layer.to("cpu")
         torch.cuda.empty_cache()
-    fast = FastTarget(model, max_len=max_len, min_kv_len=1024, ple_on_host=ple_on_host, buckets=(2, 4, 8, 16),
-                      prefix_budget_bytes=prefix_bytes)
+    fast = FastTarget(model, max_len=max_len, min_kv_len=1024, ple_on_host=ple != "gpu", buckets=(2, 4, 8, 16),
+                      prefix_budget_bytes=prefix_bytes, map_host_tables=False if ple == "staged" else None)
     fast.warmup()  # its graphs now, not inside the streams' threads (fast_lanes warms the other lanes)
     return fast, model.config.vocab_size
 
@@ -274,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="each stream is an agent's next turn: --prompt tokens its lane's prefix cache holds, then "
                          "this many new ones (default 0: every prompt prefilled from position 0)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per stream count, after an untimed one")
-    ap.add_argument("--ple", choices=("host", "gpu"), default="host",
-                    help="where the per-layer embedding table sits: host (the engine's choice; its rows are gathered "
-                         "and copied in each forward's staging) or gpu (5.25 GiB on E4B, looked up inside the graphs)")
+    ap.add_argument("--ple", choices=("host", "staged", "gpu"), default="host",
+                    help="where the per-layer embedding table sits: host (the engine's choice: read by the GPU in place "
+                         "where it can be), staged (on the host, its rows gathered and copied in each forward's "
+                         "staging) or gpu (5.25 GiB on E4B, looked up inside the graphs)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
     ap.add_argument("--no-costs", action="store_true", help="skip the table of forward costs")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -289,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.fast_batch import fast_lanes
 
     fast, vocab = build(args.tiny, args.prompt + args.turn + args.tokens + 64, 2**30 if args.turn else 0,
-                        ple_on_host=args.ple == "host")
+                        ple=args.ple)
     lanes = fast_lanes(fast, max(counts))
     g = torch.Generator().manual_seed(0)
     histories = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
@@ -322,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "CPU (tiny model)" if args.tiny else torch.cuda.get_device_name()
     r = {**run_header(), "command": "python -m bench.gpu_concurrency" + "".join(f" {a}" for a in argv),
          "device": device, "model": "a tiny random Gemma 4, fp32, uncaptured" if args.tiny else
-         f"E4B shape, random init, int4, per-layer table on the {'GPU' if args.ple == 'gpu' else 'host'}",
+         f"E4B shape, random init, int4, per-layer table {PLE_PLACES[args.ple]}"
+         + (f" ({fast.host_table_note})" if fast.host_table_note else ""),
          "prompt": args.prompt, "tokens": args.tokens,
          "plain": args.plain, "rounds": args.rounds, "rows": args.rows, "turn": args.turn, "runs": runs,
          "forward_costs": costs,
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
          "stacked": None if stacked is None else stacked.summary()}
     md = markdown(r)
     name = "gpu_concurrency" + (f"-rows{args.rows}" if args.rows != 64 else "") + \
-        (f"-turn{args.turn}" if args.turn else "") + ("-plegpu" if args.ple == "gpu" else "") + \
+        (f"-turn{args.turn}" if args.turn else "") + ("" if args.ple == "host" else f"-ple{args.ple}") + \
         ("-tiny" if args.tiny else "")
     write_results(args.out, name, r, md)
     print(md)

@@ -67,10 +67,12 @@ class StackedStep:
         rows = self.staged[:4 * MAX_ROWS].view(4, MAX_ROWS)
         self.ids, self.pos, self.wpos, self.ring_slot = rows[_IDS], rows[_POS], rows[_WPOS], rows[_RING]
         self.table = self.staged[4 * MAX_ROWS:].view(len(lanes), self.width)
+        # rows of tables kept on the host that the GPU cannot read in place, staged before each replay
+        # (a mapped table is read inside the graph: server/host_rows.py)
         self.ple = (torch.zeros(MAX_ROWS, lead.embed_ple.width, dtype=lead.embed_ple.dtype, device=dev)
-                    if lead.ple_on_host else None)
+                    if lead.ple_staged else None)
         self.embed_rows = (torch.zeros(MAX_ROWS, lead.embed.width, dtype=lead.embed.dtype, device=dev)
-                           if lead.embed_on_host else None)
+                           if lead.embed_staged else None)
         self.attention = {d: StepAttention(a.kv_heads, a.group, d, a.n_chunks * a.block_s, MAX_ROWS, dev)
                           for d, a in lead.step_attention.items()}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by (S, T)

@@ -351,6 +351,8 @@ class Engine:
         self.notes.append(f"fast path: CUDA graphs, static cache ({fast.timings.graphs} graphs captured in "
                           f"{seconds:.1f} s; context {fast.max_context} tokens, KV cache "
                           f"{fast.cache_bytes() / 2**30:.2f} GiB; {plan.note}); {fast.step_kernel_note}; {fast.prefill_note}")
+        if fast.host_table_note:
+            self.notes.append(f"fast path: {fast.host_table_note}")
         if settled:
             self.notes.append(f"GPU memory: {settled}")
         self.notes.append(_prefix_note(plan.prefix_bytes))

@@ -188,9 +188,9 @@ class FastBatch:
         ids = torch.cat([seg.target.ids_buf[:seg.hi - seg.lo] for seg in segments])
         pos = torch.cat([seg.target.pos_buf[:seg.hi - seg.lo] for seg in segments])
         ple = (torch.cat([seg.target.ple_buf[:seg.hi - seg.lo] for seg in segments])
-               if leader.ple_on_host else None)
+               if leader.ple_staged else None)
         embed = (torch.cat([seg.target.embed_buf[:seg.hi - seg.lo] for seg in segments])
-                 if leader.embed_on_host else None)
+                 if leader.embed_staged else None)
         logits = leader._forward(ids, pos, None, step=True, segments=segments, ple_rows=ple, embed_rows=embed)
         for i, seg in zip(group, segments):
             s = steps[i]

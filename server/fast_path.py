@@ -32,7 +32,9 @@ and transformers' own forward of the model no longer runs (the fast path owns th
 bounds its activations whatever the prompt's length; server/fast_memory.py's `plan_fast_memory`
 sizes the context, the LM head and the prefix cache from free memory or a cap (`--gpu-memory-mb`).
 Under a cap the LM head is int8 (`lm_head_int8`, `_int8_head`) and the token embedding is looked up
-on the host like the per-layer one.
+on the host like the per-layer one. A table on the host is read by the GPU in place where it can be
+(server/host_rows.py, `map_host_tables`: a kernel inside the step's graph), else its rows are staged
+(gathered on the host and copied before each replay: `ple_staged`, `embed_staged`).
 
 Steps (decode and verify, 2..64 rows) on CUDA with bf16 activations run on Sailfish's Triton step
 kernels (`step_kernels`, on by default where they apply; `step_kernel_note` says which and why):
@@ -69,6 +71,7 @@ import torch.nn.functional as F
 from ngram.draft import tree_layout
 from server.backend import Prefill
 from server.fast_prefill import _eps, _w, prefill_layers
+from server.host_rows import HostRowTable
 from server.small_m_matmul import MAX_ROWS, triton_available
 from server.step_attention import chain_ancestors, chain_paths
 
@@ -302,13 +305,14 @@ class FastTarget:
                  prefix_budget_bytes: int = 0, checkpoint_every: int | None = None,
                  prefill_dense: bool | None = None, ple_on_host: bool = False,
                  prefill_rows: int = DEFAULT_PREFILL_ROWS, release_weights: bool = True,
-                 prefix_store=None, lm_head_int8: bool = False, prefill_by_steps: int | None = None):
+                 prefix_store=None, lm_head_int8: bool = False, prefill_by_steps: int | None = None,
+                 map_host_tables: bool | None = None):
         # what another lane over this model is built with (server/fast_batch.py)
         self.settings = dict(max_len=max_len, buckets=buckets, prefill_chunk=prefill_chunk, capture=capture,
                              min_kv_len=min_kv_len, fuse=fuse, fuse_proj=fuse_proj, step_kernels=step_kernels,
                              checkpoint_every=checkpoint_every, prefill_dense=prefill_dense, ple_on_host=ple_on_host,
                              prefill_rows=prefill_rows, release_weights=release_weights, lm_head_int8=lm_head_int8,
-                             prefill_by_steps=prefill_by_steps)
+                             prefill_by_steps=prefill_by_steps, map_host_tables=map_host_tables)
         lm = model
         self.model = model
         text = lm.model
@@ -343,14 +347,18 @@ class FastTarget:
 
         self.ple_dim = getattr(cfg, "hidden_size_per_layer_input", 0) or 0
         self.ple_on_host = bool(self.ple_dim) and ple_on_host
+        self.map_host_tables = map_host_tables  # None: where the GPU can read them in place (server/host_rows.py)
         if self.ple_dim:
             # on the host (the engine's choice: frees 5.25 GiB on E4B) or the module itself
-            self.embed_ple = (HostRowTable(text.embed_tokens_per_layer, self.device) if ple_on_host
+            self.embed_ple = (HostRowTable(text.embed_tokens_per_layer, self.device, map_host_tables) if ple_on_host
                               else text.embed_tokens_per_layer)
             self.ple_model_proj = as_linear(text.per_layer_model_projection)
             self.ple_model_proj_scale = text.per_layer_model_projection_scale
             self.ple_norm = text.per_layer_projection_norm
             self.ple_input_scale = text.per_layer_input_scale
+        # a step's per-layer rows gathered on the host and copied into ple_buf before each replay
+        # (a table in host memory the GPU cannot read in place), else looked up inside the graph
+        self.ple_staged = self.ple_on_host and not self.embed_ple.mapped
         self.final_norm = text.norm
         self.lm_head = as_linear(lm.lm_head)
 
@@ -363,7 +371,7 @@ class FastTarget:
         self.prefill_scratch_bytes = 0
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
         self.fused_gelu = False   # steps' gelus in the matmuls' epilogues (FUSED_GELU; step kernels only)
-        self.embed_on_host = False
+        self.embed_on_host = self.embed_staged = False  # the token embedding likewise (_int8_head)
         if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
             self._int8_head(lm, text)
         if not self.step_kernels and any(isinstance(lin, ReleasedLinear) for lin in self._all_linears()):
@@ -478,7 +486,7 @@ class FastTarget:
 
         self.lm_head = None  # (its bf16 weight on the GPU) so that moving the table frees it
         lm.lm_head.to("cpu")  # a tied head takes the table along
-        self.embed = HostRowTable(text.embed_tokens, self.device)
+        self.embed = HostRowTable(text.embed_tokens, self.device, self.map_host_tables)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         kept = getattr(lm.lm_head, "_sailfish_int8", None)
@@ -496,6 +504,7 @@ class FastTarget:
             self.lm_head = DenseLinear(SmallMLinear(codes.cpu(), scale.cpu(), None, n, k).dequantize()
                                        .contiguous().to(self.device))
         self.embed_on_host = True
+        self.embed_staged = not self.embed.mapped
 
     def _all_linears(self) -> list:
         out = [self.lm_head] + ([self.ple_model_proj] if self.ple_dim else [])
@@ -641,10 +650,18 @@ class FastTarget:
         self._host_path = torch.zeros(self.max_bucket, self.max_bucket, dtype=torch.long, pin_memory=pin)
         self._path_is_chain = True
         self.row_index = torch.arange(self.max_bucket, device=dev)  # a step's row j writes at slot pos[0] + j
-        if self.ple_on_host:  # a step's per-layer embedding rows, written before each replay
+        if self.ple_staged:  # a step's per-layer embedding rows, written before each replay
             self.ple_buf = torch.zeros(self.max_bucket, self.embed_ple.width, dtype=self.embed_ple.dtype, device=dev)
-        if self.embed_on_host:  # a step's embedding rows, likewise
+        if self.embed_staged:  # a step's embedding rows, likewise
             self.embed_buf = torch.zeros(self.max_bucket, self.embed.width, dtype=self.embed.dtype, device=dev)
+
+    @property
+    def host_table_note(self) -> str | None:
+        """Which embedding tables live in host memory and how a step reads them (None: neither)."""
+        tables = [(name, table) for name, table, on in (("per-layer embeddings", getattr(self, "embed_ple", None),
+                                                         self.ple_on_host),
+                                                        ("token embedding", self.embed, self.embed_on_host)) if on]
+        return "; ".join(f"{name} in host memory, {table.note}" for name, table in tables) or None
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_cache.values(), *self.v_cache.values()))
@@ -669,15 +686,15 @@ class FastTarget:
         target's ple_buf, embed_buf)."""
         ops = self.ops
         T = ids.shape[0]
-        from_buffers = step  # a step()'s inputs: the per-layer rows are in ple_buf (a graph cannot gather on the host)
+        from_buffers = step  # a step()'s inputs: staged tables' rows are in ple_buf / embed_buf
         step = step and self.step_kernels
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
-        if from_buffers and self.embed_on_host:
+        if from_buffers and self.embed_staged:
             h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]
         else:
             h = self.embed(ids)
         if self.ple_dim:
-            if from_buffers and self.ple_on_host:
+            if from_buffers and self.ple_staged:
                 rows = self.ple_buf[:T] if ple_rows is None else ple_rows
             else:
                 rows = self.embed_ple(ids)
@@ -933,9 +950,9 @@ class FastTarget:
         # One copy of all three rows (past T they hold an earlier step's values, which no graph of
         # bucket T reads); blocking, so the host rows are free for the next step when it returns.
         self._in_buf.copy_(host)
-        if self.ple_on_host:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
+        if self.ple_staged:  # the per-layer rows, gathered on the host (the graph reads ple_buf)
             self.embed_ple.rows_into(host[0, :T], self.ple_buf[:T])
-        if self.embed_on_host:
+        if self.embed_staged:
             self.embed.rows_into(host[0, :T], self.embed_buf[:T])
         return n, T, kv_len
 
@@ -1165,38 +1182,6 @@ def tree_paths(parents: list[int], n: int, T: int) -> np.ndarray:
         out[j, :depth[j]] = out[p, :depth[j]]
         out[j, depth[j]] = j
     return out
-
-
-class HostRowTable:
-    """An embedding table kept in host memory, looked up row by row: Gemma 4's per-layer embeddings
-    (E4B: 262,144 x 10,752 bf16, 5.25 GiB) are a lookup of a few rows per token, not a matmul, so the
-    table need not take GPU memory. `table(ids)` (ids on any device) and `rows_into(host_ids, out)`
-    give exactly what the module's forward gives: the rows times the module's embed_scale in the
-    table's dtype (transformers' Gemma4TextScaledWordEmbedding), multiplied on `device`.
-    The module's weight moves to the host (the fast path owns the model while it serves)."""
-
-    def __init__(self, module, device: torch.device):
-        module.to("cpu")
-        self.weight = module.weight.detach()
-        scale = getattr(module, "embed_scale", None)
-        self.scale = None if scale is None else torch.as_tensor(scale).to(device=device, dtype=self.weight.dtype)
-        self.width, self.dtype, self.device = self.weight.shape[1], self.weight.dtype, device
-        pin = device.type == "cuda"
-        self._staging = torch.empty(0, self.width, dtype=self.dtype, pin_memory=pin)
-        self._pin = pin
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.index_select(0, ids.to("cpu")).to(self.device)
-        return rows * self.scale if self.scale is not None else rows
-
-    def rows_into(self, host_ids: torch.Tensor, out: torch.Tensor) -> None:
-        n = host_ids.shape[0]
-        if self._staging.shape[0] < n:
-            self._staging = torch.empty(n, self.width, dtype=self.dtype, pin_memory=self._pin)
-        torch.index_select(self.weight, 0, host_ids, out=self._staging[:n])
-        out.copy_(self._staging[:n])  # blocking: the next step rewrites the staging rows
-        if self.scale is not None:
-            out.mul_(self.scale)
 
 
 # ---------------------------------------------------------------- elementwise ops
