@@ -47,6 +47,8 @@ class HostRowTable:
         self.weight = module.weight.detach()
         scale = getattr(module, "embed_scale", None)
         self.scale = None if scale is None else torch.as_tensor(scale).to(device=device, dtype=self.weight.dtype)
+        # the kernel's scale, read once here: reading a GPU tensor inside a graph's capture would sync
+        self._scale_value = None if scale is None else float(torch.as_tensor(scale).to(dtype=self.weight.dtype))
         self.width, self.dtype, self.device = self.weight.shape[1], self.weight.dtype, device
         pin = device.type == "cuda"
         self._staging = torch.empty(0, self.width, dtype=self.dtype, pin_memory=pin)
@@ -84,8 +86,9 @@ class HostRowTable:
         out = torch.empty(ids.shape[0], self.width, dtype=self.dtype, device=self.device)
         if ids.shape[0]:
             _gather_rows[(ids.shape[0], -(-self.width // _BLOCK))](
-                self.weight, ids, out, float(self.scale) if self.scale is not None else 1.0, self.width,
-                self.weight.stride(0), out.stride(0), HAS_SCALE=self.scale is not None, BLOCK=_BLOCK, num_warps=4)
+                self.weight, ids, out, 1.0 if self._scale_value is None else self._scale_value, self.width,
+                self.weight.stride(0), out.stride(0), HAS_SCALE=self._scale_value is not None, BLOCK=_BLOCK,
+                num_warps=4)
         return out
 
     def _map(self, insist: bool) -> str | None:
