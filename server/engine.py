@@ -398,16 +398,17 @@ class Engine:
             return
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
         text = TextStream(self.tokenizer, tuple(params.stop_strings), prompt_ids[-4:])
-        context = np.zeros(len(prompt_ids) + max_tokens, dtype=np.int32)
-        context[:len(prompt_ids)] = prompt_ids
-        length = len(prompt_ids)
-        sampler = Sampler(params.sampling, prompt_ids)
-        grammar = params.constraint.start(stop_ids) if params.constraint is not None else None
         drafter = self._drafter
         session = None
         if drafter is not None and params.draft:
             session = drafter.session() if self.parallel == 1 else _LockedSession(drafter.session(), self._draft_lock)
-        tracker = AcceptanceTracker()
+        req = _Request(backend, prompt_ids, max_tokens, stop_ids, Sampler(params.sampling, prompt_ids),
+                       params.constraint.start(stop_ids) if params.constraint is not None else None, session, stats)
+        # Launch each step before the text of the tokens before it is decoded and handed out, where
+        # the backend's steps run while the host goes on (the GPU fast path's graphs): the text, the
+        # stop strings and the consumer of the chunk then overlap the forward instead of delaying it.
+        early = self.config.launch_early
+        early = bool(getattr(backend, "async_steps", False)) if early is None else early
         clean = False  # the backend's cache is consistent at every yield, and only there
         try:
             with torch.no_grad():
@@ -416,102 +417,168 @@ class Engine:
                     session.prepare(prompt_ids)
                 pre = backend.start(prompt_ids, reuse=params.prefix_cache)
                 stats.cached_tokens = pre.reused
-                new = [_choose(sampler, grammar, pre.logits, 0)]
+                new = [_choose(req.sampler, req.grammar, pre.logits, 0)]
                 stats.prefill_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
                 while True:
-                    # Commit one step's tokens one by one, exactly as plain decoding would.
-                    emitted, finish = [], None
-                    for token in new:
-                        stats.completion_tokens += 1
-                        sampler.commit(token)
-                        context[length] = token
-                        length += 1
+                    # Commit one step's tokens one by one, exactly as plain decoding would: first as
+                    # tokens (stop tokens, the grammar, max_tokens), then as text (stop strings).
+                    first, finish = req.length, req.commit(new)
+                    launched = None
+                    if early and finish is None and not (cancelled is not None and cancelled()):
+                        launched = self._launch(req)
+                    emitted = []
+                    for token in new[:req.length - first]:
                         if token in stop_ids:
-                            finish = "stop"
                             break
-                        if grammar is not None:
-                            grammar.consume(token)
                         emitted.append(token)
-                        if text.add(token):
+                        if text.add(token):  # a stop string: the request ends at this token
                             finish = "stop"
-                            break
-                        if grammar is not None and grammar.is_stopped():
-                            finish = "stop"  # the grammar is complete: nothing but a stop token may follow
-                            break
-                        if stats.completion_tokens >= max_tokens:
-                            finish = "length"
+                            req.uncommit(first + len(emitted))
                             break
                     stats.decode_s = time.perf_counter() - t_decode
-                    if grammar is not None:
-                        stats.grammar_s = grammar.seconds
+                    if req.grammar is not None:
+                        stats.grammar_s = req.grammar.seconds
                     if finish is not None and session is not None:
-                        session.finish(context[:length])  # a finished completion feeds the online overlay
-                    clean = True
+                        session.finish(req.context[:req.length])  # a finished completion feeds the online overlay
+                    clean = True  # (a step launched early is past the committed tokens: finish rolls it back)
                     yield GenerationChunk(emitted, text.take(final=finish is not None), finish, stats,
                                           text.stopped_by if finish == "stop" else None)
                     if finish is not None or (cancelled is not None and cancelled()):
                         return
                     clean = False
-
-                    pending = int(context[length - 1])
-                    n, draft = 0, None
-                    share = shared_room(backend)  # GPU lanes: the forward's rows are shared
-                    room = min(max_tokens - stats.completion_tokens - 1, self.policy.max_draft, share)
-                    if session is not None and room > 0:
-                        t = time.perf_counter()
-                        draft = session.propose(context[:length], room)
-                        if draft.parents is not None and (grammar is not None or not self._trees):
-                            draft = draft.main_chain()  # trees are verified only without a grammar
-                        if grammar is not None and len(draft):
-                            draft = _grammar_cut(draft, grammar, room, stats)
-                        if len(draft):
-                            stats.drafts += 1
-                            chain = min(room, draft.chain_length())
-                            n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, tracker,
-                                                          shared_load(backend))
-                        stats.draft_s += time.perf_counter() - t
-                    t = time.perf_counter()
-                    branches = (self.policy.tree_branches(draft.parents, draft.confidence, draft.chain_length(), n,
-                                                          tracker.alpha, min(backend.max_step - 1, share), room)
-                                if n > 0 and draft.parents is not None else [])
-                    if branches:
-                        tree = _TreeStep(draft, n, branches)
-                        logits = backend.step([pending, *tree.tokens], parents=tree.row_parents)
-                        path, token = tree.verify(sampler, logits, stats.completion_tokens)
-                        backend.keep_path([0, *path])
-                        new = [tree.tokens[r - 1] for r in path] + [token]
-                        accepted, on_chain = len(path), tree.on_chain(path)
-                        stats.tree_steps += 1
-                    elif n > 0:
-                        proposal = [int(x) for x in draft.tokens[:n]]
-                        logits = backend.step([pending, *proposal])
-                        accepted, token = _verify(sampler, grammar, logits, proposal, stats.completion_tokens)
-                        backend.rollback(n - accepted)
-                        new = proposal[:accepted] + [token]
-                        on_chain = accepted
-                    if n > 0:
-                        drafted = n + len(branches)
-                        stats.verify_steps += 1
-                        stats.probes += probe
-                        stats.drafted_tokens += drafted
-                        stats.accepted_tokens += accepted
-                        tracker.record(n, on_chain, probe)
-                        session.feedback(n, on_chain)
-                    else:
-                        new = [_choose(sampler, grammar, row_of(backend.step([pending]), 0), stats.completion_tokens)]
-                        stats.plain_steps += 1
-                    stats.forward_s += time.perf_counter() - t
+                    new = self._complete(req, launched if launched is not None else self._launch(req))
         finally:
             if clean:
                 # The KV holds every committed token but the last (still pending), plus any drafted
-                # tokens accepted past a stop; keep exactly the committed ones.
-                kept = length - 1
+                # tokens accepted past a stop and a step launched early; keep exactly the committed ones.
+                kept = req.length - 1
                 if backend.position > kept:
                     backend.rollback(backend.position - kept)
-                backend.finish(context[:kept], kept - len(prompt_ids))
+                backend.finish(req.context[:kept], kept - len(prompt_ids))
             else:
                 backend.discard()
+
+    def _launch(self, req: "_Request") -> "_Launched":
+        """The next step, drafted and handed to the backend: on the GPU fast path its forward runs
+        while the host goes on; `_complete` reads its logits."""
+        stats, backend, grammar = req.stats, req.backend, req.grammar
+        pending = int(req.context[req.length - 1])
+        n, draft, probe, cut = 0, None, 0, 0
+        share = shared_room(backend)  # GPU lanes: the forward's rows are shared
+        room = min(req.max_tokens - stats.completion_tokens - 1, self.policy.max_draft, share)
+        if req.session is not None and room > 0:
+            t = time.perf_counter()
+            draft = req.session.propose(req.context[:req.length], room)
+            if draft.parents is not None and (grammar is not None or not self._trees):
+                draft = draft.main_chain()  # trees are verified only without a grammar
+            if grammar is not None and len(draft):
+                draft, cut = _grammar_cut(draft, grammar, room)
+            if len(draft):
+                chain = min(room, draft.chain_length())
+                n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, req.tracker,
+                                              shared_load(backend))
+            stats.draft_s += time.perf_counter() - t
+        t = time.perf_counter()
+        branches = (self.policy.tree_branches(draft.parents, draft.confidence, draft.chain_length(), n,
+                                              req.tracker.alpha, min(backend.max_step - 1, share), room)
+                    if n > 0 and draft.parents is not None else [])
+        launched = _Launched(draft is not None and len(draft) > 0, cut, n, probe)
+        if branches:
+            launched.tree = _TreeStep(draft, n, branches)
+            launched.logits = backend.step([pending, *launched.tree.tokens], parents=launched.tree.row_parents)
+        elif n > 0:
+            launched.proposal = [int(x) for x in draft.tokens[:n]]
+            launched.logits = backend.step([pending, *launched.proposal])
+        else:
+            launched.logits = backend.step([pending])
+        launched.forward_s = time.perf_counter() - t
+        return launched
+
+    def _complete(self, req: "_Request", launched: "_Launched") -> list[int]:
+        """The launched step's new tokens, chosen from its logits as plain decoding would choose
+        them; the backend rolled back past the first rejected token, the counters updated."""
+        stats, backend, sampler, n = req.stats, req.backend, req.sampler, launched.n
+        t = time.perf_counter()
+        stats.drafts += launched.drafted
+        stats.grammar_cut_tokens += launched.cut
+        if launched.tree is not None:
+            tree = launched.tree
+            path, token = tree.verify(sampler, launched.logits, stats.completion_tokens)
+            backend.keep_path([0, *path])
+            new = [tree.tokens[r - 1] for r in path] + [token]
+            accepted, on_chain = len(path), tree.on_chain(path)
+            stats.tree_steps += 1
+        elif n > 0:
+            proposal = launched.proposal
+            accepted, token = _verify(sampler, req.grammar, launched.logits, proposal, stats.completion_tokens)
+            backend.rollback(n - accepted)
+            new = proposal[:accepted] + [token]
+            on_chain = accepted
+        else:
+            new = [_choose(sampler, req.grammar, row_of(launched.logits, 0), stats.completion_tokens)]
+            stats.plain_steps += 1
+        if n > 0:
+            stats.verify_steps += 1
+            stats.probes += launched.probe
+            stats.drafted_tokens += n + (len(launched.tree.tokens) - n if launched.tree is not None else 0)
+            stats.accepted_tokens += accepted
+            req.tracker.record(n, on_chain, launched.probe)
+            req.session.feedback(n, on_chain)
+        stats.forward_s += launched.forward_s + time.perf_counter() - t
+        return new
+
+
+class _Request:
+    """One request's decoding state: its committed tokens (`context[:length]`; the last one is
+    pending, not yet in the backend's cache), its sampler, grammar, drafter session and counters."""
+
+    def __init__(self, backend, prompt_ids: list[int], max_tokens: int, stop_ids: frozenset[int], sampler: Sampler,
+                 grammar: GrammarMatcher | None, session, stats: RequestStats):
+        self.backend, self.max_tokens, self.stop_ids = backend, max_tokens, stop_ids
+        self.sampler, self.grammar, self.session, self.stats = sampler, grammar, session, stats
+        self.context = np.zeros(len(prompt_ids) + max_tokens, dtype=np.int32)
+        self.context[:len(prompt_ids)] = prompt_ids
+        self.length = len(prompt_ids)
+        self.tracker = AcceptanceTracker()
+
+    def commit(self, new: list[int]) -> str | None:
+        """Commit `new` token by token until one ends the request: a stop token ("stop", counted,
+        never emitted), a complete grammar ("stop") or max_tokens ("length"); that finish, or None.
+        Stop strings are the caller's (the text), which may take tokens back (`uncommit`)."""
+        stats, grammar = self.stats, self.grammar
+        for token in new:
+            stats.completion_tokens += 1
+            self.sampler.commit(token)
+            self.context[self.length] = token
+            self.length += 1
+            if token in self.stop_ids:
+                return "stop"
+            if grammar is not None:
+                grammar.consume(token)
+                if grammar.is_stopped():
+                    return "stop"  # the grammar is complete: nothing but a stop token may follow
+            if stats.completion_tokens >= self.max_tokens:
+                return "length"
+        return None
+
+    def uncommit(self, length: int) -> None:
+        """The request ended at a stop string completed by the token before `length`: the tokens
+        committed after it were never generated (the request ends here; the sampler and the grammar
+        are not used again)."""
+        self.stats.completion_tokens -= self.length - length
+        self.length = length
+
+
+class _Launched:
+    """A step handed to the backend: what `Engine._complete` needs to verify its logits."""
+
+    __slots__ = ("drafted", "cut", "n", "probe", "tree", "proposal", "logits", "forward_s")
+
+    def __init__(self, drafted: bool, cut: int, n: int, probe: int):
+        self.drafted, self.cut, self.n, self.probe = int(drafted), cut, n, probe
+        self.tree = self.proposal = self.logits = None
+        self.forward_s = 0.0
 
 
 def _choose(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tensor, position: int,
@@ -599,14 +666,14 @@ class _TreeStep:
         return k
 
 
-def _grammar_cut(draft: Draft, grammar: GrammarMatcher, room: int, stats: RequestStats) -> Draft:
-    """The draft's longest prefix (up to `room` tokens) that the grammar accepts from its state."""
+def _grammar_cut(draft: Draft, grammar: GrammarMatcher, room: int) -> tuple[Draft, int]:
+    """(the draft's longest prefix, up to `room` tokens, that the grammar accepts from its state;
+    how many of the offered tokens it cut)."""
     offered = min(len(draft), room)
     valid = grammar.validate_tokens(draft.tokens[:offered])
-    stats.grammar_cut_tokens += offered - valid
     if valid == len(draft):
-        return draft
-    return Draft(draft.tokens[:valid], draft.confidence[:valid], draft.source, draft.match_length)
+        return draft, offered - valid
+    return Draft(draft.tokens[:valid], draft.confidence[:valid], draft.source, draft.match_length), offered - valid
 
 
 def _verify(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tensor, proposal: list[int],

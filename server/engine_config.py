@@ -57,6 +57,9 @@ class EngineConfig:
     cost_curve: np.ndarray | None = field(default=None, metadata={"cli": False})  # cost[n]; None: measured
     cost_context: int = field(default=256, metadata={"cli": False})  # cache length the curve is measured at
     cost_cache: Path | None = field(default=None, metadata={"cli": False})  # where curves are kept (None: none)
+    # each step launched before the text before it is handed out: None where the backend's steps run
+    # asynchronously (`async_steps`: the GPU fast path's graphs); True / False force it (tests)
+    launch_early: bool | None = field(default=None, metadata={"cli": False})
 
     @property
     def gpu_memory_bytes(self) -> int | None:

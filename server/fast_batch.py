@@ -90,6 +90,8 @@ class FastBatch:
     """Runs the steps of several lanes (FastTargets over one model) in shared forwards."""
 
     def __init__(self, lanes: list):
+        if len({(lane.ple_staged, lane.embed_staged) for lane in lanes}) > 1:  # a forward stages all its rows or none
+            raise ValueError("lanes whose host tables are looked up in different ways cannot share forwards")
         self.lock = FifoLock()  # one forward or prefill piece of any lane at a time, in turn
         self.max_rows = MAX_ROWS if lanes[0].step_kernels else 1 << 30
         # Rows the lanes' drafts and prompt steps fill a forward with (FastTarget.shared_room,
@@ -260,6 +262,8 @@ def fast_lanes(fast, n: int) -> list:
     # The others prefill through the shared dequantization scratch (bit for bit what a dense copy
     # gives: tests/test_small_m_layout.py): one dense copy of the weights is enough for the card.
     settings = dict(fast.settings, prefill_dense=False)
+    if fast.ple_on_host or fast.embed_on_host:  # the lanes look their rows up as the first does (FastBatch checks)
+        settings["map_host_tables"] = not (fast.ple_staged or fast.embed_staged)
     lanes = [fast] + [FastTarget(fast.model, **settings, prefix_store=fast.store) for _ in range(n - 1)]
     for lane in lanes[1:]:
         lane.warmup()  # its own graphs, as the first lane's were captured at start-up

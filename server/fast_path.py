@@ -656,6 +656,13 @@ class FastTarget:
             self.embed_buf = torch.zeros(self.max_bucket, self.embed.width, dtype=self.embed.dtype, device=dev)
 
     @property
+    def async_steps(self) -> bool:
+        """A step returns before its forward has run (a graph replay), until its logits are read:
+        the engine launches each step before handing out the text before it (server/engine.py).
+        A lane's step waits for its shared forward."""
+        return self.capture and self.batch is None
+
+    @property
     def host_table_note(self) -> str | None:
         """Which embedding tables live in host memory and how a step reads them (None: neither)."""
         tables = [(name, table) for name, table, on in (("per-layer embeddings", getattr(self, "embed_ple", None),

@@ -27,18 +27,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 import weakref
 
 import torch
 
+log = logging.getLogger("sailfish.host_rows")
+
 # cuMemHostRegister flags: pinned for every context, and mapped into the device address space
 _PORTABLE, _DEVICEMAP = 0x01, 0x02
 _BLOCK = 1024  # columns a program of the gather: one 16-byte load a thread (4 warps, bf16)
 
 _registered: dict[int, int] = {}  # host address -> tables mapping it
-_registry_lock = threading.Lock()
+# Reentrant: a table's finalizer (_unregister) runs wherever a garbage collection happens, which
+# may be inside _register on this very thread (FastTargets sit in reference cycles).
+_registry_lock = threading.RLock()
 
 
 class HostRowTable:
@@ -83,6 +88,7 @@ class HostRowTable:
         """The mapped lookup: the rows of `ids` (on the device), read from host memory by one kernel."""
         from server.gpu_kernels import _gather_rows
 
+        ids = ids.contiguous()  # (every caller's are: the kernel reads ids[r] at r)
         out = torch.empty(ids.shape[0], self.width, dtype=self.dtype, device=self.device)
         if ids.shape[0]:
             _gather_rows[(ids.shape[0], -(-self.width // _BLOCK))](
@@ -102,10 +108,13 @@ class HostRowTable:
         release = None
         if self.device.type == "cuda":
             address = self.weight.data_ptr()
-            why_not = _register(address, self.weight.numel() * self.weight.element_size())
+            why_not = _register(address, self.weight.numel() * self.weight.element_size(), self.device)
             if why_not is not None:
                 return why_not
-            release = weakref.finalize(self, _unregister, address)
+            # The finalizer holds the table's memory until it is unregistered; at exit the driver
+            # releases everything (lanes' threads may still be replaying then).
+            release = weakref.finalize(self, _unregister, address, self.weight, self.device)
+            release.atexit = False
         self.mapped = True
         ids = torch.tensor(sorted({0, self.weight.shape[0] // 2, self.weight.shape[0] - 1}), device=self.device)
         try:
@@ -138,13 +147,14 @@ def _driver():
     return lib
 
 
-def _register(address: int, nbytes: int) -> str | None:
+def _register(address: int, nbytes: int, device: torch.device) -> str | None:
     with _registry_lock:
+        _drain()
         if address in _registered:
             _registered[address] += 1
             return None
         try:
-            torch.cuda.synchronize()  # the runtime's primary context is current on this thread
+            torch.cuda.synchronize(device)  # the runtime's primary context is current on this thread
             result = _driver().cuMemHostRegister_v2(address, nbytes, _PORTABLE | _DEVICEMAP)
         except OSError as e:
             return f"no CUDA driver library to map it with ({e})"
@@ -154,9 +164,35 @@ def _register(address: int, nbytes: int) -> str | None:
         return None
 
 
-def _unregister(address: int) -> None:
+def _unregister(address: int, weight: torch.Tensor, device: torch.device) -> None:
+    """The last table over `address` is gone: unregister it once no kernel can still read it.
+    (`weight` keeps the memory alive until then.) A finalizer runs on whatever thread collects the
+    table: inside a graph's capture it defers to the next registration, since neither a sync nor a
+    driver call may run there."""
     with _registry_lock:
         _registered[address] -= 1
-        if _registered[address] == 0:
-            del _registered[address]
-            _driver().cuMemHostUnregister(address)
+        if _registered[address] > 0:
+            return
+        del _registered[address]
+        if torch.cuda.is_current_stream_capturing():
+            _deferred.append((address, weight, device))
+            return
+        _release(address, device)
+        _drain()
+
+
+def _drain() -> None:
+    """The unregistrations a capture put off (outside a capture)."""
+    while _deferred and not torch.cuda.is_current_stream_capturing():
+        address, _, device = _deferred.pop()
+        _release(address, device)
+
+
+def _release(address: int, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # kernels that read the table have ended; its context is current
+    result = _driver().cuMemHostUnregister(address)
+    if result != 0:
+        log.warning("cuMemHostUnregister of a host table failed (CUresult %d): its pages stay locked", result)
+
+
+_deferred: list[tuple[int, torch.Tensor, torch.device]] = []  # unregistrations a capture put off
