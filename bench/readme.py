@@ -34,10 +34,20 @@ SECTIONS = [
      "Gluon step matmul with its codes unpacked two at a time)",
      "python -m bench.gpu_concurrency --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
      "gpu_concurrency-rowsauto-turn64.md", []),
-    ("The same, 1 and 4 streams (H200, 12-04 evening: the batcher's waiting lanes sleep instead of polling, and "
-     "the gelus run in the step matmuls' epilogues)",
-     "python -m bench.gpu_concurrency --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
-     "gpu_concurrency-streams14-turn64.md", []),
+    ("The same, 1 and 4 streams, the per-layer table read by the GPU in place (mapped: server/host_rows.py; "
+     "H200, 12-04 night)",
+     "python -m bench.gpu_concurrency --ple host --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs "
+     "(on the GPU machine)", "gpu_concurrency-streams14-turn64-mapped.md", []),
+    ("... and in the same sitting with its rows staged (gathered on the host, copied before each replay)",
+     "python -m bench.gpu_concurrency --ple staged --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs "
+     "(on the GPU machine)", "gpu_concurrency-streams14-turn64-staged.md", []),
+    ("1 and 16 streams, the table mapped: 16 streams lose (so the engine stages lanes' rows), though one "
+     "forward of 16 lanes alone is faster (H200, 12-04 night)",
+     "python -m bench.gpu_concurrency --ple host --streams 1,16 --turn 64 --rows auto --rounds 1 "
+     "(on the GPU machine)", "gpu_concurrency-streams116-turn64-mapped.md", []),
+    ("... and in the same sitting with its rows staged",
+     "python -m bench.gpu_concurrency --ple staged --streams 1,16 --turn 64 --rows auto --rounds 1 "
+     "(on the GPU machine)", "gpu_concurrency-streams116-turn64-staged.md", []),
     ("Sailfish against its peers on the bundled model, CPU", "make bench", "bench.md",
      ["bench-tokens.png", "bench-tau.png", "bench-matrix.png"]),
     ("Sampled decoding, drafted vs plain with the same seeds, bundled model, CPU int8 path",
@@ -58,13 +68,21 @@ SECTIONS = [
      "python -m bench.gpu_memory --lm-head bf16,auto (on the GPU machine)", "gpu_memory-head-bf16-auto.md", []),
     ("The int8 LM head's cost in quality, on a real Gemma (bundled model, CPU)",
      "python -m bench.lm_head_quality", "lm_head_quality.md", []),
-    ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",
-     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-kvwrite.md", []),
+    ("The fast-path step, the per-layer table read by the GPU in place inside the step's graph (E4B shape, "
+     "int4, H200)", "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-hosttables.md", []),
+    ("What the split-K sums cost a chain of E4B's int4 matmuls (H200)",
+     "python -m bench.small_m_bench --chain-tails (on the GPU machine)", "small_m_chain-tails.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
      "gpu_projection.md", []),
 ]
 # Earlier runs the README's tables replaced, and configurations tried and dropped: docs/gpu_history.md
 HISTORY = [
+    ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-kvwrite.md", []),
+    ("Several streams as agents' next turns, 1 and 4 streams (H200, 12-04 evening: the batcher's waiting lanes "
+     "sleep instead of polling, and the gelus run in the step matmuls' epilogues)",
+     "python -m bench.gpu_concurrency --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
+     "gpu_concurrency-streams14-turn64.md", []),
     ("Several streams at once on the GPU fast path's lanes, E4B shape (H200; measured 12-02, before next turns' prompts ran as steps)",
      "python -m bench.gpu_concurrency --rounds 2 (on the GPU machine)", "gpu_concurrency.md", []),
     ("The same with 16 rows a forward at every count (the server's rule before 12-03; H200, 12-03, the same "

@@ -341,10 +341,17 @@ class Engine:
         plan = plan_fast_memory(self.model, self.max_context, cfg.fast_max_context, budget, cfg.gpu_memory_bytes,
                                 buckets, lanes=lanes, lm_head=cfg.lm_head)
         # A padded step may write up to one bucket past the last committed position: room for it.
+        # The tables kept on the host are read by the GPU in place for a lone target (measured on the
+        # H200, E4B: a 16-token verify 4.25 -> 4.17 ms, plain decode 272 -> 279 tokens/s; one drafted
+        # agent stream 653-679 -> 702-743 tokens/s), and staged for lanes: 4 lanes gained with them
+        # mapped (1643-1659 -> 1789-1798 tokens/s) but 16 lost (2461-2505 -> 1798-2091), their shared
+        # forwards 6.9 -> 8.6-10.6 ms though such a forward alone was faster (16 x 2 rows 6.49 -> 6.05
+        # ms); why is not known (docs/bars.md).
         fast = FastTarget(self.model, max_len=plan.context + buckets[-1], buckets=buckets,
                           min_kv_len=min(1024, plan.context), prefix_budget_bytes=plan.prefix_bytes,
                           ple_on_host=ple is not None, prefill_rows=plan.prefill_rows,
-                          prefill_dense=plan.prefill_dense, lm_head_int8=plan.lm_head_int8)
+                          prefill_dense=plan.prefill_dense, lm_head_int8=plan.lm_head_int8,
+                          map_host_tables=None if lanes == 1 else False)
         seconds = fast.warmup()
         seconds += fast.warm_prefill()
         settled = settle_after_warmup(fast, plan)

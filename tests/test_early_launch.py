@@ -110,11 +110,13 @@ def test_early_launch_on_captured_graphs_cuda():
     model = cuda_model(torch.bfloat16, quant=True)
     vocab = model.config.vocab_size
     prompt = prompts_for(vocab, (40,))[0]
-    late_fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, prefix_budget_bytes=2**24)
-    plain, *_ = run(engine_for(model, IdTokenizer(), backend=late_fast, launch_early=False), prompt, max_tokens=40,
-                    draft=False)
-    early_fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, prefix_budget_bytes=2**24)
+    late_fast, early_fast = (FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64,
+                                        prefix_budget_bytes=2**24) for _ in range(2))
     assert early_fast.async_steps and early_fast.step_kernels
+    # the plain reference from each, so that both prefix caches start from the same state
+    plain, early_plain = (run(engine_for(model, IdTokenizer(), backend=fast), prompt, max_tokens=40, draft=False)[0]
+                          for fast in (late_fast, early_fast))
+    assert early_plain == plain
     for what, params in {"greedy": dict(max_tokens=40), "sampled": dict(max_tokens=40, temperature=0.9, seed=5),
                          "stop string": dict(max_tokens=40, stop_strings=(f"<{plain[9]}><{plain[10]}>",))}.items():
         engines = [engine_for(model, IdTokenizer(), drafter=OracleWithErrors(len(prompt), plain, vocab, 0.3, 1),

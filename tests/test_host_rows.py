@@ -209,3 +209,18 @@ def test_lanes_share_one_registration_released_with_the_last_cuda():
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_the_engine_maps_the_tables_of_a_lone_target_and_stages_the_lanes_cuda(parallel):
+    """The engine's choice (server/engine.py _build_fast_path): mapped for a lone target, staged for
+    lanes (16 lanes measured slower mapped on the H200)."""
+    from tests.test_engine_lossless import IdTokenizer, engine_for
+    from tests.test_fast_path import cuda_model
+
+    engine = engine_for(cuda_model(torch.bfloat16, quant=True), IdTokenizer(), parallel=parallel, max_context=512)
+    lanes = engine._lanes._free
+    assert len(lanes) == parallel and all(lane.ple_on_host for lane in lanes)
+    assert all(lane.embed_ple.mapped == (parallel == 1) for lane in lanes), engine.notes
+    assert any("per-layer embeddings in host memory" in note for note in engine.notes)
