@@ -85,15 +85,6 @@ def _scaled_embedding(vocab: int, width: int, dtype, scale: float | None):
     return module.to(dtype)
 
 
-def _steps_logits(fast, ids: list[int]) -> torch.Tensor:
-    out = [fast.prefill(ids[:20]).float()[None]]
-    at = 20
-    for n in (1, 4, 16, 2):
-        out.append(fast.step(ids[at:at + n]).float())
-        at += n
-    return torch.cat(out)
-
-
 def main(out: str) -> int:
     """Under TRITON_INTERPRET=1: the checks the test above asserts, saved to `out`."""
     from tests.interpreted import interpreter_takes_numpy_2_scalars
@@ -102,7 +93,7 @@ def main(out: str) -> int:
     from server.fast_path import FastTarget
     from server.host_rows import HostRowTable
     from tests.test_engine_lossless import tiny_gemma4
-    from tests.test_fast_path import prompt_of
+    from tests.test_fast_path import _steps_logits, prompt_of
 
     rows = []
     cpu = torch.device("cpu")
@@ -169,7 +160,7 @@ def test_mapped_tables_change_no_logit_cuda(quant, int8_head):
     """Captured graphs and step kernels (bf16, int4): the tables read in place give the logits of
     the tables staged, and a step stages nothing but its ids and positions."""
     from server.fast_path import FastTarget
-    from tests.test_fast_path import cuda_model, prompt_of
+    from tests.test_fast_path import _steps_logits, cuda_model, prompt_of
 
     ids = prompt_of(60, 1024, seed=8)
     logits = {}
