@@ -20,11 +20,16 @@ sized from free memory; `prefix_cache=False` is the old behaviour, every prompt 
 
 One step of the loop: the last committed token is "pending" (not yet in the KV cache). A plain step
 feeds it alone; a verify step feeds it followed by n drafted tokens and rolls the cache back past
-the first rejected token (`server.backend.accept` is the rule). A token tree (where the backend
-takes trees and no grammar applies) feeds the pending token, its main chain's first n tokens and
-the branches the cost model keeps; each row's token is chosen as plain decoding would choose it
-after that row's path, the child drafting it is followed, and the backend keeps that root path. When the request ends (finished,
-cancelled or disconnected) the KV of the committed tokens is handed back to the backend for reuse;
+the first rejected token (`server.backend.accept` is the rule). Where the backend's steps return
+before their forward has run (`async_steps`: the GPU fast path's graph replays) each step is launched
+as soon as the tokens before it are committed as tokens, before their text is decoded, stop strings
+checked and the chunk handed out (`EngineConfig.launch_early`), so that host work overlaps the
+forward; a stop string found then takes back the tokens after it, and the launched step is rolled
+back with them. A token tree (where the backend takes trees and no grammar applies) feeds the
+pending token, its main chain's first n tokens and the branches the cost model keeps; each row's
+token is chosen as plain decoding would choose it after that row's path, the child drafting it is
+followed, and the backend keeps that root path. When the request ends (finished, cancelled or
+disconnected) the KV of the committed tokens is handed back to the backend for reuse;
 after an error inside a forward it is discarded.
 
 Constrained decoding (`GenerationParams.constraint`, a server.grammar.Constraint): every token is
