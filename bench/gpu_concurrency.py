@@ -1,7 +1,7 @@
 """Several streams at once on the GPU fast path's lanes: aggregate tokens/s, latency, identity.
 
     python -m bench.gpu_concurrency [--streams 1,2,4,8,16] [--tokens 128] [--prompt 1000] [--plain] [--rounds 3]
-                                    [--ple host|staged|gpu] [--out DIR]
+                                    [--ple host|staged|gpu] [--kernels] [--out DIR]
                                                                                     (GPU machine)
     python -m bench.gpu_concurrency --tiny                                          (any machine: a smoke run)
 
@@ -26,7 +26,8 @@ then `--rounds` timed ones (median, range). Before the streams, a table of forwa
 forward carrying S lanes' steps of T tokens each against a lone step of T tokens (S = 1).
 The lanes are what `--parallel N` builds (server/fast_batch.py fast_lanes); whether they pay, and
 whether every stream keeps its solo tokens, is what this measures.
-Writes DIR/gpu_concurrency.json and .md (default bench/results/); `--tiny` measures a tiny random
+`--kernels`: one more round of the largest count under torch.profiler, its forwards' GPU time by
+kernel (bench/kernel_time.py). Writes DIR/gpu_concurrency.json and .md (default bench/results/); `--tiny` measures a tiny random
 Gemma 4 on the CPU instead (uncaptured, fp32): it checks the harness, and its times mean nothing.
 """
 from __future__ import annotations
@@ -207,6 +208,22 @@ def summarize(first: dict, rounds: list[dict]) -> dict:
     return mid
 
 
+def profiled_round(go) -> dict:
+    """One round of `go` (a run_streams call) under torch.profiler, not timed for the table: its
+    forwards' GPU time by kernel name (bench/kernel_time.py: overlapping launches counted once,
+    gaps between kernels not charged), ms a forward, beside the round's wall ms a forward. Tells
+    where forwards that take longer beside other streams than alone spend it."""
+    from bench.kernel_time import charge, cuda_kernels
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run = go()
+    forwards = max(1, run["forwards"] or 1)
+    charged = charge(cuda_kernels(prof), None)
+    return {"streams": run["streams"], "forwards": run["forwards"], "wall_ms": 1e3 * run["wall_s"] / forwards,
+            "busy_ms": sum(charged.values()) / 1e3 / forwards,
+            "by_kernel": {name: us / 1e3 / forwards for name, us in list(charged.items())[:14]}}
+
+
 def markdown(r: dict) -> str:
     one = r["runs"][0]
     lines = ["# Several streams at once on the GPU fast path's lanes", "",
@@ -248,6 +265,13 @@ def markdown(r: dict) -> str:
             ratio = f"{c['ms'] / lone[c['tokens_each']]:.2f}x" if c["tokens_each"] in lone else "-"
             lines.append(f"| {c['lanes']} | {c['tokens_each']} | {c['ms']:.2f} ({c['ms_range'][0]:.2f}-"
                          f"{c['ms_range'][1]:.2f}) | {ratio} |")
+    if r.get("kernels"):
+        k = r["kernels"]
+        lines += ["", f"Where the forwards' GPU time goes, {k['streams']} streams (one more round under torch.profiler, "
+                      f"{k['forwards']} forwards: {k['wall_ms']:.2f} ms of wall a forward, the GPU busy "
+                      f"{k['busy_ms']:.2f} of them; overlapping launches counted once), ms a forward:", "",
+                  "| kernel | ms a forward |", "|---|---|"]
+        lines += [f"| `{name}` | {ms:.3f} |" for name, ms in k["by_kernel"].items()]
     if r.get("stacked"):
         st = r["stacked"]
         lines += ["", f"Stacked forwards (server/batch_step.py): {st['stacked_forwards']}, {st['graphs']} graphs "
@@ -286,11 +310,15 @@ def main(argv: list[str] | None = None) -> int:
                          "staging) or gpu (5.25 GiB on E4B, looked up inside the graphs)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
     ap.add_argument("--no-costs", action="store_true", help="skip the table of forward costs")
+    ap.add_argument("--kernels", action="store_true",
+                    help="one more round of the largest count under torch.profiler: GPU time by kernel a forward")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     if args.tiny and args.streams == "1,2,4,8,16":
         args.streams, args.tokens, args.prompt, args.rounds = "1,2,4", 24, 40, 1
+    if args.kernels and (args.tiny or not torch.cuda.is_available()):
+        ap.error("--kernels profiles GPU kernels: it needs the GPU (not --tiny)")
     counts = [int(c) for c in args.streams.split(",")]
     from bench.results import run_header, write_results
     from server.fast_batch import fast_lanes
@@ -325,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                                  histories[:S] if reuse else None)
         first = go()
         runs.append(summarize(first, [go() for _ in range(args.rounds)]))
+    kernels = profiled_round(go) if args.kernels else None  # (go: the largest count's round)
     stacked = lanes[0].batch.stacked if lanes[0].batch is not None else None
     device = "CPU (tiny model)" if args.tiny else torch.cuda.get_device_name()
     r = {**run_header(), "command": "python -m bench.gpu_concurrency" + "".join(f" {a}" for a in argv),
@@ -334,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
          "prompt": args.prompt, "tokens": args.tokens,
          "plain": args.plain, "rounds": args.rounds, "rows": args.rows, "turn": args.turn, "runs": runs,
          "forward_costs": costs,
-         "drafted_alone": drafted_alone,
+         "drafted_alone": drafted_alone, "kernels": kernels,
          "stacked": None if stacked is None else stacked.summary()}
     md = markdown(r)
     name = "gpu_concurrency" + (f"-rows{args.rows}" if args.rows != 64 else "") + \

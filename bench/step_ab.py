@@ -119,24 +119,15 @@ def step_timeline(fast, ids: list[int], steps: int = 20) -> dict:
     up to the span. Mean over `steps` steps."""
     import torch
 
+    from bench.kernel_time import charge, cuda_kernels
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fast.step(ids)[0].argmax().item()
             fast.rollback(len(ids))
-    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
-    if not kernels:
-        return {}
-    charged: dict[str, float] = {}
-    covered = kernels[0][0]
-    for start, end, name in kernels:
-        if covered < start < covered + HOST_GAP_US:
-            charged["(idle)"] = charged.get("(idle)", 0.0) + (start - covered)
-        if end > max(start, covered):
-            charged[name[:90]] = charged.get(name[:90], 0.0) + end - max(start, covered)
-        covered = max(covered, end)
+    charged = charge(cuda_kernels(prof), HOST_GAP_US)
     us_per_ms = 1e3 * steps
-    return {name: round(t / us_per_ms, 4) for name, t in sorted(charged.items(), key=lambda kv: -kv[1])}
+    return {name: round(t / us_per_ms, 4) for name, t in charged.items()}
 
 
 def _tiny_gemma4():
