@@ -61,6 +61,7 @@ class HostRowTable:
         self.mapped = False
         self.note = "staged: gathered on the host, then copied"
         if mapped is False:
+            self.note += " (not mapped: asked to stage)"
             return
         why_not = self._map(insist=bool(mapped))
         if why_not is not None and mapped:
