@@ -217,7 +217,7 @@ def profiled_round(go) -> dict:
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run = go()
-    forwards = max(1, run["forwards"] or 1)
+    forwards = run["forwards"] or 1  # (None where the lanes have no batcher)
     charged = charge(cuda_kernels(prof), None)
     return {"streams": run["streams"], "forwards": run["forwards"], "wall_ms": 1e3 * run["wall_s"] / forwards,
             "busy_ms": sum(charged.values()) / 1e3 / forwards,

@@ -533,7 +533,7 @@ class Engine:
         if n > 0:
             stats.verify_steps += 1
             stats.probes += launched.probe
-            stats.drafted_tokens += n + (len(launched.tree.tokens) - n if launched.tree is not None else 0)
+            stats.drafted_tokens += len(launched.tree.tokens) if launched.tree is not None else n  # (+ branches)
             stats.accepted_tokens += accepted
             req.tracker.record(n, on_chain, launched.probe)
             req.session.feedback(n, on_chain)

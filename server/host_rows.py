@@ -51,9 +51,10 @@ class HostRowTable:
         module.to("cpu")
         self.weight = module.weight.detach()
         scale = getattr(module, "embed_scale", None)
-        self.scale = None if scale is None else torch.as_tensor(scale).to(device=device, dtype=self.weight.dtype)
+        scale = None if scale is None else torch.as_tensor(scale).to(dtype=self.weight.dtype)  # (on the host)
+        self.scale = None if scale is None else scale.to(device)
         # the kernel's scale, read once here: reading a GPU tensor inside a graph's capture would sync
-        self._scale_value = None if scale is None else float(torch.as_tensor(scale).to(dtype=self.weight.dtype))
+        self._scale_value = None if scale is None else float(scale)
         self.width, self.dtype, self.device = self.weight.shape[1], self.weight.dtype, device
         pin = device.type == "cuda"
         self._staging = torch.empty(0, self.width, dtype=self.dtype, pin_memory=pin)
@@ -70,8 +71,10 @@ class HostRowTable:
             self.note += f" ({why_not})"
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.mapped:
-            return self.gather(ids.to(self.device))
+        return self.gather(ids.to(self.device)) if self.mapped else self.staged(ids)
+
+    def staged(self, ids: torch.Tensor) -> torch.Tensor:
+        """The staged lookup of `ids` (any device): gathered on the host, scaled on the device."""
         rows = self.weight.index_select(0, ids.to("cpu")).to(self.device)
         return rows * self.scale if self.scale is not None else rows
 
@@ -119,7 +122,7 @@ class HostRowTable:
         self.mapped = True
         ids = torch.tensor(sorted({0, self.weight.shape[0] // 2, self.weight.shape[0] - 1}), device=self.device)
         try:
-            ok = torch.equal(self.gather(ids).cpu(), self._staged_rows(ids.cpu()))
+            ok = torch.equal(self.gather(ids), self.staged(ids))
         except Exception as e:  # e.g. a driver that will not give the kernel a device address for it
             ok, why = False, f"the GPU could not read it in place: {type(e).__name__}: {e}"
         else:
@@ -131,10 +134,6 @@ class HostRowTable:
             return why
         self.note = "mapped: read in place by the GPU, inside the step's graph"
         return None
-
-    def _staged_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.index_select(0, ids)
-        return rows * self.scale.cpu() if self.scale is not None else rows
 
 
 @functools.lru_cache(maxsize=1)
