@@ -72,7 +72,7 @@ from ngram.draft import tree_layout
 from server.backend import Prefill
 from server.fast_prefill import _eps, _w, prefill_layers
 from server.host_rows import HostRowTable
-from server.small_m_matmul import MAX_ROWS, triton_available
+from server.small_m_matmul import MAX_ROWS, sum_slices, triton_available
 from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
@@ -93,6 +93,14 @@ FUSED_GELU = True
 # 32 / 64 rows: 3.8 / 5.2 / 8.2 / 13.7 us fused against 4.1 / 5.4 / 7.5 / 11.5;
 # `python -m bench.small_m_bench --epilogues`). Same bits either way.
 PLE_GELU_FUSED_ROWS = 16
+# Steps sum a split-K matmul's K slices in the kernel that reads its output (the q/k/v norms and
+# RoPE, the residual norms, the per-layer inputs: the `summed_*` ops below), not in the matmul's
+# last program (server/small_m_matmul.py `slices`): the same sum in the same order, the matmul
+# without its counter, fence and serial tail (bench.small_m_bench --chain-tails: the tails cost
+# 0.39 ms of a one-row step's E4B matmuls, 1.27 ms of a 16-row verify's). Off until a GPU run has
+# checked and timed it: built and checked on the CPU only (the kernels' partials under Triton's
+# interpreter, the ops under inductor); tests/test_fast_path.py checks it on CUDA either way.
+SUMMED_SLICES = False
 
 
 def step_buckets(max_draft: int) -> tuple[int, ...]:
@@ -371,6 +379,7 @@ class FastTarget:
         self.prefill_scratch_bytes = 0
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
         self.fused_gelu = False   # steps' gelus in the matmuls' epilogues (FUSED_GELU; step kernels only)
+        self.summed_slices = False  # steps' split-K sums in the ops that read them (SUMMED_SLICES; likewise)
         self.embed_on_host = self.embed_staged = False  # the token embedding likewise (_int8_head)
         if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
             self._int8_head(lm, text)
@@ -389,6 +398,7 @@ class FastTarget:
             # so every step shares one compiled kernel per op and stays batch-invariant.
             self.buckets = tuple(sorted({max(2, b) for b in self.buckets}))
             self.fused_gelu = FUSED_GELU   # read once: the step layers are built for it
+            self.summed_slices = SUMMED_SLICES  # read once, so a captured graph and a later step agree
             self._build_step_kernels()
         from server.fast_prefill import keep_dense_weights
         self.prefill_note = keep_dense_weights(self, prefill_dense) if self.step_kernels else "prefill: model's own layers"
@@ -695,6 +705,9 @@ class FastTarget:
         T = ids.shape[0]
         from_buffers = step  # a step()'s inputs: staged tables' rows are in ple_buf / embed_buf
         step = step and self.step_kernels
+        # On the step kernels, a split-K matmul's output is its K slices' partials, summed by the op
+        # that reads it (the summed_* ops; server/small_m_matmul.py `slices`)
+        sums = step and self.summed_slices
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
         if from_buffers and self.embed_staged:
             h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]
@@ -706,9 +719,15 @@ class FastTarget:
             else:
                 rows = self.embed_ple(ids)
             tok = rows.reshape(T, self.n_layers, self.ple_dim)
-            proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers, self.ple_dim)
-            ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), _eps(self.ple_norm), tok,
-                                 self.ple_input_scale)
+            if sums:
+                p = self.ple_model_proj_step.slices(h).unflatten(-1, (self.n_layers, self.ple_dim))
+                ple = ops.summed_ple_inputs(p, self.ple_model_proj_scale, _w(self.ple_norm), _eps(self.ple_norm), tok,
+                                            self.ple_input_scale)
+            else:
+                proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers,
+                                                                                            self.ple_dim)
+                ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), _eps(self.ple_norm), tok,
+                                     self.ple_input_scale)
         for seg in segments:
             seg.prepare(pos, from_buffers, step, ops)
         cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
@@ -723,62 +742,88 @@ class FastTarget:
             if step:
                 layer = layer.step
             hf = layer.hf
-            attn = hf.self_attn
             cos, sin = cos_sin[layer.sliding]
-            D = layer.head_dim
             next_norm = self.layers[i + 1].hf.input_layernorm if i + 1 < len(self.layers) else self.final_norm
-            if layer.qkv is not None:
-                q_raw, k_raw, *v_raw = layer.qkv(x).split(layer.qkv_sizes, -1)
-                k_raw = k_raw.view(T, layer.kv_heads, D)
-                v_raw = v_raw[0].view(T, layer.kv_heads, D) if v_raw else k_raw
-            else:
-                q_raw = layer.q(x)
-                if layer.source == layer.index:
-                    k_raw = layer.k(x).view(T, layer.kv_heads, D)
-                    v_raw = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
-            q_raw = q_raw.view(T, self.num_heads, D)
-            new_kv = None
-            if layer.source == layer.index:  # q, k and v normed (q and k rotated) in one kernel
-                q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), _eps(attn.q_norm), _w(attn.k_norm),
-                                            _eps(attn.k_norm), _w(attn.v_norm), _eps(attn.v_norm), cos, sin)
-                if step:  # the step attention's launch writes them (server/step_attention.py new_kv)
-                    new_kv = (k, v)
-                else:
-                    for seg in segments:
-                        seg.write_kv(layer, k, v)
-            else:
-                q = ops.norm_rope(q_raw, _w(attn.q_norm), _eps(attn.q_norm), cos, sin)
+            q, new_kv = self._attention_inputs(layer, x, T, cos, sin, step, sums, segments)
             parts = [seg.attend(layer, q, pos, step, ops, new_kv) for seg in segments]
             a = parts[0] if len(parts) == 1 else torch.cat(parts)
-            h, x = ops.residual_norm_rms(h, layer.o(a), _w(hf.post_attention_layernorm),
-                                         _eps(hf.post_attention_layernorm), None,
-                                         _w(hf.pre_feedforward_layernorm), _eps(hf.pre_feedforward_layernorm))
+            post_attention = (_w(hf.post_attention_layernorm), _eps(hf.post_attention_layernorm), None,
+                              _w(hf.pre_feedforward_layernorm), _eps(hf.pre_feedforward_layernorm))
+            if sums:
+                h, x = ops.summed_residual_norm_rms(h, layer.o.slices(a), *post_attention)
+            else:
+                h, x = ops.residual_norm_rms(h, layer.o(a), *post_attention)
             # On the step kernels the gelus run in the epilogues of the matmuls they read (one launch
             # less each, FUSED_GELU): the same arithmetic on the same bits (tests/test_step_kernel_rows.py).
             if step and layer.gate_up_gelu is not None:
-                x = layer.down(layer.gate_up_gelu(x))
+                activated = layer.gate_up_gelu(x)
             elif step and self.fused_gelu and layer.gate_up is None:
-                x = layer.down(layer.gate(x, gelu_times=layer.up(x)))
+                activated = layer.gate(x, gelu_times=layer.up(x))
             else:
                 if layer.gate_up is not None:
                     g, u = layer.gate_up(x).split((layer.gate.out_features, layer.up.out_features), -1)
                 else:
                     g, u = layer.gate(x), layer.up(x)
-                x = layer.down(ops.gelu_mul(g, u))
-            scalar = getattr(hf, "layer_scalar", None)
+                activated = ops.gelu_mul(g, u)
+            y = layer.down.slices(activated) if sums else layer.down(activated)
+            post_ff = (_w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm))
+            last_norm = (getattr(hf, "layer_scalar", None), _w(next_norm), _eps(next_norm))
             if self.ple_dim:
-                h = ops.residual_norm(h, x, _w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm), None)
+                h = (ops.summed_residual_norm if sums else ops.residual_norm)(h, y, *post_ff, None)
+                ple_in = ple[:, layer.index]
+                # (the gate sums its own slices: its gelu, fused or not, reads them summed and rounded, so
+                # steps of every size get the same bits; a summed op would be another kernel's arithmetic)
                 if step and self.fused_gelu and T <= PLE_GELU_FUSED_ROWS:
-                    x = layer.ple_proj(layer.ple_gate(h, gelu_times=ple[:, layer.index]))
+                    gated = layer.ple_gate(h, gelu_times=ple_in)
                 else:
-                    x = layer.ple_proj(ops.gelu_mul(layer.ple_gate(h), ple[:, layer.index]))
-                h, x = ops.residual_norm_rms(h, x, _w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm),
-                                             scalar, _w(next_norm), _eps(next_norm))
-            else:
-                h, x = ops.residual_norm_rms(h, x, _w(hf.post_feedforward_layernorm),
-                                             _eps(hf.post_feedforward_layernorm), scalar, _w(next_norm), _eps(next_norm))
+                    gated = ops.gelu_mul(layer.ple_gate(h), ple_in)
+                y = layer.ple_proj.slices(gated) if sums else layer.ple_proj(gated)
+                post_ff = (_w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm))
+            h, x = (ops.summed_residual_norm_rms if sums else ops.residual_norm_rms)(h, y, *post_ff, *last_norm)
         logits = (self.lm_head_step if step else self.lm_head)(x)  # x: the final norm of h
         return ops.softcap(logits, self.softcap) if self.softcap else logits
+
+    def _attention_inputs(self, layer: _Layer, x: torch.Tensor, T: int, cos, sin, step: bool, sums: bool,
+                          segments: list["Segment"]) -> tuple:
+        """A layer's queries, normed and rotated, and its new keys and values: (q, new_kv). A
+        KV-owning layer's k and v are normed (k rotated) in q's kernel; on the step kernels they are
+        new_kv, for the step attention's launch to write (server/step_attention.py), else written
+        to the segments' caches here and new_kv is None (as for a layer reading another's cache).
+        `sums`: q|k|v's K slices summed by that kernel (`slices`; separate k and v linears cannot:
+        they share one partials scratch)."""
+        ops, attn, D = self.ops, layer.hf.self_attn, layer.head_dim
+        owns_kv = layer.source == layer.index
+        if sums and (layer.qkv is not None or not owns_kv):
+            # the partials [S, T, N] of q|k|v (or q alone), as [S, T, heads, D] each
+            pq, *pkv = (layer.qkv.slices(x).split(layer.qkv_sizes, -1) if layer.qkv is not None
+                        else [layer.q.slices(x)])
+            pq = pq.unflatten(-1, (self.num_heads, D))
+            if not owns_kv:
+                return ops.summed_norm_rope(pq, self.dtype, _w(attn.q_norm), _eps(attn.q_norm), cos, sin), None
+            pk, pv = (p.unflatten(-1, (layer.kv_heads, D)) for p in (pkv if len(pkv) == 2 else pkv * 2))
+            q, k, v = ops.summed_qkv_norm_rope(pq, pk, pv, self.dtype, _w(attn.q_norm), _eps(attn.q_norm),
+                                               _w(attn.k_norm), _eps(attn.k_norm), _w(attn.v_norm), _eps(attn.v_norm),
+                                               cos, sin)
+            return q, (k, v)
+        if layer.qkv is not None:
+            q_raw, k_raw, *v_raw = layer.qkv(x).split(layer.qkv_sizes, -1)
+            k_raw = k_raw.view(T, layer.kv_heads, D)
+            v_raw = v_raw[0].view(T, layer.kv_heads, D) if v_raw else k_raw
+        else:
+            q_raw = layer.q(x)
+            if owns_kv:
+                k_raw = layer.k(x).view(T, layer.kv_heads, D)
+                v_raw = layer.v(x).view(T, layer.kv_heads, D) if layer.v is not None else k_raw
+        q_raw = q_raw.view(T, self.num_heads, D)
+        if not owns_kv:
+            return ops.norm_rope(q_raw, _w(attn.q_norm), _eps(attn.q_norm), cos, sin), None
+        q, k, v = ops.qkv_norm_rope(q_raw, k_raw, v_raw, _w(attn.q_norm), _eps(attn.q_norm), _w(attn.k_norm),
+                                    _eps(attn.k_norm), _w(attn.v_norm), _eps(attn.v_norm), cos, sin)
+        if step:  # the step attention's launch writes them (server/step_attention.py new_kv)
+            return q, (k, v)
+        for seg in segments:
+            seg.write_kv(layer, k, v)
+        return q, None
 
     # ------------------------------------------------------------ steps
 
@@ -1228,6 +1273,34 @@ def _gelu_mul(g, u):
     return F.gelu(g, approximate="tanh") * u
 
 
+# The same ops reading a split-K matmul's output as its K slices' partials [S, ...] (SmallMLinear.slices):
+# summed in slice order and rounded once to bf16 (sum_slices), inside the op's kernel, then the op
+# itself. Each is one compiled kernel for every step size, as the others are (one per slice count,
+# which a linear's shape fixes), so a row's bits never depend on the step's other rows. They are
+# not bit for bit the ops on a stored sum: inductor decides anew which values of the fused op to
+# keep in bf16 (tests/test_summed_ops.py).
+
+def _summed_norm_rope(pq, dtype, w, eps, cos, sin):
+    return _norm_rope(sum_slices(pq, dtype), w, eps, cos, sin)
+
+
+def _summed_qkv_norm_rope(pq, pk, pv, dtype, wq, eps_q, wk, eps_k, wv, eps_v, cos, sin):
+    return _qkv_norm_rope(sum_slices(pq, dtype), sum_slices(pk, dtype), sum_slices(pv, dtype), wq, eps_q, wk, eps_k,
+                          wv, eps_v, cos, sin)
+
+
+def _summed_residual_norm(residual, p, w, eps, scalar):
+    return _residual_norm(residual, sum_slices(p, residual.dtype), w, eps, scalar)
+
+
+def _summed_residual_norm_rms(residual, p, w, eps, scalar, w_next, eps_next):
+    return _residual_norm_rms(residual, sum_slices(p, residual.dtype), w, eps, scalar, w_next, eps_next)
+
+
+def _summed_ple_inputs(p, proj_scale, w, eps, tok, input_scale):
+    return _ple_inputs(sum_slices(p, tok.dtype), proj_scale, w, eps, tok, input_scale)
+
+
 def _ple_inputs(proj, proj_scale, w, eps, tok, input_scale):
     return (_rms(proj * proj_scale, w, eps) + tok) * input_scale
 
@@ -1272,6 +1345,9 @@ class _Ops:
         self.residual_norm_rms, self.qkv_norm_rope = wrap(_residual_norm_rms), wrap(_qkv_norm_rope)
         self.gelu_mul, self.ple_inputs, self.masks = wrap(_gelu_mul), wrap(_ple_inputs), wrap(_masks)
         self.step_masks = wrap(_step_masks)
+        self.summed_norm_rope, self.summed_qkv_norm_rope = wrap(_summed_norm_rope), wrap(_summed_qkv_norm_rope)
+        self.summed_residual_norm, self.summed_residual_norm_rms = wrap(_summed_residual_norm), wrap(_summed_residual_norm_rms)
+        self.summed_ple_inputs = wrap(_summed_ple_inputs)
         self.masked_softmax, self.softcap = wrap(_masked_softmax), wrap(_softcap)
 
 

@@ -190,10 +190,13 @@ if HAS_GLUON:
         return gl.split(gl.permute(gl.reshape(t, [16, 2, BLOCK_N // 2]), [0, 2, 1]))
 
     @gluon.jit
-    def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ready, ROWS: gl.constexpr):
-        """As `_small_m_kernel`'s `_store_partial`: padding rows neither written nor read back."""
+    def _store_partial_tile(partial_ptr, acc, tile, pid_k, M, N, cols, rows16, ready, ROWS: gl.constexpr,
+                            REDUCE: gl.constexpr):
+        """As `_small_m_kernel`'s `_store_partial`: padding rows neither written nor read back; a K
+        slice's partials ROWS rows apart, or M (REDUCE False: [SPLIT, M, N], SmallMLinear.slices)."""
         rows = tile * 16 + rows16
-        gl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc,
+        slice_rows = ROWS if REDUCE else M
+        gl.store(partial_ptr + pid_k * slice_rows * N + rows[:, None] * N + cols[None, :], acc,
                  mask=(rows < M)[:, None] & (ready != 0))
 
     @gluon.jit
@@ -216,9 +219,9 @@ if HAS_GLUON:
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
                          EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False, REDUCE: gl.constexpr = True):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
-        (the partials' rows a K slice), XROWS = x_rows(TILES). REDUCE False (split-K only; for
-        measurements: bench.small_m_bench --chain-tails): each K slice stores its partial and the
-        program ends, out is not written (no counter, no fence, no sum)."""
+        (the partials' rows a K slice), XROWS = x_rows(TILES). REDUCE False (split-K only;
+        SmallMLinear.slices): each K slice stores its partial ([SPLIT, M, N] contiguous) and the
+        program ends, out is not written (no counter, no fence, no sum): the next kernel sums them."""
         NW: gl.constexpr = gl.num_warps()
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -306,13 +309,13 @@ if HAS_GLUON:
             if TILES > 3:
                 _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
         else:
-            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ready, ROWS)
+            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
             if TILES > 1:
-                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ready, ROWS)
+                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
             if TILES > 2:
-                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS)
+                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
             if TILES > 3:
-                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS)
+                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
             if REDUCE:
                 # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
                 arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1

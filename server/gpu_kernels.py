@@ -35,10 +35,14 @@ def _x_tile(x_ptr, stride_xm, M, tile, ks, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(partial_ptr, acc, tile, pid_k, M, N, cols, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One row tile's partial of K slice pid_k; padding rows (>= M) are neither written nor read back."""
+def _store_partial(partial_ptr, acc, tile, pid_k, M, N, cols, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   REDUCE: tl.constexpr = True):
+    """One row tile's partial of K slice pid_k; padding rows (>= M) are neither written nor read back.
+    A K slice's partials are ROWS rows apart when this launch sums them, M rows apart when it leaves
+    them to the next kernel (REDUCE False: a contiguous [SPLIT, M, N] tensor, SmallMLinear.slices)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(partial_ptr + pid_k * ROWS * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
+    slice_rows = ROWS if REDUCE else M
+    tl.store(partial_ptr + pid_k * slice_rows * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter has no libdevice: tanh from exp (tests only)
@@ -132,7 +136,8 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
     N / 2 output columns) gelu(gate) * up, the MLP's activation fused into its gate|up matmul; 2
     (GELU_TIMES) gelu(y) * u, u [M, N] with row stride stride_u (Gemma 4's per-layer input gate).
     The gelu reads y rounded to the output's dtype, as it reads a stored y. REDUCE False (split-K
-    only; for measurements): each K slice stores its partial and the program ends, out not written."""
+    only; SmallMLinear.slices): each K slice stores its partial, [SPLIT, M, N] contiguous, and the
+    program ends, out not written: the kernel that reads y sums them (no counter, no fence, no tail)."""
     _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -204,13 +209,13 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
         if TILES > 3:
             _store_out(out_ptr, acc3, 3, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
     else:
-        _store_partial(partial_ptr, acc0, 0, pid_k, M, N, cols, ROWS, BLOCK_M)
+        _store_partial(partial_ptr, acc0, 0, pid_k, M, N, cols, ROWS, BLOCK_M, REDUCE)
         if TILES > 1:
-            _store_partial(partial_ptr, acc1, 1, pid_k, M, N, cols, ROWS, BLOCK_M)
+            _store_partial(partial_ptr, acc1, 1, pid_k, M, N, cols, ROWS, BLOCK_M, REDUCE)
         if TILES > 2:
-            _store_partial(partial_ptr, acc2, 2, pid_k, M, N, cols, ROWS, BLOCK_M)
+            _store_partial(partial_ptr, acc2, 2, pid_k, M, N, cols, ROWS, BLOCK_M, REDUCE)
         if TILES > 3:
-            _store_partial(partial_ptr, acc3, 3, pid_k, M, N, cols, ROWS, BLOCK_M)
+            _store_partial(partial_ptr, acc3, 3, pid_k, M, N, cols, ROWS, BLOCK_M, REDUCE)
         if REDUCE:
             # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")

@@ -66,7 +66,9 @@ steps 6.09 -> 5.29 ms. Same bits either way.
 Split-K: each (N tile, K slice) program writes its fp32 partial; the last program of an N tile to
 arrive (an atomic counter per tile) sums the slices in slice order and writes the output, then
 resets its counter, so one launch does the whole product and the order of the sum never depends on
-which program finished first. The partials' scratch (split x 64 rows x N fp32) may be shared by
+which program finished first. Or (`slices`) the partials are the launch's output and the kernel
+that reads y adds them, in the same order (`sum_slices`): the step's norms do, so the matmul has no
+counter, fence or serial tail. The partials' scratch (split x 64 rows x N fp32) may be shared by
 linears that run one after another on one stream (`share_partials`): a launch reads only what it
 wrote, and the next one starts after it ends.
 """
@@ -209,8 +211,8 @@ class SmallMLinear:
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
         self.epilogue = PLAIN
-        # False: split-K slices store their partials and end, the output unwritten (a measurement of
-        # what the split-K sum costs: bench.small_m_bench --chain-tails); never set when serving
+        # False: a call's split-K slices store their partials and end, the output unwritten (what
+        # bench.small_m_bench --chain-tails times); never set when serving (`slices` is the way)
         self.reduce = True
 
     @property
@@ -249,6 +251,28 @@ class SmallMLinear:
     def __call__(self, x: torch.Tensor, gelu_times: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T; with `gelu_times` (the output's shape, any row stride) gelu_tanh(x @ W^T) * gelu_times,
         in one launch; a `gelu_pairs` linear gives gelu_tanh(gate) * up."""
+        return self._launch_kernel(x, gelu_times, self.reduce)
+
+    def slices(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T left unsummed: its K slices' fp32 partials [split, M, N] (M = x's rows), which
+        added in slice order (from the first, `sum_slices`) and rounded once to x's dtype are
+        `self(x)` (equal values; a zero's sign may differ, as the launch's own sum starts from +0).
+        With one K slice, y itself as [1, M, N] in x's dtype. The kernel that reads y sums them
+        (server/fast_path.py's step ops), so this launch skips its sum: no counter, no fence and
+        no tail where the last slice's program adds every slice (bench.small_m_bench --chain-tails:
+        0.39 ms of a one-row step's E4B matmuls, 1.27 ms of a 16-row verify's).
+
+        The partials live in the split-K scratch, shared (`share_partials`): read them before the
+        next linear runs. A linear with an epilogue has none (its activation reads the sum)."""
+        if self.epilogue != PLAIN:
+            raise ValueError("slices of a linear with an epilogue: its activation needs the sum")
+        m = x.reshape(-1, self.k).shape[0]
+        if self.split == 1:
+            return self._launch_kernel(x, None, True).reshape(1, m, self.n)
+        self._launch_kernel(x, None, False)
+        return self.partial[:self.split * m * self.n].view(self.split, m, self.n)
+
+    def _launch_kernel(self, x: torch.Tensor, gelu_times: torch.Tensor | None, reduce: bool) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         m = x2.shape[0]
@@ -275,7 +299,7 @@ class SmallMLinear:
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
                 ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages,
-                EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), REDUCE=self.reduce,
+                EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), REDUCE=reduce,
                 num_warps=self.num_warps, **self._launch)
             return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
@@ -285,7 +309,7 @@ class SmallMLinear:
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split, times,
             times.stride(0), INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles,
             ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
-            REDUCE=self.reduce, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
+            REDUCE=reduce, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
 
     def partial_numel(self) -> int:
@@ -340,6 +364,29 @@ def quantize_int8(weight: torch.Tensor, rows_per_chunk: int = 16384) -> SmallMLi
         codes[:, lo:lo + w.shape[0]] = q.view(-1, k).to(torch.int8).t()
         scale[:, lo:lo + w.shape[0]] = s[..., 0].to(weight.dtype).t()
     return SmallMLinear(codes, scale, None, n, k)
+
+
+def sum_slices(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's output from `SmallMLinear.slices` [S, ..., N]: slice 0 plus slice 1 plus ... in
+    fp32, in slice order, rounded once to `dtype`: the sum the launch itself would have made. Per
+    element, and each linear's S is fixed by its shape, so a row's sum never depends on the others.
+    The step ops of server/fast_path.py call it inside their compiled kernels."""
+    y = p[0]
+    for s in range(1, p.shape[0]):
+        y = y + p[s]
+    if dtype == torch.bfloat16 and y.dtype == torch.float32:
+        y = round_to_bfloat16(y)
+    return y.to(dtype)
+
+
+def round_to_bfloat16(y: torch.Tensor) -> torch.Tensor:
+    """fp32 y rounded to the nearest bfloat16 (ties to even), still fp32: what y.to(torch.bfloat16)
+    gives, in integer arithmetic. Why: torch.compile elides a downcast that an upcast in the same
+    kernel undoes (inductor's emulate_precision_casts, off by default), so inside a compiled op
+    y.to(bfloat16).float() would be y; this rounding it keeps (NaN stays NaN; overflow gives inf)."""
+    bits = y.view(torch.int32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+    return torch.where(y != y, y, rounded)
 
 
 def share_prefill_scratch(linears: list) -> int:

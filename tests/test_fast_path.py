@@ -295,6 +295,39 @@ def _steps_logits(fast, ids: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
+@needs_cuda
+@pytest.mark.parametrize("quant", [False, True])
+def test_summed_slices_equal_matmul_sums_cuda(quant, monkeypatch):
+    """Steps whose split-K matmuls leave their K slices to the ops that read them (SUMMED_SLICES:
+    the norms sum them) against steps whose matmuls sum them. With the ops uncompiled (fuse=False)
+    the logits are the same bits: the slices, summed in order and rounded, are the matmul's output.
+    Compiled, the same model to within rounding (inductor keeps other values of the fused ops in
+    bf16; tests/test_summed_ops.py). That steps of every size agree bit for bit with the sums in
+    the ops is test_step_kernels_batch_invariant_and_close's and the drafted-equals-plain tests'
+    (SUMMED_SLICES is on by default)."""
+    from server import fast_path
+
+    model = cuda_model(torch.bfloat16, quant=quant)
+    ids = prompt_of(80, model.config.vocab_size, seed=8)
+    for fuse in (False, True):
+        logits = {}
+        for on in (False, True):
+            monkeypatch.setattr(fast_path, "SUMMED_SLICES", on)
+            fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, fuse=fuse)
+            assert fast.step_kernels and fast.summed_slices == on, fast.step_kernel_note
+            assert max(lin.split for lin in fast.step_linears()) > 1   # there are slices to sum
+            steps = _steps_logits(fast, ids)
+            fast.rollback(fast.position - 30)
+            logits[on] = torch.cat([steps, fast.step(ids[30:60]).float()])   # 30 rows: the gate's unfused gelu
+        if not fuse:
+            assert torch.equal(logits[True], logits[False])
+        else:
+            # two roundings of a random bf16 net differ by ~0.1 (test_step_kernels_batch_invariant_and_close);
+            # partials read before they are written, or another linear's, give ~1
+            rel = (logits[True] - logits[False]).norm() / logits[False].norm()
+            assert rel < 0.25, rel
+
+
 def test_per_layer_embeddings_on_the_host_change_nothing(tiny):
     """ple_on_host keeps Gemma 4's per-layer embedding table in host memory and gathers each step's
     rows there: the logits are bit for bit those of the table on the device."""

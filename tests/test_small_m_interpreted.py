@@ -24,8 +24,8 @@ INT8_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 384)) for m in (1, 
 INT4_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 16, 33, 64) for target in (1, 64)]
 
 
-# split-K with the sums left out (SmallMLinear.reduce False: what bench.small_m_bench --chain-tails times)
-NO_SUM_CASES = [(64, 512, 1, 64), (96, 512, 20, 64)]
+# split-K with the sums left to the next kernel (SmallMLinear.slices; the step ops sum them), and one K slice
+SLICES_CASES = [(64, 512, 1, 64), (96, 512, 20, 64), (96, 512, 33, 64), (64, 256, 7, 1)]
 # the gelu epilogues (GELU_PAIRS: gate | up in one weight; GELU_TIMES: times a strided u), split-K and not
 EPILOGUE_CASES = [(n, k, m, target) for n, k in ((128, 256), (192, 512)) for m in (1, 17, 40) for target in (1, 64)]
 
@@ -34,14 +34,14 @@ def test_small_m_kernel_rows_and_slices():
     pytest.importorskip("triton")
     out = run_interpreted(__file__)
     assert out.count("ok") == (len(CASES) + len(INT8_CASES) + len(INT4_CASES) + 4 * len(EPILOGUE_CASES)
-                               + len(NO_SUM_CASES)), out[-2000:]
+                               + len(SLICES_CASES)), out[-2000:]
 
 
 def _main() -> int:
     import torch
 
     interpreter_takes_numpy_2_scalars()
-    from server.small_m_matmul import SmallMLinear, pack_codes, quantize_int8
+    from server.small_m_matmul import SmallMLinear, pack_codes, quantize_int8, sum_slices
 
     for n, k, m, target in CASES:
         g = torch.Generator().manual_seed(n + k + m)
@@ -105,24 +105,19 @@ def _main() -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("times", kind, n, k, m, target, lin.split, err)
         print("ok gelu times", kind, n, k, m, lin.split)
-    for n, k, m, target in NO_SUM_CASES:
-        # SmallMLinear.reduce False (bench.small_m_bench --chain-tails): the K slices' partials as the
-        # summing program reads them, added in slice order, are the shipped output; no counter moved
+    for n, k, m, target in SLICES_CASES:
+        # SmallMLinear.slices: the K slices' partials, [split, m, n] contiguous, no counter moved;
+        # added in slice order (sum_slices, as the step ops add them) they are the launch's own sum
         g = torch.Generator().manual_seed(17 * n + k + m)
         lin = SmallMLinear(torch.randn(n, k, generator=g), None, None, n, k, target_programs=target)
-        assert lin.split > 1
         x = torch.randn(m, k, generator=g)
         want = lin(x)
-        lin.reduce = False
-        lin.partial.fill_(float("nan"))
-        rows = -(-m // 16) * 16
-        lin(x)
-        slices = lin.partial[:lin.split * rows * n].view(lin.split, rows, n)[:, :m]
-        total = torch.zeros(m, n)
-        for s in range(lin.split):
-            total += slices[s]
-        assert torch.equal(total, want) and not lin.count.any(), ("no sum", n, k, m)
-        print("ok no sum", n, k, m, lin.split)
+        if lin.split > 1:
+            lin.partial.fill_(float("nan"))
+        p = lin.slices(x)
+        assert p.shape == (lin.split, m, n) and p.is_contiguous(), (p.shape, lin.split)
+        assert torch.equal(sum_slices(p, x.dtype), want) and not lin.count.any(), ("slices", n, k, m)
+        print("ok slices", n, k, m, lin.split)
     return 0
 
 

@@ -1,0 +1,90 @@
+"""The fast path's summed step ops (server/fast_path.py `summed_*`), which read a split-K matmul's K
+slices (server/small_m_matmul.py `slices`) and sum them in the op's own compiled kernel:
+
+- the sum is rounded to bfloat16 as the matmul rounds its output, compiled or not: inside a
+  compiled kernel inductor drops a downcast that an upcast undoes, `round_to_bfloat16` it keeps
+  (against torch's own rounding, with inf, NaN and -0 among the values);
+- each op is one compilation for steps of every size (one per slice count, which a linear's
+  shape fixes), so a row's bits never depend on the others (counted with a recording backend);
+- each is the op on the rounded sum to within bf16 rounding (inductor picks anew which values of
+  a fused op it keeps in bf16, so not bit for bit), compiled by inductor on the CPU.
+
+CI has no GPU; tests/test_fast_path.py runs whole steps with and without them on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server import fast_path
+from server.small_m_matmul import round_to_bfloat16, sum_slices
+
+
+@pytest.fixture(scope="module")
+def ops():
+    torch._dynamo.reset()
+    yield fast_path.compile_ops()
+    torch._dynamo.reset()
+
+
+def test_round_to_bfloat16_is_torchs_rounding(ops):
+    g = torch.Generator().manual_seed(0)
+    y = torch.cat([torch.randn(4096, generator=g) * 10.0 ** torch.randint(-30, 30, (4096,), generator=g),
+                   torch.tensor([float("inf"), float("-inf"), -0.0, 0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])])
+    want = y.bfloat16().float()
+    assert torch.equal(round_to_bfloat16(y), want)
+    assert round_to_bfloat16(torch.tensor([float("nan")])).isnan().all()
+    compiled = torch.compile(lambda t: round_to_bfloat16(t) * 1.0, dynamic=True)
+    assert torch.equal(compiled(y), want)
+    # what the function is for: a plain round trip inside a compiled kernel is elided
+    assert not torch.equal(torch.compile(lambda t: t.bfloat16().float() * 1.0, dynamic=True)(y), want)
+
+
+def _cases(slices: int, T: int, seed: int = 0):
+    """(summed op, its arguments, the plain op, its arguments on the rounded sum) for each summed op."""
+    g = torch.Generator().manual_seed(seed)
+    N, H, D = 256, 4, 64
+    bf = lambda *shape: torch.randn(*shape, generator=g).bfloat16()
+    p = torch.randn(slices, T, N, generator=g) * 3
+    if slices == 1:  # one K slice: the matmul's output itself, already bf16
+        p = p.bfloat16()
+    y = sum_slices(p, torch.bfloat16)
+    h, w, w2 = bf(T, N), bf(N), bf(N)
+    pq, pk, pv = (t.unflatten(-1, (heads, D)) for t, heads in zip(p.split((H * D // 2, D, D), -1), (H // 2, 1, 1)))
+    yq, yk, yv = (sum_slices(t, torch.bfloat16) for t in (pq, pk, pv))
+    cos, sin, wq, wk = bf(T, 1, D), bf(T, 1, D), bf(D), bf(D)
+    pp = p.unflatten(-1, (4, N // 4))   # the per-layer inputs: [S, T, layers, per-layer size]
+    tok, scale, wp = bf(T, 4, N // 4), torch.tensor(0.5, dtype=torch.bfloat16), bf(N // 4)
+    return [("residual_norm_rms", (h, p, w, 1e-6, None, w2, 1e-6), (h, y, w, 1e-6, None, w2, 1e-6)),
+            ("residual_norm", (h, p, w, 1e-6, None), (h, y, w, 1e-6, None)),
+            ("qkv_norm_rope", (pq, pk, pv, torch.bfloat16, wq, 1e-6, wk, 1e-6, None, 1e-6, cos, sin),
+             (yq, yk, yv, wq, 1e-6, wk, 1e-6, None, 1e-6, cos, sin)),
+            ("norm_rope", (pq, torch.bfloat16, wq, 1e-6, cos, sin), (yq, wq, 1e-6, cos, sin)),
+            ("ple_inputs", (pp, scale, wp, 1e-6, tok, scale), (sum_slices(pp, torch.bfloat16), scale, wp, 1e-6, tok, scale))]
+
+
+@pytest.mark.parametrize("slices", [1, 2, 8])
+def test_summed_ops_are_the_ops_on_the_rounded_sum(ops, slices):
+    for name, summed_args, plain_args in _cases(slices, T=5, seed=slices):
+        got, want = getattr(ops, "summed_" + name)(*summed_args), getattr(ops, name)(*plain_args)
+        for a, b in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (got, want))):
+            assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape, name
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2 ** -6, msg=name)
+
+
+def test_one_compilation_per_op_and_slice_count_for_every_step_size():
+    compilations: list[str] = []
+
+    def counting(gm, example_inputs):
+        compilations.append(str(gm.code))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        ops = fast_path.compile_ops(backend=counting)
+        for slices in (8, 2, 10):
+            for T in (2, 16, 4, 64, 8, 32, 3):  # step sizes, the padding-free ones of a segmented forward among them
+                for name, summed_args, _ in _cases(slices, T):
+                    getattr(ops, "summed_" + name)(*summed_args)
+        assert len(compilations) == 3 * 5, f"{len(compilations)} compilations for 5 ops at 3 slice counts"
+    finally:
+        torch._dynamo.reset()
