@@ -561,17 +561,19 @@ def _prefill_softmax_kernel(s_ptr, out_ptr, S, t, first_q, key0, window, scaling
 
 
 @triton.jit
-def _gather_rows(table_ptr, ids_ptr, out_ptr, scale, width, stride_table, stride_out, HAS_SCALE: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _gather_rows(table_ptr, ids_ptr, out_ptr, scale, width, n_rows, stride_table, stride_out,
+                 HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """out[r] = table[ids[r]] (times `scale` where HAS_SCALE, computed in fp32 and rounded once to
     out's dtype, as torch multiplies a bf16 tensor by a bf16 scalar), BLOCK columns a program. The
     table may be host memory the GPU reads in place (server/host_rows.py): each program's loads
-    are one PCIe round trip, all of a row's programs in flight at once."""
+    are one PCIe round trip, all of a row's programs in flight at once. An id outside the table's
+    n_rows reads nothing and gives a row of zeros: the kernel never reads past the table (the
+    server refuses such ids before they get here; this keeps a bug from reading host memory)."""
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < width
     row = tl.load(ids_ptr + r).to(tl.int64)   # E4B's per-layer table spans 2.8e9 elements: 64-bit offsets
-    x = tl.load(table_ptr + row * stride_table + cols, mask=inside)
+    inside = cols < width
+    x = tl.load(table_ptr + row * stride_table + cols, mask=inside & (row >= 0) & (row < n_rows), other=0.0)
     if HAS_SCALE:
         x = (x.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r * stride_out + cols, x, mask=inside)

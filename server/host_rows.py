@@ -97,7 +97,7 @@ class HostRowTable:
         if ids.shape[0]:
             _gather_rows[(ids.shape[0], -(-self.width // _BLOCK))](
                 self.weight, ids, out, 1.0 if self._scale_value is None else self._scale_value, self.width,
-                self.weight.stride(0), out.stride(0), HAS_SCALE=self._scale_value is not None, BLOCK=_BLOCK,
+                self.weight.shape[0], self.weight.stride(0), out.stride(0), HAS_SCALE=self._scale_value is not None, BLOCK=_BLOCK,
                 num_warps=4)
         return out
 

@@ -64,7 +64,7 @@ def test_gather_kernel_reads_16_bytes_a_thread_with_64_bit_rows_ptx(has_scale):
     from server.gpu_kernels import _gather_rows
 
     sig = {"table_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "scale": "fp32", "width": "i32",
-           "stride_table": "i32", "stride_out": "i32", "HAS_SCALE": "constexpr", "BLOCK": "constexpr"}
+           "n_rows": "i32", "stride_table": "i32", "stride_out": "i32", "HAS_SCALE": "constexpr", "BLOCK": "constexpr"}
     ptx = sm90_ptx(_gather_rows, sig, {"HAS_SCALE": has_scale, "BLOCK": 1024})
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
     assert accesses == Counter({"ld.global.b64": 1, "ld.global.v4.b32": 1, "st.global.v4.b32": 1}), accesses
@@ -108,6 +108,10 @@ def main(out: str) -> int:
             want = module(ids)
             table = HostRowTable(copy.deepcopy(module), cpu, mapped=True)
             rows.append((f"{dtype} width {width} scale {scale}", table.mapped and torch.equal(table(ids), want)))
+            # ids outside the table read nothing: zero rows, the valid rows beside them as ever
+            bad = table(torch.tensor([-1, 300, 5, 1 << 40]))
+            rows.append((f"{dtype} width {width}: ids outside the table", bool((bad[[0, 1, 3]] == 0).all())
+                         and torch.equal(bad[2], module(torch.tensor([5]))[0])))
 
     targets = {}
     ids = prompt_of(60, 512, seed=7)
