@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         run["split_k_scratch_MiB"] = fast.step_scratch_bytes / 2**20
         run["attention_scratch_MiB"] = sum((a.m.numel() + a.l.numel() + a.acc.numel()) * 4
                                            for a in fast.step_attention.values()) / 2**20
-        run["rope_MiB"] = sum(t.numel() * t.element_size() for cs in fast.rope.values() for t in cs) / 2**20
+        run["rope_MiB"] = fast.rope_table.numel() * fast.rope_table.element_size() / 2**20
         run["prefill_note"] = fast.prefill_note
         run["warmup_s"] = fast.warmup()
         run["graphs"] = fast.timings.graphs

@@ -619,14 +619,33 @@ class FastTarget:
         return out
 
     def _build_rope(self, text, cfg) -> None:
-        """cos/sin tables for every position, computed by the HF rotary module itself."""
+        """cos/sin tables for every position, computed by the HF rotary module itself, side by side in
+        one table (`rope_table`: a position's cos and sin of each layer kind in one row), so a step
+        looks its positions up in one launch (`rope_rows`)."""
         n = self.max_len + self.chunk
         positions = torch.arange(n, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-        self.rope = {}
+        parts, self._rope_columns = [], {}
+        at = 0
         for layer_type in sorted(set(cfg.layer_types)):
-            cos, sin = text.rotary_emb(probe, positions, layer_type)
-            self.rope[layer_type == "sliding_attention"] = (cos[0].contiguous(), sin[0].contiguous())
+            cos, sin = (t[0] for t in text.rotary_emb(probe, positions, layer_type))
+            d = cos.shape[-1]
+            self._rope_columns[layer_type == "sliding_attention"] = (slice(at, at + d), slice(at + d, at + 2 * d))
+            parts += [cos, sin]
+            at += 2 * d
+        self.rope_table = torch.cat(parts, 1).contiguous()
+        # the Triton gather (server/host_rows.py gather_rows) where the step kernels' GPUs run it
+        self._rope_gather = self.device.type == "cuda" and triton_available()
+
+    def rope_rows(self, pos: torch.Tensor) -> dict:
+        """{sliding: (cos, sin)}, each [T, 1, D], for positions `pos` [T] (on the device): one
+        gather of `rope_table`'s rows (one launch on CUDA), the kinds' columns views of it."""
+        if self._rope_gather:
+            from server.host_rows import gather_rows
+            rows = gather_rows(self.rope_table, pos, self.device)
+        else:
+            rows = self.rope_table.index_select(0, pos)
+        return {s: (rows[:, c][:, None, :], rows[:, n][:, None, :]) for s, (c, n) in self._rope_columns.items()}
 
     def _allocate(self) -> None:
         dev, dt = self.device, self.dtype
@@ -730,8 +749,7 @@ class FastTarget:
                                      self.ple_input_scale)
         for seg in segments:
             seg.prepare(pos, from_buffers, step, ops)
-        cos_sin = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :])
-                   for s, (c, n) in self.rope.items()}
+        cos_sin = self.rope_rows(pos)
 
         # Each RMSNorm that reads the residual stream runs in the kernel that last wrote it
         # (residual_norm_rms): a layer's input norm in the previous layer's last one, the final norm

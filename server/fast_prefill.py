@@ -57,7 +57,7 @@ def prefill_layers(fast, ids: list[int], start: int, checkpoint) -> torch.Tensor
         ple = ops.ple_inputs(proj, fast.ple_model_proj_scale, _w(fast.ple_norm), _eps(fast.ple_norm), tok,
                              fast.ple_input_scale)
         del tok, proj  # [T, layers x ple_dim] each (E4B: 21 KiB a token): not kept through the layers
-    rope = {s: (c.index_select(0, pos)[:, None, :], n.index_select(0, pos)[:, None, :]) for s, (c, n) in fast.rope.items()}
+    rope = fast.rope_rows(pos)
     sources: dict[int, tuple] = {}   # source layer -> (k, v, position of the first key) for its readers
     first_shared = next((layer.index for layer in fast.layers if layer.source != layer.index), fast.n_layers)
     q0 = start                       # position of the first query row (host-side: no device syncs)

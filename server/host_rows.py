@@ -90,16 +90,7 @@ class HostRowTable:
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The mapped lookup: the rows of `ids` (on the device), read from host memory by one kernel."""
-        from server.gpu_kernels import _gather_rows
-
-        ids = ids.contiguous()  # (every caller's are: the kernel reads ids[r] at r)
-        out = torch.empty(ids.shape[0], self.width, dtype=self.dtype, device=self.device)
-        if ids.shape[0]:
-            _gather_rows[(ids.shape[0], -(-self.width // _BLOCK))](
-                self.weight, ids, out, 1.0 if self._scale_value is None else self._scale_value, self.width,
-                self.weight.shape[0], self.weight.stride(0), out.stride(0), HAS_SCALE=self._scale_value is not None, BLOCK=_BLOCK,
-                num_warps=4)
-        return out
+        return gather_rows(self.weight, ids, self.device, self._scale_value)
 
     def _map(self, insist: bool) -> str | None:
         """Map the table for the GPU (None), or say why not (the table stays staged). Under Triton's
@@ -145,6 +136,23 @@ def _driver():
     lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     return lib
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, device: torch.device, scale: float | None = None) -> torch.Tensor:
+    """table[ids] (times `scale`, rounded as torch rounds a bf16 tensor times a bf16 scalar) in one
+    launch of server/gpu_kernels.py `_gather_rows`: a table on the device, or a host table mapped
+    for it (HostRowTable), ids on `device`. Rows are read 16 bytes a thread, so a captured step's
+    lookups (the RoPE tables' rows: FastTarget.rope_rows) are one short kernel."""
+    from server.gpu_kernels import _gather_rows
+
+    ids = ids.contiguous()  # (every caller's are: the kernel reads ids[r] at r)
+    width = table.shape[1]
+    out = torch.empty(ids.shape[0], width, dtype=table.dtype, device=device)
+    if ids.shape[0]:
+        _gather_rows[(ids.shape[0], -(-width // _BLOCK))](
+            table, ids, out, 1.0 if scale is None else scale, width, table.shape[0], table.stride(0), out.stride(0),
+            HAS_SCALE=scale is not None, BLOCK=_BLOCK, num_warps=4)
+    return out
 
 
 def _register(address: int, nbytes: int, device: torch.device) -> str | None:
