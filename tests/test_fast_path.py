@@ -145,13 +145,18 @@ def test_captured_equals_uncaptured_and_hf_fp32():
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,quant,step_kernels", [(torch.float32, False, False), (torch.bfloat16, False, True),
-                                                      (torch.bfloat16, True, True), (torch.bfloat16, True, False)])
-def test_drafted_equals_plain_cuda(dtype, quant, step_kernels):
+@pytest.mark.parametrize("dtype,quant,step_kernels,summed", [
+    (torch.float32, False, False, False), (torch.bfloat16, False, True, False), (torch.bfloat16, True, True, False),
+    (torch.bfloat16, True, False, False), (torch.bfloat16, False, True, True), (torch.bfloat16, True, True, True)])
+def test_drafted_equals_plain_cuda(dtype, quant, step_kernels, summed, monkeypatch):
     """Same path, drafts on vs off. fp32 must be identical, and so must bf16 and int4 on the
-    batch-invariant step kernels (a verify's logits equal the one-token steps'). Without them
+    batch-invariant step kernels (a verify's logits equal the one-token steps'), with the split-K
+    sums in the matmuls or in the ops that read them (`summed`: SUMMED_SLICES). Without step kernels
     (tinygemm/cuBLAS steps) a batched verify may round differently from a one-token step: there the
     divergence is measured (share of tokens after the first difference) and bounded, not hidden."""
+    from server import fast_path
+
+    monkeypatch.setattr(fast_path, "SUMMED_SLICES", summed)
     model = cuda_model(dtype, quant=quant)
     fast = FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64, step_kernels=step_kernels)
     assert fast.step_kernels == step_kernels, fast.step_kernel_note
@@ -174,10 +179,15 @@ def test_drafted_equals_plain_cuda(dtype, quant, step_kernels):
 
 @needs_cuda
 @pytest.mark.parametrize("quant", [False, True])
-def test_step_kernels_batch_invariant_and_close(quant):
+@pytest.mark.parametrize("summed", [False, True])
+def test_step_kernels_batch_invariant_and_close(quant, summed, monkeypatch):
     """A 64-token step's logits are bit-identical to 64 one-token steps' (context past the sliding
     window and across attention chunks), so are the rows of every bucket (2..64) at every row count,
-    and they are close to the tinygemm/cuBLAS steps' logits."""
+    and they are close to the tinygemm/cuBLAS steps' logits; with the split-K sums in the matmuls
+    and in the ops that read them (`summed`: SUMMED_SLICES)."""
+    from server import fast_path
+
+    monkeypatch.setattr(fast_path, "SUMMED_SLICES", summed)
     model = cuda_model(torch.bfloat16, quant=quant)
     ids = prompt_of(230, model.config.vocab_size, seed=6)
     fast = FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64)
@@ -303,8 +313,8 @@ def test_summed_slices_equal_matmul_sums_cuda(quant, monkeypatch):
     the logits are the same bits: the slices, summed in order and rounded, are the matmul's output.
     Compiled, the same model to within rounding (inductor keeps other values of the fused ops in
     bf16; tests/test_summed_ops.py). That steps of every size agree bit for bit with the sums in
-    the ops is test_step_kernels_batch_invariant_and_close's and the drafted-equals-plain tests'
-    (SUMMED_SLICES is on by default)."""
+    the ops is test_step_kernels_batch_invariant_and_close's and test_drafted_equals_plain_cuda's
+    (each run both ways)."""
     from server import fast_path
 
     model = cuda_model(torch.bfloat16, quant=quant)
@@ -315,7 +325,12 @@ def test_summed_slices_equal_matmul_sums_cuda(quant, monkeypatch):
             monkeypatch.setattr(fast_path, "SUMMED_SLICES", on)
             fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64, fuse=fuse)
             assert fast.step_kernels and fast.summed_slices == on, fast.step_kernel_note
-            assert max(lin.split for lin in fast.step_linears()) > 1   # there are slices to sum
+            # the linears whose slices the ops sum have several (the per-layer projection, K = 128, one:
+            # its output itself passes through)
+            sliced = [lin for layer in fast.layers for lin in (layer.step.qkv or layer.step.q, layer.step.o,
+                                                                  layer.step.down)]
+            assert all(lin.split > 1 for lin in sliced) and fast.ple_model_proj_step.split > 1
+            assert {layer.step.ple_proj.split for layer in fast.layers} == {1}
             steps = _steps_logits(fast, ids)
             fast.rollback(fast.position - 30)
             logits[on] = torch.cat([steps, fast.step(ids[30:60]).float()])   # 30 rows: the gate's unfused gelu

@@ -25,7 +25,8 @@ INT4_CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 
 
 
 # split-K with the sums left to the next kernel (SmallMLinear.slices; the step ops sum them), and one K slice
-SLICES_CASES = [(64, 512, 1, 64), (96, 512, 20, 64), (96, 512, 33, 64), (64, 256, 7, 1)]
+SLICES_CASES = [(64, 512, 1, 64), (96, 512, 20, 64), (96, 512, 33, 64), (64, 512, 50, 64), (96, 512, 64, 64),
+                (64, 256, 7, 1)]
 # the gelu epilogues (GELU_PAIRS: gate | up in one weight; GELU_TIMES: times a strided u), split-K and not
 EPILOGUE_CASES = [(n, k, m, target) for n, k in ((128, 256), (192, 512)) for m in (1, 17, 40) for target in (1, 64)]
 
@@ -117,6 +118,11 @@ def _main() -> int:
         p = lin.slices(x)
         assert p.shape == (lin.split, m, n) and p.is_contiguous(), (p.shape, lin.split)
         assert torch.equal(sum_slices(p, x.dtype), want) and not lin.count.any(), ("slices", n, k, m)
+        width = k // lin.split
+        for s in range(lin.split):   # slice s is the product over K slice s, wherever the rows' tiles are
+            ks = slice(s * width, (s + 1) * width)
+            ref = x[:, ks].double() @ lin.weight[:, ks].double().t()
+            assert ((p[s].double() - ref).norm() / ref.norm()).item() < 1e-5, ("slice", s, n, k, m)
         print("ok slices", n, k, m, lin.split)
     return 0
 

@@ -39,6 +39,21 @@ def test_round_to_bfloat16_is_torchs_rounding(ops):
     assert not torch.equal(torch.compile(lambda t: t.bfloat16().float() * 1.0, dynamic=True)(y), want)
 
 
+@pytest.mark.parametrize("slices", [2, 3, 8])
+def test_compiled_sum_is_the_ordered_rounded_sum(ops, slices):
+    """Inside a compiled kernel, sum_slices adds the slices in order from the first and rounds once:
+    the eager loop's bits (an unrounded or reordered sum differs somewhere in 64k values)."""
+    g = torch.Generator().manual_seed(slices)
+    p = torch.randn(slices, 64, 1024, generator=g) * 10.0 ** torch.randint(-3, 4, (slices, 64, 1024), generator=g)
+    total = p[0].clone()
+    for s in range(1, slices):
+        total += p[s]
+    want = total.bfloat16().float()
+    compiled = torch.compile(lambda t: sum_slices(t, torch.bfloat16).float() * 1.0, dynamic=True)
+    assert torch.equal(compiled(p), want)
+    assert not torch.equal(p.flip(0).sum(0).bfloat16().float(), want) or not torch.equal(total, want)
+
+
 def _cases(slices: int, T: int, seed: int = 0):
     """(summed op, its arguments, the plain op, its arguments on the rounded sum) for each summed op."""
     g = torch.Generator().manual_seed(seed)
@@ -50,6 +65,8 @@ def _cases(slices: int, T: int, seed: int = 0):
     y = sum_slices(p, torch.bfloat16)
     h, w, w2 = bf(T, N), bf(N), bf(N)
     pq, pk, pv = (t.unflatten(-1, (heads, D)) for t, heads in zip(p.split((H * D // 2, D, D), -1), (H // 2, 1, 1)))
+    if seed % 2:   # a layer whose values are its keys (q|k only): one tensor passed as both
+        pv = pk
     yq, yk, yv = (sum_slices(t, torch.bfloat16) for t in (pq, pk, pv))
     cos, sin, wq, wk = bf(T, 1, D), bf(T, 1, D), bf(D), bf(D)
     pp = p.unflatten(-1, (4, N // 4))   # the per-layer inputs: [S, T, layers, per-layer size]
