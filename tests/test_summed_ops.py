@@ -45,6 +45,8 @@ def test_compiled_sum_is_the_ordered_rounded_sum(ops, slices):
     the eager loop's bits."""
     g = torch.Generator().manual_seed(slices)
     p = torch.randn(slices, 64, 1024, generator=g) * 10.0 ** torch.randint(-3, 4, (slices, 64, 1024), generator=g)
+    p[:, 0, 0] = 0.0
+    p[:3, 0, 0] = torch.tensor([1e8, -1e8, 1.0])[:slices]   # in order 1; from the last slice back, 0
     total = p[0].clone()
     for s in range(1, slices):
         total += p[s]
