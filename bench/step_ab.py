@@ -2,6 +2,8 @@
 
     python -m bench.step_ab [--base REV] [--rounds 2] [--reps 200] [--out DIR]     (GPU machine)
     python -m bench.step_ab --tiny --rounds 1                                       (any machine: a smoke run)
+    python -m bench.step_ab --base-tree . --base HEAD --base-set server.fast_path.SUMMED_SLICES=False \
+        --head-set server.fast_path.SUMMED_SLICES=True                            (one switch, on against off)
 
 Contract: the version at git revision `--base` (default HEAD, i.e. the last commit, against the
 working tree's changes) is exported to a temporary folder (`git archive`), and each round runs one
@@ -16,8 +18,11 @@ CUDA graphs, a 1,000-token prompt, then
   - plain greedy decode of 256 tokens at 1k context (tokens/s, the prefill excluded; after an untimed
     first decode, which captures the graphs of positions past 1,024) and drafted
     decode with oracle drafts (20% of tokens wrong): drafted equals plain, token for token.
-Writes DIR/step_ab.json and step_ab.md (default bench/results/): per version, the median over
-rounds and the range. `--tiny` measures a tiny random Gemma 4 on the CPU instead (no graphs, no
+`--base-set` / `--head-set MODULE.NAME=VALUE` (repeatable): a module-level setting of that version's
+code set before it measures (VALUE a Python literal; a name the module lacks is refused), so one
+switch (the fast path's A/B flags) is compared within one tree, `--base-tree .`. Writes
+DIR/step_ab.json and step_ab.md (default bench/results/): per version, the median over rounds and
+the range, and the settings each ran with. `--tiny` measures a tiny random Gemma 4 on the CPU instead (no graphs, no
 kernel count): it checks the harness, and its times mean nothing.
 """
 from __future__ import annotations
@@ -146,12 +151,34 @@ def _tiny_gemma4():
     return model
 
 
-def run_version(tree: Path, tiny: bool, reps: int) -> dict:
-    """`measure` in a fresh process whose imports come from `tree`."""
+def apply_settings(settings: list[str]) -> dict:
+    """Each `MODULE.NAME=VALUE` set on the imported module (VALUE a Python literal); returns them as
+    {"MODULE.NAME": value}. A module without that name, or a malformed setting, is an error."""
+    import ast
+    import importlib
+
+    applied = {}
+    for setting in settings:
+        target, sep, text = setting.partition("=")
+        module_name, _, name = target.rpartition(".")
+        if not sep or not module_name or not name:
+            raise ValueError(f"a setting is MODULE.NAME=VALUE, not {setting!r}")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            raise ValueError(f"{module_name} has no {name} to set")
+        value = ast.literal_eval(text)
+        setattr(module, name, value)
+        applied[target] = value
+    return applied
+
+
+def run_version(tree: Path, tiny: bool, reps: int, settings: list[str] = ()) -> dict:
+    """`measure` in a fresh process whose imports come from `tree`, with `settings` applied first."""
     # The tree first; what the caller's PYTHONPATH adds (packages installed beside the system's) after it.
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != "."]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + extra), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", "--reps", str(reps)] + (["--tiny"] if tiny else [])
+    cmd = ([sys.executable, str(Path(__file__).resolve()), "--measure", "--reps", str(reps)] + (["--tiny"] if tiny else [])
+           + [arg for setting in settings for arg in ("--head-set", setting)])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
@@ -186,7 +213,9 @@ def markdown(r: dict) -> str:
         "# Fast-path step A/B: two versions of the code, side by side",
         "",
         f"{r['when']}, {r['machine']}, {r['device']}. Command: `{r['command']}`. base = {r['base']}, head = "
-        f"{r['head']}. {r['rounds']} rounds, alternating base and head; median over rounds (range).",
+        f"{r['head']}. {r['rounds']} rounds, alternating base and head; median over rounds (range)."
+        + "".join(f" {v} sets {', '.join(f'`{x}`' for x in r['settings'][v])}." for v in ("base", "head")
+                  if r.get("settings", {}).get(v)),
         "",
         "| | base | head | head / base |",
         "|---|---|---|---|",
@@ -233,10 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200, help="timed calls per figure")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--base-set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a module-level setting of the base version's code, set before it measures (repeatable)")
+    ap.add_argument("--head-set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="the same for this checkout's version")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args(argv)
-    if args.measure:
-        print(json.dumps(measure(args.tiny, args.reps)), flush=True)
+    if args.measure:   # a child: its settings come as --head-set
+        applied = apply_settings(args.head_set)
+        print(json.dumps({**measure(args.tiny, args.reps), "settings": applied}), flush=True)
         return 0
     from bench.results import write_results
 
@@ -248,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base_tree, base_commit = Path(tmp), export(args.base, Path(tmp))
         for r in range(args.rounds):
-            for name, tree in (("base", base_tree), ("head", ROOT)):
-                samples[name].append(run_version(tree, args.tiny, args.reps))
+            for name, tree, settings in (("base", base_tree, args.base_set), ("head", ROOT, args.head_set)):
+                samples[name].append(run_version(tree, args.tiny, args.reps, settings))
                 print(f"round {r + 1} {name}: {samples[name][-1]}", file=sys.stderr, flush=True)
     results = {"command": "python -m bench.step_ab" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
                "device": device, "base": f"{args.base} ({base_commit[:12]})", "head": "this checkout",
-               "rounds": args.rounds, "samples": samples,
+               "rounds": args.rounds, "samples": samples, "settings": {"base": args.base_set, "head": args.head_set},
                "versions": {k: summarize(v) for k, v in samples.items()}}
     from bench.results import run_header
 

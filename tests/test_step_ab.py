@@ -18,3 +18,21 @@ def test_step_ab_tiny_runs_both_versions(tmp_path):
         (sample,) = record["samples"][name]
         assert sample["drafted_equals_plain"] and sample["step1_ms"] > 0 and sample["kernels_per_step"] is None
     assert "| one-token step, ms |" in (tmp_path / "step_ab-tiny.md").read_text()
+
+
+@pytest.mark.slow
+def test_step_ab_compares_one_switch_within_one_tree(tmp_path):
+    """--base-tree . with --base-set / --head-set: the same code, a module setting off against on
+    (recorded with each sample); a setting the module lacks is refused before anything runs."""
+    from bench import step_ab
+
+    flag = "server.fast_path.SUMMED_SLICES"
+    assert step_ab.main(["--tiny", "--rounds", "1", "--reps", "5", "--out", str(tmp_path), "--base-tree",
+                         str(step_ab.ROOT), "--base-set", f"{flag}=False", "--head-set", f"{flag}=True"]) == 0
+    record = json.loads((tmp_path / "step_ab-tiny.json").read_text())
+    assert record["samples"]["base"][0]["settings"] == {flag: False}
+    assert record["samples"]["head"][0]["settings"] == {flag: True}
+    assert f"head sets `{flag}=True`" in (tmp_path / "step_ab-tiny.md").read_text()
+    for bad in ("server.fast_path.NO_SUCH_FLAG=1", "SUMMED_SLICES", "server.fast_path.SUMMED_SLICES=maybe"):
+        with pytest.raises(ValueError):
+            step_ab.apply_settings([bad])
