@@ -151,24 +151,49 @@ def _tiny_gemma4():
     return model
 
 
-def apply_settings(settings: list[str]) -> dict:
-    """Each `MODULE.NAME=VALUE` set on the imported module (VALUE a Python literal); returns them as
-    {"MODULE.NAME": value}. A module without that name, or a malformed setting, is an error."""
+def parse_settings(settings: list[str]) -> list[tuple[str, str, object]]:
+    """(module, name, value) of each `MODULE.NAME=VALUE`, checked against this process's modules:
+    VALUE a Python literal of the type the setting has (an int where it is a float), the module
+    one of the code's (not this harness: a child measures in its own copy of it). A ValueError
+    names the setting otherwise."""
     import ast
     import importlib
 
-    applied = {}
+    parsed = []
     for setting in settings:
         target, sep, text = setting.partition("=")
         module_name, _, name = target.rpartition(".")
         if not sep or not module_name or not name:
             raise ValueError(f"a setting is MODULE.NAME=VALUE, not {setting!r}")
-        module = importlib.import_module(module_name)
+        if module_name in (__name__, "bench.step_ab", "__main__"):
+            raise ValueError(f"{setting!r}: the harness's own settings are not settable (its children measure "
+                             "in a copy of it)")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"{setting!r}: the value is not a Python literal ({e})") from None
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"{setting!r}: no module {module_name} ({e})") from None
         if not hasattr(module, name):
-            raise ValueError(f"{module_name} has no {name} to set")
-        value = ast.literal_eval(text)
-        setattr(module, name, value)
-        applied[target] = value
+            raise ValueError(f"{setting!r}: {module_name} has no {name} to set")
+        current = getattr(module, name)
+        if not (type(value) is type(current) or (isinstance(current, float) and type(value) is int)):
+            raise ValueError(f"{setting!r}: {module_name}.{name} is a {type(current).__name__}, "
+                             f"not a {type(value).__name__}")
+        parsed.append((module_name, name, value))
+    return parsed
+
+
+def apply_settings(settings: list[str]) -> dict:
+    """Each `MODULE.NAME=VALUE` (`parse_settings`) set on its module; returns {"MODULE.NAME": value}."""
+    import importlib
+
+    applied = {}
+    for module_name, name, value in parse_settings(settings):
+        setattr(importlib.import_module(module_name), name, value)
+        applied[f"{module_name}.{name}"] = value
     return applied
 
 
@@ -274,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from bench.results import write_results
 
+    # Refused now, not a round later: every setting against this checkout's code (the base tree's
+    # too where it is this checkout; another tree's child checks its own names again)
+    base_is_here = args.base_tree is not None and Path(args.base_tree).resolve() == ROOT
+    parse_settings(args.head_set + (args.base_set if base_is_here else []))
+    if not base_is_here:
+        for setting in args.base_set:
+            if "=" not in setting:
+                raise ValueError(f"a setting is MODULE.NAME=VALUE, not {setting!r}")
     device = "CPU (tiny model)" if args.tiny else _gpu_name()
     samples: dict[str, list] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="sailfish-ab-") as tmp:

@@ -634,7 +634,8 @@ class FastTarget:
             parts += [cos, sin]
             at += 2 * d
         self.rope_table = torch.cat(parts, 1).contiguous()
-        # the Triton gather (server/host_rows.py gather_rows) where the step kernels' GPUs run it
+        # the Triton gather (server/host_rows.py gather_rows) on any CUDA device with Triton (a copy of
+        # rows: any dtype, with or without the step kernels); index_select elsewhere
         self._rope_gather = self.device.type == "cuda" and triton_available()
 
     def rope_rows(self, pos: torch.Tensor) -> dict:

@@ -4,6 +4,7 @@ times mean nothing; the figures the README quotes come from the GPU machine."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -23,7 +24,8 @@ def test_step_ab_tiny_runs_both_versions(tmp_path):
 @pytest.mark.slow
 def test_step_ab_compares_one_switch_within_one_tree(tmp_path):
     """--base-tree . with --base-set / --head-set: the same code, a module setting off against on
-    (recorded with each sample); a setting the module lacks is refused before anything runs."""
+    (recorded with each sample); a setting that cannot be honoured (a name the module lacks, a value
+    that is no literal or of another type, the harness's own constants) is refused before any round."""
     from bench import step_ab
 
     flag = "server.fast_path.SUMMED_SLICES"
@@ -33,6 +35,13 @@ def test_step_ab_compares_one_switch_within_one_tree(tmp_path):
     assert record["samples"]["base"][0]["settings"] == {flag: False}
     assert record["samples"]["head"][0]["settings"] == {flag: True}
     assert f"head sets `{flag}=True`" in (tmp_path / "step_ab-tiny.md").read_text()
-    for bad in ("server.fast_path.NO_SUCH_FLAG=1", "SUMMED_SLICES", "server.fast_path.SUMMED_SLICES=maybe"):
-        with pytest.raises(ValueError):
+    for bad in ("server.fast_path.NO_SUCH_FLAG=1", "SUMMED_SLICES", "server.fast_path.SUMMED_SLICES=maybe",
+                "server.fast_path.SUMMED_SLICES=", "server.fast_path.SUMMED_SLICES='False'", "bench.step_ab.GEN=8",
+                "server.no_such_module.X=1"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):   # the message names the setting
             step_ab.apply_settings([bad])
+        with pytest.raises(ValueError):   # from main, before a round runs (nothing is written)
+            step_ab.main(["--tiny", "--rounds", "1", "--out", str(tmp_path / "refused"), "--head-set", bad])
+    assert not (tmp_path / "refused").exists()
+    assert step_ab.parse_settings(["server.fast_path.PLE_GELU_FUSED_ROWS=8"]) == [
+        ("server.fast_path", "PLE_GELU_FUSED_ROWS", 8)]
