@@ -683,9 +683,10 @@ def _grammar_cut(draft: Draft, grammar: GrammarMatcher, room: int) -> tuple[Draf
     how many of the offered tokens it cut)."""
     offered = min(len(draft), room)
     valid = grammar.validate_tokens(draft.tokens[:offered])
+    cut = offered - valid
     if valid == len(draft):
-        return draft, offered - valid
-    return Draft(draft.tokens[:valid], draft.confidence[:valid], draft.source, draft.match_length), offered - valid
+        return draft, cut
+    return Draft(draft.tokens[:valid], draft.confidence[:valid], draft.source, draft.match_length), cut
 
 
 def _verify(sampler: Sampler, grammar: GrammarMatcher | None, logits: torch.Tensor, proposal: list[int],

@@ -728,6 +728,9 @@ class FastTarget:
         # On the step kernels, a split-K matmul's output is its K slices' partials, summed by the op
         # that reads it (the summed_* ops; server/small_m_matmul.py `slices`)
         sums = step and self.summed_slices
+        out_of = (lambda lin, a: lin.slices(a)) if sums else (lambda lin, a: lin(a))   # what the next op reads
+        residual_norm = ops.summed_residual_norm if sums else ops.residual_norm
+        residual_norm_rms = ops.summed_residual_norm_rms if sums else ops.residual_norm_rms
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
         if from_buffers and self.embed_staged:
             h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]
@@ -739,15 +742,10 @@ class FastTarget:
             else:
                 rows = self.embed_ple(ids)
             tok = rows.reshape(T, self.n_layers, self.ple_dim)
-            if sums:
-                p = self.ple_model_proj_step.slices(h).unflatten(-1, (self.n_layers, self.ple_dim))
-                ple = ops.summed_ple_inputs(p, self.ple_model_proj_scale, _w(self.ple_norm), _eps(self.ple_norm), tok,
-                                            self.ple_input_scale)
-            else:
-                proj = (self.ple_model_proj_step if step else self.ple_model_proj)(h).reshape(T, self.n_layers,
-                                                                                            self.ple_dim)
-                ple = ops.ple_inputs(proj, self.ple_model_proj_scale, _w(self.ple_norm), _eps(self.ple_norm), tok,
-                                     self.ple_input_scale)
+            proj = out_of(self.ple_model_proj_step if step else self.ple_model_proj, h)
+            ple = (ops.summed_ple_inputs if sums else ops.ple_inputs)(
+                proj.unflatten(-1, (self.n_layers, self.ple_dim)), self.ple_model_proj_scale, _w(self.ple_norm),
+                _eps(self.ple_norm), tok, self.ple_input_scale)
         for seg in segments:
             seg.prepare(pos, from_buffers, step, ops)
         cos_sin = self.rope_rows(pos)
@@ -766,12 +764,9 @@ class FastTarget:
             q, new_kv = self._attention_inputs(layer, x, T, cos, sin, step, sums, segments)
             parts = [seg.attend(layer, q, pos, step, ops, new_kv) for seg in segments]
             a = parts[0] if len(parts) == 1 else torch.cat(parts)
-            post_attention = (_w(hf.post_attention_layernorm), _eps(hf.post_attention_layernorm), None,
-                              _w(hf.pre_feedforward_layernorm), _eps(hf.pre_feedforward_layernorm))
-            if sums:
-                h, x = ops.summed_residual_norm_rms(h, layer.o.slices(a), *post_attention)
-            else:
-                h, x = ops.residual_norm_rms(h, layer.o(a), *post_attention)
+            h, x = residual_norm_rms(h, out_of(layer.o, a), _w(hf.post_attention_layernorm),
+                                     _eps(hf.post_attention_layernorm), None, _w(hf.pre_feedforward_layernorm),
+                                     _eps(hf.pre_feedforward_layernorm))
             # On the step kernels the gelus run in the epilogues of the matmuls they read (one launch
             # less each, FUSED_GELU): the same arithmetic on the same bits (tests/test_step_kernel_rows.py).
             if step and layer.gate_up_gelu is not None:
@@ -784,11 +779,11 @@ class FastTarget:
                 else:
                     g, u = layer.gate(x), layer.up(x)
                 activated = ops.gelu_mul(g, u)
-            y = layer.down.slices(activated) if sums else layer.down(activated)
+            y = out_of(layer.down, activated)
             post_ff = (_w(hf.post_feedforward_layernorm), _eps(hf.post_feedforward_layernorm))
             last_norm = (getattr(hf, "layer_scalar", None), _w(next_norm), _eps(next_norm))
             if self.ple_dim:
-                h = (ops.summed_residual_norm if sums else ops.residual_norm)(h, y, *post_ff, None)
+                h = residual_norm(h, y, *post_ff, None)
                 ple_in = ple[:, layer.index]
                 # (the gate sums its own slices: its gelu, fused or not, reads them summed and rounded, so
                 # steps of every size get the same bits; a summed op would be another kernel's arithmetic)
@@ -796,9 +791,9 @@ class FastTarget:
                     gated = layer.ple_gate(h, gelu_times=ple_in)
                 else:
                     gated = ops.gelu_mul(layer.ple_gate(h), ple_in)
-                y = layer.ple_proj.slices(gated) if sums else layer.ple_proj(gated)
+                y = out_of(layer.ple_proj, gated)
                 post_ff = (_w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm))
-            h, x = (ops.summed_residual_norm_rms if sums else ops.residual_norm_rms)(h, y, *post_ff, *last_norm)
+            h, x = residual_norm_rms(h, y, *post_ff, *last_norm)
         logits = (self.lm_head_step if step else self.lm_head)(x)  # x: the final norm of h
         return ops.softcap(logits, self.softcap) if self.softcap else logits
 
