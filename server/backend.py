@@ -127,6 +127,31 @@ def measure_cost_curve(backend: Backend, vocab: int, max_tokens: int, context_le
     return curve
 
 
+# A kept curve still holds when the ratio of its largest forward to a 1-token one, measured again at
+# start-up, is within this factor of the kept one (either way). Measured on the bundled model's CPU
+# path (2 cores): the ratio at 17 tokens is 2.95-2.98 on a quiet machine, and a curve kept from a
+# start whose measurement ran beside other work said 1.28 (drafting sized by it verified long
+# drafts that did not pay: 4 streams 1.43x one stream's tokens/s, against 1.53-1.58x before). A
+# tiny model's sub-millisecond forwards measure within 1.17x of their kept ratio (30 checks).
+KEPT_CURVE_TOLERANCE = 1.35
+
+
+def kept_curve_check(backend: Backend, vocab: int, curve: np.ndarray, context_len: int = 256,
+                     rounds: int = 5) -> tuple[bool, float]:
+    """(whether `curve`, kept from an earlier start, still holds; the cost of its largest forward
+    measured now): that forward and a 1-token one timed as `measure_cost_curve` times them (2 of
+    its 9 forward sizes), compared with the curve's last point within
+    KEPT_CURVE_TOLERANCE. A curve measured while other work shared the machine, or on a machine
+    that has changed since, does not hold."""
+    n = len(curve) - 1
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+    seconds = time_forwards(backend, context, [1, n], rounds)
+    now = max(1.0, seconds[n] / seconds[1])
+    kept = max(1.0, float(curve[n]))
+    return max(now / kept, kept / now) <= KEPT_CURVE_TOLERANCE, now
+
+
 def monotone_fit(values: list[float]) -> list[float]:
     """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
     blocks: list[list[float]] = []  # [sum, count]

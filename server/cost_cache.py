@@ -6,7 +6,8 @@ measured under them. `get(conditions)` returns the kept curve or None; `put(cond
 seconds)` keeps one. The file is JSON, written atomically (a temporary file, then a rename); a
 file that cannot be read is treated as empty and replaced on the next `put`. A curve is used only
 when every condition matches exactly: a new device, dtype, path or thread count measures again,
-and so does `--remeasure-cost`.
+and so does `--remeasure-cost`. The engine also checks a kept curve before it uses it
+(server/backend.py `kept_curve_check`) and replaces one that no longer holds.
 """
 from __future__ import annotations
 

@@ -59,3 +59,26 @@ def test_curve_is_kept_and_reused(tmp_path):
     assert CostCurveCache(path).get({"max_tokens": 16}) is None
     engine_for(model, adaptive=True, cost_cache=path)
     assert len(CostCurveCache(path)._read()) == 1
+
+
+def test_a_kept_curve_that_no_longer_holds_is_measured_again(tmp_path):
+    """A kept curve is checked at start-up (its largest forward against a step, timed again): one
+    kept from a start whose measurement ran beside other work (here: written 3x too steep) is
+    measured again and replaced; the note says why."""
+    import json
+
+    model = tiny_gemma4(seed=2)
+    path = tmp_path / "cost-curves.json"
+    first = engine_for(model, adaptive=True, cost_cache=path)
+    entries = json.loads(path.read_text())
+    steep = [0.0, 1.0] + [3.0 * c for c in entries[0]["curve"][2:]]
+    entries[0]["curve"] = steep
+    path.write_text(json.dumps(entries))
+    second = engine_for(model, adaptive=True, cost_cache=path)
+    note = next(n for n in second.notes if n.startswith("verify cost curve"))
+    assert "measured in" in note and "no longer held" in note, note
+    assert second.policy.cost[-1] < steep[-1] / 2 and abs(second.policy.cost[-1] / first.policy.cost[-1] - 1) < 0.35
+    kept = json.loads(path.read_text())
+    assert len(kept) == 1 and kept[0]["curve"][-1] < steep[-1] / 2  # replaced, not kept beside
+    third = engine_for(model, adaptive=True, cost_cache=path)
+    assert any("kept from an earlier start" in n and "checked now" in n for n in third.notes)
