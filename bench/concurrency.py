@@ -2,6 +2,7 @@
 
     python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64] [--warmup-streams N]
                                 [--workload tool_calls|agentic] [--index DIR] [--out bench/results]
+                                [--llama-server PATH [--llama-modes plain,ngram-simple]]
 
 For each setting (drafting on and off; `--parallel 1`, the one-at-a-time baseline, and the default
 `--parallel`) a real server (`python -m server`) is started on the bundled model and the workload's
@@ -24,6 +25,13 @@ figures do not depend on this machine's personal index, nor on whether it has on
 usable index drafts from the live context alone; before 12-03 it decoded plainly, and the
 "drafted" rows measured plain decoding). A drafted setting whose server reports no index in service
 stops the benchmark.
+
+With `--llama-server PATH` (a llama-server binary: llama.cpp's own server, which the pip package
+does not ship; build it from llama-cpp-python's vendored llama.cpp) the same phases run against it
+on the bundled GGUF, one setting per `--llama-modes` entry, with as many parallel slots (-np) as
+Sailfish's `--parallel` (its continuous batching), its prompt cache on, the same prompt token ids,
+greedy, the same stop strings and threads; a table then sets Sailfish's drafted aggregate tokens/s
+beside the best llama-server setting's at each stream count.
 """
 from __future__ import annotations
 
@@ -37,6 +45,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.results import run_header, write_results
+
+PARALLEL = 4  # requests a server decodes at once: Sailfish's --parallel, llama-server's -np
+OURS = f"drafted, --parallel {PARALLEL}"
 
 
 def run_at_once(targets: list) -> float:
@@ -65,6 +76,55 @@ def build_public_index(out_dir: Path) -> dict:
     return {"turns": summary.turns, "tokens": summary.tokens}
 
 
+def run_phases(ask, n_requests: int, streams: list[int], warmup_streams: int = 0,
+               batching=lambda: None) -> dict:
+    """The phases of one setting. `ask(i)` sends request i and returns (what must equal its solo
+    answer, completion tokens); `batching()` reads the server's shared-forward counters (None where
+    it has none). Each request is first sent alone (its solo answer and latency), then by n streams
+    at once for every n in `streams`, after an untimed phase of `warmup_streams`."""
+
+    def timed(i: int) -> tuple:
+        t0 = time.perf_counter()
+        answer, tokens = ask(i)
+        return answer, tokens, time.perf_counter() - t0
+
+    timed(0)  # warm-up (first-request costs are not a stream's)
+    solo = [timed(i) for i in range(n_requests)]
+    out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "streams": {}}
+
+    def phase(n: int) -> tuple[dict, float]:
+        """The requests sent by n streams at once: ({request: (answer, tokens, latency)}, wall seconds)."""
+        answers: dict = {}
+        next_request = iter(range(n_requests))
+        lock = threading.Lock()
+
+        def stream():
+            while True:
+                with lock:
+                    i = next(next_request, None)
+                if i is None:
+                    return
+                answers[i] = timed(i)
+
+        return answers, run_at_once([stream] * n)
+
+    if warmup_streams:
+        phase(warmup_streams)  # untimed: buffers a concurrent forward needs are made once (see the docstring)
+    for n in streams:
+        before = batching()
+        answers, wall = phase(n)
+        shared = forwards_shared(before, batching())
+        latencies = [answers[i][2] for i in answers]
+        out["streams"][str(n)] = {
+            "tokens_per_s": sum(a[1] for a in answers.values()) / wall, "wall_s": wall,
+            "latency_p50": float(np.median(latencies)), "latency_p90": float(np.percentile(latencies, 90)),
+            "identical": sum(answers[i][0] == solo[i][0] for i in answers), "requests": len(answers), **shared}
+        s = out["streams"][str(n)]
+        print(f"    {n} streams: {s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50']:.2f} s, "
+              f"identical {s['identical']}/{s['requests']}", file=sys.stderr)
+    return out
+
+
 def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path,
                 warmup_streams: int = 0) -> dict:
     import httpx
@@ -78,58 +138,53 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
             raise RuntimeError(f"a drafted setting's server has no index in service: {health['drafting']}")
         client = httpx.Client(base_url=base, timeout=600)
 
-        def ask(req: dict) -> tuple[dict, int, float]:
+        def ask(i: int) -> tuple[tuple, int]:
+            req = requests[i]
             body = {"model": "bench", "messages": req["messages"], "tools": req["tools"] or None,
                     "max_tokens": max_tokens}
-            t0 = time.perf_counter()
             r = client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
             data = r.json()
-            return _answer(data["choices"][0]["message"]), data["usage"]["completion_tokens"], time.perf_counter() - t0
+            return _answer(data["choices"][0]["message"]), data["usage"]["completion_tokens"]
 
         def batching() -> dict | None:  # the server's shared-forward counters (None: requests one at a time)
             return httpx.get(base + "/health").json().get("batching")
 
-        ask(requests[0])  # warm-up (first-request costs are not a stream's)
-        solo = [ask(r) for r in requests]
-        out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "streams": {}}
-
-        def phase(n: int) -> tuple[dict, float]:
-            """The requests sent by n streams at once: ({request: (answer, tokens, latency)}, wall seconds)."""
-            answers: dict = {}
-            next_request = iter(range(len(requests)))
-            lock = threading.Lock()
-
-            def stream():
-                while True:
-                    with lock:
-                        i = next(next_request, None)
-                    if i is None:
-                        return
-                    answers[i] = ask(requests[i])
-
-            return answers, run_at_once([stream] * n)
-
-        if warmup_streams:
-            phase(warmup_streams)  # untimed: buffers a concurrent forward needs are made once (see the docstring)
-        for n in streams:
-            before = batching()
-            answers, wall = phase(n)
-            shared = forwards_shared(before, batching())
-            latencies = [answers[i][2] for i in answers]
-            out["streams"][str(n)] = {
-                "tokens_per_s": sum(a[1] for a in answers.values()) / wall, "wall_s": wall,
-                "latency_p50": float(np.median(latencies)), "latency_p90": float(np.percentile(latencies, 90)),
-                "identical": sum(answers[i][0] == solo[i][0] for i in answers), "requests": len(answers), **shared}
-            s = out["streams"][str(n)]
-            print(f"    {n} streams: {s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50']:.2f} s, "
-                  f"identical {s['identical']}/{s['requests']}", file=sys.stderr)
-        health = httpx.get(base + "/health").json()
-        out["batching"] = health.get("batching")
+        out = run_phases(ask, len(requests), streams, warmup_streams, batching)
+        out["batching"] = httpx.get(base + "/health").json().get("batching")
         return out
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def run_llama_setting(binary: str, mode: str, parallel: int, requests: list[dict], streams: list[int],
+                      max_tokens: int, warmup_streams: int = 0) -> dict:
+    """The same phases against llama.cpp's own server (`binary`) on the bundled GGUF, with `parallel`
+    slots (-np: its continuous batching) and `mode`'s drafting (bench.contenders.LlamaServer.MODES),
+    its prompt cache on; the prompts are the token ids Sailfish's chat format gives each request,
+    greedy, ending at the same stop strings. Its answer is its text (it is compared with its own
+    solo text)."""
+    import os
+
+    from bench.contenders import LlamaServer
+    from common.bundled_model import bundled_gguf_path
+    from common.chat_format import ChatFormat
+    from common.tokenizer import load_tokenizer
+    from server.protocol import parse_messages, parse_tools
+
+    tok = load_tokenizer()
+    fmt = ChatFormat.for_tokenizer(tok)
+    prompts = [tok.encode(fmt.render_prompt(parse_messages(r["messages"]), parse_tools(r["tools"] or []), "auto"),
+                          add_special_tokens=False) for r in requests]
+    stop = list(fmt.stop_strings())
+    server = LlamaServer(binary, str(bundled_gguf_path()), mode, os.cpu_count() or 1, parallel=parallel)
+    server.resume()  # (it is paused once ready: nothing else runs beside it here)
+    try:
+        return run_phases(lambda i: server.complete(prompts[i], max_tokens, stop), len(requests), streams,
+                          warmup_streams)
+    finally:
+        server.close()
 
 
 def forwards_shared(before: dict | None, after: dict | None) -> dict:
@@ -174,6 +229,20 @@ def markdown(r: dict) -> str:
                          f"{x['latency_p90']:.2f} | {x['latency_p50'] / s['solo_latency_p50']:.2f}x | "
                          f"{x['identical']}/{x['requests']} | {_carried(x)} |")
     lines.append("")
+    peers = {name: s for name, s in r["settings"].items() if name.startswith("llama-server")}
+    ours = r["settings"].get(OURS)
+    if peers and ours:
+        lines += ["Sailfish against llama.cpp's server, the same prompts (token ids), greedy, the same stop strings "
+                  "and threads, its prompt cache on: aggregate tokens/s of `" + OURS + "` over the best llama-server "
+                  "setting's at each stream count (each counts its own completion tokens).\n",
+                  "| streams | Sailfish tokens/s | best llama-server setting | its tokens/s | ratio |", "|---|---|---|---|---|"]
+        for n, x in ours["streams"].items():
+            best = max(peers, key=lambda name: peers[name]["streams"].get(n, {}).get("tokens_per_s", 0.0))
+            theirs = peers[best]["streams"].get(n)
+            if theirs:
+                lines.append(f"| {n} | {x['tokens_per_s']:.1f} | {best} | {theirs['tokens_per_s']:.1f} | "
+                             f"{x['tokens_per_s'] / theirs['tokens_per_s']:.2f}x |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -181,6 +250,21 @@ def _carried(x: dict) -> str:
     if x.get("requests_per_forward") is None:
         return "-"
     return f"{x['requests_per_forward']:.2f} / {x['rows_per_forward']:.1f}"
+
+
+def shown_command(argv: list[str]) -> str:
+    """The command as the results record it: paths on this machine named by their kind (a binary's
+    PATH, an index's DIR), where the results are written left out."""
+    shown, args = ["python -m bench.concurrency"], iter(argv)
+    for arg in args:
+        flag, _, value = arg.partition("=")
+        if flag in ("--llama-server", "--index", "--out"):
+            value = value or next(args, "")
+            if flag != "--out":
+                shown += [flag, "PATH" if flag == "--llama-server" else "DIR"]
+        else:
+            shown.append(arg)
+    return " ".join(shown)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,8 +277,19 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the public corpus's, built into a temporary directory; see the docstring)")
     p.add_argument("--warmup-streams", type=int, default=None,
                    help="one untimed phase of this many streams before the timed ones (default: the most in --streams; 0: none)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="a llama-server binary (llama.cpp's own server; build it from llama-cpp-python's vendored "
+                        "llama.cpp): adds its settings, with as many parallel slots as Sailfish's --parallel")
+    p.add_argument("--llama-modes", default="plain,ngram-simple",
+                   help="llama-server's drafting modes to run, comma-separated (bench.contenders.LlamaServer.MODES)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
+    llama_modes = [m for m in args.llama_modes.split(",") if m] if args.llama_server else []
+    from bench.contenders import LlamaServer
+
+    unknown = [m for m in llama_modes if m not in LlamaServer.MODES]
+    if unknown:
+        p.error(f"--llama-modes: unknown {', '.join(unknown)} (known: {', '.join(LlamaServer.MODES)})")
     warmup = max(args.streams) if args.warmup_streams is None else args.warmup_streams
     from bench.workloads import agentic_requests, tool_call_requests
 
@@ -202,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     # The online overlay is off: every phase repeats the same requests, and a drafter that had learnt
     # their answers in an earlier phase would make the later phases look faster.
     results = {**run_header(),
-               "command": "python -m bench.concurrency" + (" " + " ".join(argv) if argv else ""),
+               "command": shown_command(sys.argv[1:] if argv is None else argv),
                "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens,
                "warmup_streams": warmup, "settings": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,13 +309,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results["index"] = {"source": str(index_dir)}
         pinned = ["--index", str(index_dir)]
-        settings = {"drafted, --parallel 4": ["--parallel", "4", "--overlay-tokens", "0", *pinned],
-                    "plain, --parallel 4": ["--parallel", "4", "--no-draft"],
+        settings = {OURS: ["--parallel", str(PARALLEL), "--overlay-tokens", "0", *pinned],
+                    f"plain, --parallel {PARALLEL}": ["--parallel", str(PARALLEL), "--no-draft"],
                     "drafted, --parallel 1 (one at a time)": ["--parallel", "1", "--overlay-tokens", "0", *pinned]}
         for name, extra in settings.items():
             print(f"  {name}", file=sys.stderr)
             results["settings"][name] = run_setting(extra, requests, args.streams, args.max_tokens,
                                                     Path(tmp) / "server.log", warmup)
+        for mode in llama_modes:
+            name = f"llama-server {mode}, -np {PARALLEL}"
+            print(f"  {name}", file=sys.stderr)
+            results["settings"][name] = run_llama_setting(args.llama_server, mode, PARALLEL, requests, args.streams,
+                                                          args.max_tokens, warmup)
     md = markdown(results)
     write_results(args.out, "concurrency", results, md)
     print(md)

@@ -112,14 +112,17 @@ class LlamaServer:
                                             "--spec-ngram-simple-size-m", "16"],
              "ngram-mod": ["--spec-type", "ngram-mod"]}
 
-    def __init__(self, binary: str, gguf_path: str, mode: str, threads: int, n_ctx: int = 8192):
+    def __init__(self, binary: str, gguf_path: str, mode: str, threads: int, n_ctx: int = 8192, parallel: int = 1):
+        """`parallel`: llama-server's slots (-np), requests decoded at once by its continuous
+        batching; each slot gets a context of `n_ctx` tokens."""
         import subprocess
 
         from bench.live_server import free_port
 
         self.port = free_port()
-        self.proc = subprocess.Popen([binary, "-m", gguf_path, "-t", str(threads), "-c", str(n_ctx), "-np", "1",
-                                      "--host", "127.0.0.1", "--port", str(self.port), *self.MODES[mode]],
+        self.proc = subprocess.Popen([binary, "-m", gguf_path, "-t", str(threads), "-c", str(n_ctx * parallel),
+                                      "-np", str(parallel), "--host", "127.0.0.1", "--port", str(self.port),
+                                      *self.MODES[mode]],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
         self.pause()
@@ -169,6 +172,21 @@ class LlamaServer:
         timings = out.get("timings", {})
         return (Run(list(out.get("tokens", [])), 0.0), float(timings.get("predicted_per_second", 0.0)),
                 float(timings.get("prompt_per_second", 0.0)))
+
+    def complete(self, prompt: list[int], max_tokens: int, stop: list[str]) -> tuple[str, int]:
+        """(text, completion tokens) of a greedy completion of `prompt` that ends at a stop string or
+        an end-of-generation token, its prompt cache on (a slot reuses the prefix it holds, as
+        llama-server does by default). For concurrent requests: the server is not paused after it."""
+        import json
+        import urllib.request
+
+        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                           "cache_prompt": True, "stop": stop}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        return out["content"], int(out.get("tokens_predicted", 0))
 
     def close(self) -> None:
         self.resume()  # a stopped process would not act on the terminate
