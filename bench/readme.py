@@ -28,7 +28,8 @@ SECTIONS = [
     ("The CPU int8 path against llama.cpp, bundled model, 2 threads",
      "python -m bench.cpu_path --requests 10 --llama-server PATH", "cpu_path.md", []),
     ("A CPU int8 forward, by part: a step and a verify", "python -m bench.cpu_step", "cpu_step.md", []),
-    ("Several streams at once, bundled model, CPU", "python -m bench.concurrency", "concurrency.md", []),
+    ("Several streams at once, bundled model, CPU, against llama.cpp's server with as many parallel slots",
+     "python -m bench.concurrency --llama-server PATH", "concurrency.md", []),
     ("The same as agents' next turns (the conversation in each lane's prefix cache, 64 new tokens), drafts "
      "capped as the server caps them: 16 rows a forward for one or two streams, 32 for more (H200, 12-04, the "
      "Gluon step matmul with its codes unpacked two at a time)",
