@@ -104,8 +104,10 @@ class LlamaCpp:
 class LlamaServer:
     """A llama-server binary (llama.cpp's own server: its n-gram speculative modes, which
     llama-cpp-python lacks) on the bundled GGUF, one process per mode, queried with token-id prompts
-    on /completion. Decode tokens/s is the server's own `predicted_per_second`; prompts are never
-    cached (`cache_prompt: false`), so every request prefills in full."""
+    on /completion. `run` (bench.cpu_path): decode tokens/s is the server's own
+    `predicted_per_second`, and prompts are never cached (`cache_prompt: false`), so every request
+    prefills in full. `complete` (bench.concurrency): the prompt cache on, as the server has it by
+    default."""
 
     # ngram-simple at n 4, m 16 (drafts of 16): its best setting in earlier measurements on this model
     MODES = {"plain": [], "ngram-simple": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",

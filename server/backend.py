@@ -143,14 +143,27 @@ def kept_curve_check(backend: Backend, vocab: int, curve: np.ndarray, context_le
     measured now): that forward and a 1-token one timed as `measure_cost_curve` times them (2 of
     its 9 forward sizes), compared with the curve's last point within
     KEPT_CURVE_TOLERANCE. A curve measured while other work shared the machine, or on a machine
-    that has changed since, does not hold."""
+    that has changed since, does not hold; the engine then measures the whole curve again and
+    replaces the kept one where that measurement disagrees with it too (`curves_agree`)."""
     n = len(curve) - 1
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
     seconds = time_forwards(backend, context, [1, n], rounds)
     now = max(1.0, seconds[n] / seconds[1])
-    kept = max(1.0, float(curve[n]))
-    return max(now / kept, kept / now) <= KEPT_CURVE_TOLERANCE, now
+    return _within(now, float(curve[n])), now
+
+
+def curves_agree(measured: np.ndarray, kept: np.ndarray) -> bool:
+    """Whether a curve measured now agrees with a kept one at its largest forward (within
+    KEPT_CURVE_TOLERANCE). A kept curve that failed its check is still kept when the whole curve,
+    measured again, agrees with it: a check that timed a moment's load costs one measurement, not
+    a good curve."""
+    return len(measured) == len(kept) and _within(float(measured[-1]), float(kept[-1]))
+
+
+def _within(a: float, b: float) -> bool:
+    a, b = max(1.0, a), max(1.0, b)
+    return max(a / b, b / a) <= KEPT_CURVE_TOLERANCE
 
 
 def monotone_fit(values: list[float]) -> list[float]:

@@ -67,20 +67,24 @@ def test_rust_decode_streams_what_transformers_decode_streams(tokenizer):
 
 
 def test_decode_falls_back_where_transformers_adds_to_it(tokenizer):
+    import copy
+
     ids = tokenizer.encode("a , b .", add_special_tokens=False)
+    rust = tokenizer._tokenizer
+    assert _raw_decode(tokenizer)(ids) == rust.decode(ids, skip_special_tokens=False) == "a , b ."
+    calls = []
 
-    class Counting(_TransformersDecode):
-        calls = 0
+    def counted(tok):  # the tokenizer's own decode, counting its calls (an instance attribute: its class unchanged)
+        decode = tok.decode
+        tok.decode = lambda ids, **kwargs: calls.append(1) or decode(ids, **kwargs)
+        return tok
 
-        def decode(self, ids, skip_special_tokens):
-            Counting.calls += 1
-            return super().decode(ids, skip_special_tokens)
-
-    fast = Counting(tokenizer)  # transformers' decode would add nothing: the Rust call, not decode
-    fast.is_fast, fast._tokenizer, fast.clean_up_tokenization_spaces = True, tokenizer._tokenizer, False
-    assert _raw_decode(fast)(ids) == tokenizer.decode(ids, skip_special_tokens=False) and Counting.calls == 0
-    cleaning = Counting(tokenizer)  # transformers' clean-up of spaces is not the Rust decode's
-    cleaning.is_fast, cleaning._tokenizer, cleaning.clean_up_tokenization_spaces = True, tokenizer._tokenizer, True
-    assert _raw_decode(cleaning)(ids) == tokenizer.decode(ids, skip_special_tokens=False) and Counting.calls == 1
-    slow = Counting(tokenizer)  # no Rust tokenizer at all
-    assert _raw_decode(slow)(ids) == tokenizer.decode(ids, skip_special_tokens=False) and Counting.calls == 2
+    assert _raw_decode(counted(copy.copy(tokenizer)))(ids) == "a , b ." and calls == []  # the Rust call
+    cleaning = counted(copy.copy(tokenizer))  # transformers' clean-up of spaces on: its decode decides
+    cleaning.clean_up_tokenization_spaces = True
+    assert _raw_decode(cleaning)(ids) == tokenizer.decode(ids, skip_special_tokens=False) and calls == [1]
+    own = copy.copy(tokenizer)  # a class with a _decode of its own: that one
+    own.__class__ = type("OwnDecode", (type(tokenizer),), {"_decode": lambda self, *args, **kwargs: "own"})
+    assert _raw_decode(own)(ids) == "own"
+    slow = _TransformersDecode(tokenizer)  # no Rust tokenizer at all: its decode
+    assert _raw_decode(slow)(ids) == tokenizer.decode(ids, skip_special_tokens=False)
