@@ -29,7 +29,8 @@ stops the benchmark.
 With `--llama-server PATH` (a llama-server binary: llama.cpp's own server, which the pip package
 does not ship; build it from llama-cpp-python's vendored llama.cpp) the same phases run against it
 on the bundled GGUF, one setting per `--llama-modes` entry, with as many parallel slots (-np) as
-Sailfish's `--parallel` (its continuous batching), its prompt cache on, the same prompt token ids,
+Sailfish's `--parallel` (its continuous batching), and the first mode once more with one slot (one
+request at a time), its prompt cache on, the same prompt token ids,
 greedy, the same stop strings and threads; a table then sets Sailfish's drafted aggregate tokens/s
 beside the best llama-server setting's at each stream count.
 """
@@ -320,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}", file=sys.stderr)
             results["settings"][name] = run_setting(extra, requests, args.streams, args.max_tokens,
                                                     Path(tmp) / "server.log", warmup)
-        for mode in llama_modes:
-            name = f"llama-server {mode}, -np {PARALLEL}"
+        # each mode with as many slots as Sailfish's lanes, then its first mode with one slot (one
+        # request at a time, as Sailfish's --parallel 1 setting)
+        for mode, slots in [(mode, PARALLEL) for mode in llama_modes] + [(m, 1) for m in llama_modes[:1]]:
+            name = f"llama-server {mode}, -np {slots}" + (" (one at a time)" if slots == 1 else "")
             print(f"  {name}", file=sys.stderr)
-            results["settings"][name] = run_llama_setting(args.llama_server, mode, PARALLEL, requests, args.streams,
+            results["settings"][name] = run_llama_setting(args.llama_server, mode, slots, requests, args.streams,
                                                           args.max_tokens, warmup)
     md = markdown(results)
     write_results(args.out, "concurrency", results, md)
