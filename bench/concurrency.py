@@ -1,6 +1,6 @@
 """Several streams at once against a real server: aggregate tokens/s, per-stream latency, identity.
 
-    python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64] [--warmup-streams N]
+    python -m bench.concurrency [--streams 1 2 4 8] [--requests 16] [--max-tokens 64] [--warmup-streams N] [--rounds N]
                                 [--workload tool_calls|agentic] [--index DIR] [--out bench/results]
                                 [--llama-server PATH [--llama-modes plain,ngram-simple]]
 
@@ -78,11 +78,14 @@ def build_public_index(out_dir: Path) -> dict:
 
 
 def run_phases(ask, n_requests: int, streams: list[int], warmup_streams: int = 0,
-               batching=lambda: None) -> dict:
+               batching=lambda: None, rounds: int = 1) -> dict:
     """The phases of one setting. `ask(i)` sends request i and returns (what must equal its solo
     answer, completion tokens); `batching()` reads the server's shared-forward counters (None where
     it has none). Each request is first sent alone (its solo answer and latency), then by n streams
-    at once for every n in `streams`, after an untimed phase of `warmup_streams`."""
+    at once for every n in `streams`, after an untimed phase of `warmup_streams`; `rounds` times
+    over, the counts in turn within each round (a slow spell of the machine falls on all of them).
+    Per count: the rounds' median aggregate tokens/s and their range, latencies over every
+    round's requests, answers identical to solo and requests summed over the rounds."""
 
     def timed(i: int) -> tuple:
         t0 = time.perf_counter()
@@ -91,7 +94,7 @@ def run_phases(ask, n_requests: int, streams: list[int], warmup_streams: int = 0
 
     timed(0)  # warm-up (first-request costs are not a stream's)
     solo = [timed(i) for i in range(n_requests)]
-    out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "streams": {}}
+    out = {"solo_latency_p50": float(np.median([s[2] for s in solo])), "rounds": rounds, "streams": {}}
 
     def phase(n: int) -> tuple[dict, float]:
         """The requests sent by n streams at once: ({request: (answer, tokens, latency)}, wall seconds)."""
@@ -111,23 +114,43 @@ def run_phases(ask, n_requests: int, streams: list[int], warmup_streams: int = 0
 
     if warmup_streams:
         phase(warmup_streams)  # untimed: buffers a concurrent forward needs are made once (see the docstring)
+    seen: dict[int, list] = {n: [] for n in streams}  # per count: (tokens/s, wall, answers, shared) a round
+    for _ in range(rounds):
+        for n in streams:
+            before = batching()
+            answers, wall = phase(n)
+            seen[n].append((sum(a[1] for a in answers.values()) / wall, wall, answers,
+                            forwards_shared(before, batching())))
+            print(f"    {n} streams: {seen[n][-1][0]:.1f} tok/s", file=sys.stderr)
     for n in streams:
-        before = batching()
-        answers, wall = phase(n)
-        shared = forwards_shared(before, batching())
-        latencies = [answers[i][2] for i in answers]
+        speeds = [r[0] for r in seen[n]]
+        latencies = [a[2] for r in seen[n] for a in r[2].values()]
         out["streams"][str(n)] = {
-            "tokens_per_s": sum(a[1] for a in answers.values()) / wall, "wall_s": wall,
+            "tokens_per_s": float(np.median(speeds)), "tokens_per_s_range": [min(speeds), max(speeds)],
+            "wall_s": float(np.median([r[1] for r in seen[n]])),
             "latency_p50": float(np.median(latencies)), "latency_p90": float(np.percentile(latencies, 90)),
-            "identical": sum(answers[i][0] == solo[i][0] for i in answers), "requests": len(answers), **shared}
+            "identical": sum(a[0] == solo[i][0] for r in seen[n] for i, a in r[2].items()),
+            "requests": sum(len(r[2]) for r in seen[n]), **_summed_shared([r[3] for r in seen[n]])}
         s = out["streams"][str(n)]
-        print(f"    {n} streams: {s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50']:.2f} s, "
+        print(f"    {n} streams: {s['tokens_per_s']:.1f} tok/s (median of {rounds}), p50 {s['latency_p50']:.2f} s, "
               f"identical {s['identical']}/{s['requests']}", file=sys.stderr)
     return out
 
 
+def _summed_shared(per_round: list[dict]) -> dict:
+    """forwards_shared of several rounds as one: forwards summed, per-forward means over all of them."""
+    if not per_round or not all(per_round):
+        return {}
+    forwards = sum(r["forwards"] for r in per_round)
+    if not forwards:
+        return {"forwards": 0, "requests_per_forward": None, "rows_per_forward": None}
+    return {"forwards": forwards,
+            "requests_per_forward": sum(r["requests_per_forward"] * r["forwards"] for r in per_round if r["forwards"]) / forwards,
+            "rows_per_forward": sum(r["rows_per_forward"] * r["forwards"] for r in per_round if r["forwards"]) / forwards}
+
+
 def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_tokens: int, log_path: Path,
-                warmup_streams: int = 0) -> dict:
+                warmup_streams: int = 0, rounds: int = 1) -> dict:
     import httpx
 
     from bench.server_bench import start_server
@@ -151,7 +174,7 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
         def batching() -> dict | None:  # the server's shared-forward counters (None: requests one at a time)
             return httpx.get(base + "/health").json().get("batching")
 
-        out = run_phases(ask, len(requests), streams, warmup_streams, batching)
+        out = run_phases(ask, len(requests), streams, warmup_streams, batching, rounds)
         out["batching"] = httpx.get(base + "/health").json().get("batching")
         return out
     finally:
@@ -160,7 +183,7 @@ def run_setting(extra: list[str], requests: list[dict], streams: list[int], max_
 
 
 def run_llama_setting(binary: str, mode: str, parallel: int, requests: list[dict], streams: list[int],
-                      max_tokens: int, warmup_streams: int = 0) -> dict:
+                      max_tokens: int, warmup_streams: int = 0, rounds: int = 1) -> dict:
     """The same phases against llama.cpp's own server (`binary`) on the bundled GGUF, with `parallel`
     slots (-np: its continuous batching) and `mode`'s drafting (bench.contenders.LlamaServer.MODES),
     its prompt cache on; the prompts are the token ids Sailfish's chat format gives each request,
@@ -183,7 +206,7 @@ def run_llama_setting(binary: str, mode: str, parallel: int, requests: list[dict
     server.resume()  # (it is paused once ready: nothing else runs beside it here)
     try:
         return run_phases(lambda i: server.complete(prompts[i], max_tokens, stop), len(requests), streams,
-                          warmup_streams)
+                          warmup_streams, rounds=rounds)
     finally:
         server.close()
 
@@ -214,6 +237,7 @@ def markdown(r: dict) -> str:
              f"{r['requests']} {r['workload']} requests, {r['max_tokens']} tokens each, the bundled model on the CPU "
              "int8 path; every stream sends requests one after another until all are done"
              + (f", after one untimed phase of {r['warmup_streams']} streams" if r.get("warmup_streams") else "")
+             + (f"; {r['rounds']} timed rounds of every count, medians (range)" if r.get("rounds", 1) > 1 else "")
              + ". Speed-up = aggregate "
              "tokens/s over the same setting's 1 stream; latency ratio = p50 per-request latency over solo's. "
              + _index_line(r.get("index")) + "\n",
@@ -226,7 +250,7 @@ def markdown(r: dict) -> str:
         one = s["streams"].get("1", {}).get("tokens_per_s")
         for n, x in s["streams"].items():
             speed = f"{x['tokens_per_s'] / one:.2f}x" if one else "-"
-            lines.append(f"| {name} | {n} | {x['tokens_per_s']:.1f} | {speed} | {x['latency_p50']:.2f} / "
+            lines.append(f"| {name} | {n} | {_speed(x)} | {speed} | {x['latency_p50']:.2f} / "
                          f"{x['latency_p90']:.2f} | {x['latency_p50'] / s['solo_latency_p50']:.2f}x | "
                          f"{x['identical']}/{x['requests']} | {_carried(x)} |")
     lines.append("")
@@ -248,6 +272,12 @@ def markdown(r: dict) -> str:
                              f"{x['tokens_per_s'] / theirs['tokens_per_s']:.2f}x |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _speed(x: dict) -> str:
+    """Aggregate tokens/s: the median of the rounds, and their range where there were several."""
+    low, high = x.get("tokens_per_s_range", (x["tokens_per_s"], x["tokens_per_s"]))
+    return f"{x['tokens_per_s']:.1f}" + (f" ({low:.1f}-{high:.1f})" if high > low else "")
 
 
 def _carried(x: dict) -> str:
@@ -276,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed rounds of every stream count (the counts in turn within a round): the median "
+                        "round's tokens/s is reported with the rounds' range")
     p.add_argument("--workload", choices=["tool_calls", "agentic"], default="tool_calls")
     p.add_argument("--index", type=Path, help="the drafted settings' index directory "
                    "(default: the public corpus's, built into a temporary directory; see the docstring)")
@@ -304,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {**run_header(),
                "command": shown_command(sys.argv[1:] if argv is None else argv),
                "requests": len(requests), "workload": args.workload, "max_tokens": args.max_tokens,
-               "warmup_streams": warmup, "settings": {}}
+               "warmup_streams": warmup, "rounds": args.rounds, "settings": {}}
     with tempfile.TemporaryDirectory() as tmp:
         index_dir = args.index
         if index_dir is None:
@@ -320,14 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in settings.items():
             print(f"  {name}", file=sys.stderr)
             results["settings"][name] = run_setting(extra, requests, args.streams, args.max_tokens,
-                                                    Path(tmp) / "server.log", warmup)
+                                                    Path(tmp) / "server.log", warmup, args.rounds)
         # each mode with as many slots as Sailfish's lanes, then its first mode with one slot (one
         # request at a time, as Sailfish's --parallel 1 setting)
         for mode, slots in [(mode, PARALLEL) for mode in llama_modes] + [(m, 1) for m in llama_modes[:1]]:
             name = f"llama-server {mode}, -np {slots}" + (" (one at a time)" if slots == 1 else "")
             print(f"  {name}", file=sys.stderr)
             results["settings"][name] = run_llama_setting(args.llama_server, mode, slots, requests, args.streams,
-                                                          args.max_tokens, warmup)
+                                                          args.max_tokens, warmup, args.rounds)
     md = markdown(results)
     write_results(args.out, "concurrency", results, md)
     print(md)

@@ -65,6 +65,35 @@ def test_run_phases_times_each_phase_and_checks_answers_against_solo():
     assert calls[:7] == [0, 0, 1, 2, 3, 4, 5]  # a warm-up, then each request alone
     assert out["streams"]["1"]["identical"] == 5 and out["streams"]["3"]["identical"] == 5
     assert out["streams"]["3"]["requests"] == 6 and out["streams"]["3"]["tokens_per_s"] > 0
+    assert out["streams"]["3"]["tokens_per_s_range"] == [out["streams"]["3"]["tokens_per_s"]] * 2
+
+
+def test_rounds_report_the_median_and_range_and_sum_the_answers():
+    import time
+
+    from bench.concurrency import markdown, run_phases
+
+    count = {"n": 0}
+    batcher = {"forwards": 0, "sequences": 0, "rows": 0}
+
+    def ask(i):  # every request of the second timed round is slower (a slow spell of the machine)
+        count["n"] += 1
+        batcher["forwards"] += 1
+        batcher["sequences"] += 1
+        batcher["rows"] += 3
+        time.sleep(0.004 if 1 + 4 + 4 < count["n"] <= 1 + 4 + 8 else 0.001)
+        return f"answer {i}", 10
+
+    out = run_phases(ask, 4, [2], rounds=3, batching=lambda: dict(batcher))
+    x = out["streams"]["2"]
+    low, high = x["tokens_per_s_range"]
+    assert out["rounds"] == 3 and low < x["tokens_per_s"] <= high and high > 1.5 * low
+    assert x["requests"] == 12 and x["identical"] == 12
+    assert x["forwards"] == 12 and x["rows_per_forward"] == 3.0 and x["requests_per_forward"] == 1.0
+    r = {"when": "now", "machine": "m", "command": "c", "requests": 4, "workload": "tool_calls", "max_tokens": 64,
+         "index": None, "rounds": 3, "settings": {"drafted, --parallel 4": out}}
+    text = markdown(r)
+    assert f"| 2 | {x['tokens_per_s']:.1f} ({low:.1f}-{high:.1f}) |" in text and "3 timed rounds" in text
 
 
 def test_the_recorded_command_names_paths_by_their_kind():
