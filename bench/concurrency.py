@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1,
-                   help="timed rounds of every stream count (the counts in turn within a round): the median "
-                        "round's tokens/s is reported with the rounds' range")
+                   help="timed rounds of every stream count (the counts in turn within a round): the rounds' "
+                        "median tokens/s is reported with their range")
     p.add_argument("--workload", choices=["tool_calls", "agentic"], default="tool_calls")
     p.add_argument("--index", type=Path, help="the drafted settings' index directory "
                    "(default: the public corpus's, built into a temporary directory; see the docstring)")

@@ -158,17 +158,10 @@ class LlamaServer:
 
     def run(self, prompt: list[int], max_tokens: int) -> tuple[Run, float, float]:
         """(tokens, decode tokens/s, prefill tokens/s) for a greedy completion of `prompt`."""
-        import json
-        import urllib.request
-
-        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                           "cache_prompt": False, "return_tokens": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
-                                     {"Content-Type": "application/json"})
         self.resume()
         try:
-            with urllib.request.urlopen(req, timeout=600) as r:
-                out = json.loads(r.read())
+            out = self._completion({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                                    "cache_prompt": False, "return_tokens": True})
         finally:
             self.pause()
         timings = out.get("timings", {})
@@ -179,16 +172,19 @@ class LlamaServer:
         """(text, completion tokens) of a greedy completion of `prompt` that ends at a stop string or
         an end-of-generation token, its prompt cache on (a slot reuses the prefix it holds, as
         llama-server does by default). For concurrent requests: the server is not paused after it."""
+        out = self._completion({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                                "cache_prompt": True, "stop": stop})
+        return out["content"], int(out.get("tokens_predicted", 0))
+
+    def _completion(self, body: dict) -> dict:
+        """POST /completion with `body`; its JSON answer."""
         import json
         import urllib.request
 
-        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                           "cache_prompt": True, "stop": stop}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        return out["content"], int(out.get("tokens_predicted", 0))
+            return json.loads(r.read())
 
     def close(self) -> None:
         self.resume()  # a stopped process would not act on the terminate

@@ -116,8 +116,7 @@ def measure_cost_curve(backend: Backend, vocab: int, max_tokens: int, context_le
     then fitted non-decreasing in n (pool-adjacent-violators: a longer forward never costs less)
     and at least 1, and interpolated between the points. Returns cost[0..max_tokens], cost[1] == 1.
     """
-    gen = torch.Generator().manual_seed(0)
-    context = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+    context = _curve_context(vocab, context_len)
     pts = sorted({p for p in points if p <= max_tokens} | {1, max_tokens})
     seconds = time_forwards(backend, context, pts, rounds, progress)
     rel = monotone_fit([max(1.0, seconds[n] / seconds[1]) for n in pts])
@@ -146,9 +145,7 @@ def kept_curve_check(backend: Backend, vocab: int, curve: np.ndarray, context_le
     that has changed since, does not hold; the engine then measures the whole curve again and
     replaces the kept one where that measurement disagrees with it too (`curves_agree`)."""
     n = len(curve) - 1
-    gen = torch.Generator().manual_seed(0)
-    context = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
-    seconds = time_forwards(backend, context, [1, n], rounds)
+    seconds = time_forwards(backend, _curve_context(vocab, context_len), [1, n], rounds)
     now = max(1.0, seconds[n] / seconds[1])
     return _within(now, float(curve[n])), now
 
@@ -164,6 +161,13 @@ def curves_agree(measured: np.ndarray, kept: np.ndarray) -> bool:
 def _within(a: float, b: float) -> bool:
     a, b = max(1.0, a), max(1.0, b)
     return max(a / b, b / a) <= KEPT_CURVE_TOLERANCE
+
+
+def _curve_context(vocab: int, context_len: int) -> list[int]:
+    """The cache a cost curve's forwards run on: random ids, the same for a measurement and for
+    the check of a kept curve (their ratios are comparable)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (context_len,), generator=gen).tolist()
 
 
 def monotone_fit(values: list[float]) -> list[float]:

@@ -122,7 +122,6 @@ class TextStream:
     left context so that leading spaces and multi-byte characters come out exactly once."""
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_tail: list[int]):
-        self.tokenizer = tokenizer
         self._decode = _raw_decode(tokenizer)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.ids = list(prompt_tail)
