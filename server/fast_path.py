@@ -72,7 +72,7 @@ from ngram.draft import tree_layout
 from server.backend import Prefill
 from server.fast_prefill import _eps, _w, prefill_layers
 from server.host_rows import HostRowTable
-from server.small_m_matmul import MAX_ROWS, sum_slices, triton_available
+from server.small_m_matmul import MAX_ROWS, round_to_bfloat16, sum_slices, triton_available
 from server.step_attention import chain_ancestors, chain_paths
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the largest is what the step kernels take: drafts of up to 63
@@ -1295,12 +1295,31 @@ def _gelu_mul(g, u):
 # keep in bf16 (tests/test_summed_ops.py).
 
 def _summed_norm_rope(pq, dtype, w, eps, cos, sin):
-    return _norm_rope(sum_slices(pq, dtype), w, eps, cos, sin)
+    """_norm_rope on the partials' rounded sum, its rotated half read from the partials themselves.
+    Why: RoPE reads the normed row at other columns (`_rope`'s rotate-half); of a sum computed in
+    the kernel (sum_slices' rounding is a bitcast, which inductor stores) that is a second kernel
+    reading it back, one more launch per q and k a layer (E4B: 66 a step, on the H200). The sum of
+    the rotated partials is the rotated sum bit for bit (negation is exact and rounding symmetric),
+    the norm's scale is the row's one reduction, and each normed value is rounded to `dtype` as a
+    stored one would be; so these are the bits of _norm_rope on the stored sum, every value a load
+    or a same-column product, in one kernel."""
+    half = pq.shape[-1] // 2
+    y = sum_slices(pq, dtype)
+    y_rot = sum_slices(torch.cat((-pq[..., half:], pq[..., :half]), dim=-1), dtype)
+    yf = y.float()
+    inv = torch.pow(yf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    n, n_rot = yf * inv, y_rot.float() * inv
+    if w is not None:
+        wf = w.float()
+        n, n_rot = n * wf, n_rot * torch.cat((wf[half:], wf[:half]))
+    if dtype == torch.bfloat16:  # the rounding a store to bf16 makes (inductor elides a plain .to's)
+        n, n_rot = round_to_bfloat16(n), round_to_bfloat16(n_rot)
+    return (n.to(dtype) * cos + n_rot.to(dtype) * sin).to(dtype)
 
 
 def _summed_qkv_norm_rope(pq, pk, pv, dtype, wq, eps_q, wk, eps_k, wv, eps_v, cos, sin):
-    return _qkv_norm_rope(sum_slices(pq, dtype), sum_slices(pk, dtype), sum_slices(pv, dtype), wq, eps_q, wk, eps_k,
-                          wv, eps_v, cos, sin)
+    return (_summed_norm_rope(pq, dtype, wq, eps_q, cos, sin), _summed_norm_rope(pk, dtype, wk, eps_k, cos, sin),
+            _rms(sum_slices(pv, dtype), wv, eps_v))
 
 
 def _summed_residual_norm(residual, p, w, eps, scalar):

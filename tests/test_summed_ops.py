@@ -113,3 +113,25 @@ def test_one_compilation_per_op_and_slice_count_for_every_step_size():
         assert len(compilations) == 3 * 5, f"{len(compilations)} compilations for 5 ops at 3 slice counts"
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("slices", [1, 2, 8])
+def test_summed_rope_reads_the_rotated_partials_with_the_stored_sums_bits(slices):
+    """The summed q/k ops take RoPE's rotated half from the rotated partials (one kernel, not a second
+    reading the normed values back): run eagerly, every intermediate rounded as a store rounds it,
+    they give the bits of the plain ops on the stored sum, with and without a norm weight, at
+    values across magnitudes (negative zeros and ties to even among the roundings)."""
+    g = torch.Generator().manual_seed(slices)
+    T, H, D = 7, 3, 64
+    p = torch.randn(slices, T, H, D, generator=g) * 10.0 ** torch.randint(-3, 4, (slices, T, H, D), generator=g)
+    if slices == 1:
+        p = p.bfloat16()
+    cos, sin = (torch.randn(T, 1, D, generator=g).bfloat16() for _ in range(2))
+    y = sum_slices(p, torch.bfloat16)
+    for w in (torch.randn(D, generator=g).bfloat16(), None):
+        got = fast_path._summed_norm_rope(p, torch.bfloat16, w, 1e-6, cos, sin)
+        assert torch.equal(got, fast_path._norm_rope(y, w, 1e-6, cos, sin))
+    q, k, v = fast_path._summed_qkv_norm_rope(p, p[:, :, :1], p[:, :, 1:2], torch.bfloat16, w, 1e-6, w, 1e-6,
+                                              None, 1e-6, cos, sin)
+    want = fast_path._qkv_norm_rope(y, y[:, :1], y[:, 1:2], w, 1e-6, w, 1e-6, None, 1e-6, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), want))
