@@ -1338,6 +1338,47 @@ AVX512H static void score_run_512(const AttnCtx *c, const KeyList *keys, const f
     if (p <= pb) score4_512(q, c->k + key_slot(keys, p) * D, D, scale, s + 4 * (p - p0));
 }
 
+/* score4_512 against a key already converted to floats (the same values: the conversion is exact). */
+AVX512H static inline void score4_f32_512(const float *const q[4], const float *kp, Py_ssize_t D, __m128 scale, float *out) {
+    __m512 a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
+    for (Py_ssize_t d = 0; d < D; d += 16) {
+        const __m512 x = _mm512_loadu_ps(kp + d);
+        for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + d), x, a[j]);
+    }
+    finish_score4(a, scale, out);
+}
+
+/* The scores of 4 converted keys k[0..3] (4 heads each) into out + 4 * i: 16 independent chains a
+   step, each query and key vector loaded once for 4 of them (score4x2_512 loads 6 and converts 2
+   for 8). Each chain is dot16's, so every score is score4_512's bit for bit. */
+AVX512H static inline void score4x4_f32_512(const float *const q[4], const float *k, Py_ssize_t D, __m128 scale,
+                                            float *out) {
+    __m512 a[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
+    for (Py_ssize_t d = 0; d < D; d += 16) {
+        const __m512 x0 = _mm512_loadu_ps(k + d), x1 = _mm512_loadu_ps(k + D + d);
+        const __m512 x2 = _mm512_loadu_ps(k + 2 * D + d), x3 = _mm512_loadu_ps(k + 3 * D + d);
+        for (int j = 0; j < 4; j++) {
+            const __m512 qv = _mm512_loadu_ps(q[j] + d);
+            a[0][j] = _mm512_fmadd_ps(qv, x0, a[0][j]);
+            a[1][j] = _mm512_fmadd_ps(qv, x1, a[1][j]);
+            a[2][j] = _mm512_fmadd_ps(qv, x2, a[2][j]);
+            a[3][j] = _mm512_fmadd_ps(qv, x3, a[3][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++) finish_score4(a[i], scale, out + 4 * i);
+}
+
+/* Scores of keys pa..pb of a block whose key p sits at kb + (p - b) * D (floats), into s[4 * (p - p0)]. */
+AVX512H static void score_block_512(const float *const q[4], const float *kb, Py_ssize_t b, Py_ssize_t pa,
+                                    Py_ssize_t pb, Py_ssize_t p0, Py_ssize_t D, __m128 scale, float *s) {
+    Py_ssize_t p = pa;
+    for (; p + 3 <= pb; p += 4) score4x4_f32_512(q, kb + (p - b) * D, D, scale, s + 4 * (p - p0));
+    for (; p <= pb; p++) score4_f32_512(q, kb + (p - b) * D, D, scale, s + 4 * (p - p0));
+}
+
 /* One key's step of 4 heads' output chains over 32 values: a[2j], a[2j + 1] = fma(e[j], v[0..31], .). */
 AVX512H static inline void accumulate4x32(__m512 a[8], const float *e, const uint16_t *vp) {
     const __m512 v0 = load16h(vp), v1 = load16h(vp + 16);
@@ -1375,40 +1416,46 @@ AVX512H static void attend4_512(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, in
     for (Py_ssize_t d = 0; d < c->D; d += 32) values_512(c, &keys, m, h, G, scratch, sum, d);
 }
 
-/* attend_rows_avx2 on 16-lane registers (D % 32 == 0), for up to ROWS_512 rows m..m+R-1 of a chain:
-   all of a part's rows meet each block of keys while it is in L1, so a long cache is read from
-   memory once per part, not once per 4 rows. scratch: 4 * ROWS_512 * (S + D) floats. */
-AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
-    const Py_ssize_t D = c->D, H = c->H;
-    ChainRows cr;
-    chain_rows(c, m, R, scratch, &cr);
-    const Py_ssize_t *first = cr.first, *last = cr.last, lo = cr.lo, hi = cr.hi;
-    const float *(*q)[4] = cr.q;
-    float **s = cr.s, *acc = scratch + 4 * ROWS_512 * c->S;  /* acc[(r * 4 + j) * D + d] */
-    const KeyList cache = {.start = 0, .n_run = c->T, .n_extra = 0, .n = c->T};  /* slot p is key p */
-    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
-        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
+/* The phases of attend_rows_512 over part of the work: the scores of keys klo..khi (of the rows'
+   span lo..hi) with each block of keys converted to floats once (kb: ATTN_BLOCK * D floats) for all
+   the rows; and the values d = dlo..dhi-1 of every row's heads over all its keys, each output
+   element's fma chain in position order, paused at block ends with its accumulator (acc: 4 * R * D
+   floats, acc[(r * 4 + j) * D + d]) stored and reloaded exactly, then divided by the head's sum. So
+   a score or an output element is the same whichever part computes it. */
+AVX512H static void rows_scores_512(const AttnCtx *c, const ChainRows *cr, int R, Py_ssize_t klo, Py_ssize_t khi,
+                                    float *kb) {
+    const Py_ssize_t D = c->D;
+    const __m128 scale = _mm_set1_ps(c->scale);
+    for (Py_ssize_t b = klo; b <= khi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < khi ? b + ATTN_BLOCK - 1 : khi;
+        for (Py_ssize_t i = 0; i < (bend - b + 1) * D; i += 16) _mm512_storeu_ps(kb + i, load16h(c->k + b * D + i));
         for (int r = 0; r < R; r++) {
-            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
-            if (pa <= pb) score_run_512(c, &cache, q[r], pa, pb, first[r], s[r]);
+            const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
+            if (pa <= pb) score_block_512(cr->q[r], kb, b, pa, pb, cr->first[r], D, scale, cr->s[r]);
         }
     }
-    float sum[ROWS_512][4];
-    for (int r = 0; r < R; r++) softmax4_weights_avx2(s[r], last[r] - first[r] + 1, sum[r]);
-    for (Py_ssize_t i = 0; i < 4 * R * D; i++) acc[i] = 0.0f;
-    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
-        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
+}
+
+AVX512H static void rows_values_512(const AttnCtx *c, const ChainRows *cr, Py_ssize_t m, int R,
+                                    const float (*sum)[4], Py_ssize_t dlo, Py_ssize_t dhi, float *acc) {
+    const Py_ssize_t D = c->D, H = c->H;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            for (Py_ssize_t d = dlo; d < dhi; d++) acc[(r * 4 + j) * D + d] = 0.0f;
+    for (Py_ssize_t b = cr->lo; b <= cr->hi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < cr->hi ? b + ATTN_BLOCK - 1 : cr->hi;
         for (int r = 0; r < R; r++) {
-            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
+            const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
             if (pa > pb) continue;
             float *ar = acc + r * 4 * D;
-            for (Py_ssize_t d = 0; d < D; d += 32) {
+            const float *sr = cr->s[r] + 4 * (pa - cr->first[r]);
+            for (Py_ssize_t d = dlo; d < dhi; d += 32) {
                 __m512 a[8];
                 for (int j = 0; j < 4; j++) {
                     a[2 * j] = _mm512_loadu_ps(ar + j * D + d);
                     a[2 * j + 1] = _mm512_loadu_ps(ar + j * D + d + 16);
                 }
-                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4x32(a, s[r] + 4 * (p - first[r]), c->v + p * D + d);
+                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4x32(a, sr + 4 * (p - pa), c->v + p * D + d);
                 for (int j = 0; j < 4; j++) {
                     _mm512_storeu_ps(ar + j * D + d, a[2 * j]);
                     _mm512_storeu_ps(ar + j * D + d + 16, a[2 * j + 1]);
@@ -1421,8 +1468,68 @@ AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float
             const float *ar = acc + (r * 4 + j) * D;
             float *out = c->out + ((m + r) * H + j) * D;
             const __m512 vs = _mm512_set1_ps(sum[r][j]);
-            for (Py_ssize_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(ar + d), vs));
+            for (Py_ssize_t d = dlo; d < dhi; d += 16) _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(ar + d), vs));
         }
+}
+
+/* attend_rows_avx2 on 16-lane registers (D % 32 == 0), for up to ROWS_512 rows m..m+R-1 of a chain:
+   all of a part's rows meet each block of keys while it is in L1, so a long cache is read from
+   memory once per part, not once per 4 rows, and converted to floats once for all of them.
+   scratch: 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D floats. */
+AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
+    ChainRows cr;
+    chain_rows(c, m, R, scratch, &cr);
+    float *acc = scratch + 4 * ROWS_512 * c->S, *kb = acc + 4 * ROWS_512 * c->D;
+    rows_scores_512(c, &cr, R, cr.lo, cr.hi, kb);
+    float sum[ROWS_512][4];
+    for (int r = 0; r < R; r++) softmax4_weights_avx2(cr.s[r], cr.last[r] - cr.first[r] + 1, sum[r]);
+    rows_values_512(c, &cr, m, R, (const float (*)[4])sum, 0, c->D, acc);
+}
+
+/* Up to ROWS_512 rows of a chain over a long run of keys (a verify deep into a conversation), split
+   between threads as attend_long_row splits one row: the scores by keys (each thread converting its
+   own blocks), the softmax by rows, the values by output elements. Every thread reads its share of
+   the cache once for all the rows, where attn_part's split by rows has each part read all of it
+   (two threads, four rows: the cache read twice, each thread at its own memory's pace). */
+typedef struct {
+    const AttnCtx *c;
+    ChainRows cr;
+    Py_ssize_t m;
+    int R;
+    float *acc, *kb, sum[ROWS_512][4];
+} SplitRows;
+
+AVX512H static void split_rows_scores(void *ctx, int part, int nparts) {
+    SplitRows *L = ctx;
+    Py_ssize_t lo, hi;
+    part_range(L->cr.hi - L->cr.lo + 1, ATTN_BLOCK, part, nparts, &lo, &hi);
+    if (lo < hi) rows_scores_512(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, L->kb + part * ATTN_BLOCK * L->c->D);
+}
+
+static void split_rows_softmax(void *ctx, int part, int nparts) {
+    SplitRows *L = ctx;
+    Py_ssize_t lo, hi;
+    part_range(L->R, 1, part, nparts, &lo, &hi);
+    for (Py_ssize_t r = lo; r < hi; r++) softmax4_weights_avx2(L->cr.s[r], L->cr.last[r] - L->cr.first[r] + 1, L->sum[r]);
+}
+
+AVX512H static void split_rows_values(void *ctx, int part, int nparts) {
+    SplitRows *L = ctx;
+    Py_ssize_t lo, hi;
+    part_range(L->c->D, 32, part, nparts, &lo, &hi);
+    if (lo < hi) rows_values_512(L->c, &L->cr, L->m, L->R, (const float (*)[4])L->sum, lo, hi, L->acc);
+}
+
+/* Rows m..m+R-1 (R <= ROWS_512) of c (a chain, H <= 4, AVX-512) split over `threads`; scratch as
+   attend_rows_512's plus ATTN_BLOCK * D floats a thread. */
+static void attend_split_rows(const AttnCtx *c, Py_ssize_t m, int R, int threads, float *scratch) {
+    SplitRows L = {.c = c, .m = m, .R = R};
+    chain_rows(c, m, R, scratch, &L.cr);
+    L.acc = scratch + 4 * ROWS_512 * c->S;
+    L.kb = L.acc + 4 * ROWS_512 * c->D;
+    pool_run(split_rows_scores, &L, parts_for((L.cr.hi - L.cr.lo + 1) / 256, threads));
+    pool_run(split_rows_softmax, &L, parts_for(R, threads));
+    pool_run(split_rows_values, &L, parts_for(c->D / 32, threads));
 }
 
 /* One row over a long run of keys (a decode step deep into a conversation): split between threads
@@ -1593,8 +1700,12 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
         const Py_ssize_t n = window > 0 && pos[m] + 1 > window ? window : pos[m] + 1;
         if (n > S) S = n;
     }
-    Py_ssize_t per_part = simd == 2 ? 4 * ROWS_512 * (S + D) : simd ? 16 * S + 16 * D : S + D;
-    float *scratch = PyMem_Malloc(sizeof(float) * (size_t)(per_part * nparts));
+    /* several rows of a chain over long runs of keys: split by keys and values, not by rows */
+    const int split_rows = simd == 2 && M > 1 && H <= 4 && !tree && threads > 1 && S >= LONG_ROW_KEYS;
+    Py_ssize_t per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * S + 16 * D : S + D;
+    /* attend_split_rows: one part's scores and accumulators, and a block of keys a thread */
+    const Py_ssize_t total = split_rows ? 4 * ROWS_512 * (S + D) + (Py_ssize_t)threads * ATTN_BLOCK * D : per_part * nparts;
+    float *scratch = PyMem_Malloc(sizeof(float) * (size_t)total);
     if (!scratch) {
         PyErr_NoMemory();
         goto done;
@@ -1606,6 +1717,9 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (simd && M == 1 && H <= 4 && !tree && threads > 1 &&
         (window > 0 && pos[0] + 1 > window ? window : pos[0] + 1) >= LONG_ROW_KEYS)
         attend_long_row(&c, threads, scratch);
+    else if (split_rows)
+        for (Py_ssize_t m = 0; m < M; m += ROWS_512)
+            attend_split_rows(&c, m, (int)(M - m < ROWS_512 ? M - m : ROWS_512), threads, scratch);
     else
 #endif
         pool_run(attn_part, &c, nparts);
