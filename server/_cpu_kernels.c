@@ -1316,14 +1316,20 @@ AVX512H static inline void score4x2_512(const float *const q[4], const uint16_t 
     finish_score4(a1, scale, out1);
 }
 
-AVX512H static inline void score4_512(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
-    __m512 a[4];
-    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
-    for (Py_ssize_t d = 0; d < D; d += 16) {
-        const __m512 x = load16h(kp + d);
-        for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + d), x, a[j]);
-    }
+/* One key's scores of 4 heads (q, D, scale, out in scope), the key's values d..d+15 as LOAD_KEY(d). */
+#define SCORE4_512(LOAD_KEY)                                                                              \
+    __m512 a[4];                                                                                          \
+    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();                                               \
+    for (Py_ssize_t d = 0; d < D; d += 16) {                                                              \
+        const __m512 x = LOAD_KEY(d);                                                                     \
+        for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + d), x, a[j]);           \
+    }                                                                                                     \
     finish_score4(a, scale, out);
+
+AVX512H static inline void score4_512(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
+#define HALF_KEY(d) load16h(kp + (d))
+    SCORE4_512(HALF_KEY)
+#undef HALF_KEY
 }
 
 /* Scores of keys pa..pb (cache slots through the key list) into s[4 * (p - p0)]. */
@@ -1340,13 +1346,9 @@ AVX512H static void score_run_512(const AttnCtx *c, const KeyList *keys, const f
 
 /* score4_512 against a key already converted to floats (the same values: the conversion is exact). */
 AVX512H static inline void score4_f32_512(const float *const q[4], const float *kp, Py_ssize_t D, __m128 scale, float *out) {
-    __m512 a[4];
-    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
-    for (Py_ssize_t d = 0; d < D; d += 16) {
-        const __m512 x = _mm512_loadu_ps(kp + d);
-        for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + d), x, a[j]);
-    }
-    finish_score4(a, scale, out);
+#define FLOAT_KEY(d) _mm512_loadu_ps(kp + (d))
+    SCORE4_512(FLOAT_KEY)
+#undef FLOAT_KEY
 }
 
 /* The scores of 4 converted keys k[0..3] (4 heads each) into out + 4 * i: 16 independent chains a
