@@ -316,16 +316,23 @@ def test_attention_rows_are_the_same_for_any_batch_thread_count_and_path(h, d, t
 def test_many_rows_over_a_long_cache_split_by_keys_and_values_keep_each_rows_bits():
     """Rows of a chain over 1,024 keys or more are split between threads by keys (the scores) and
     by output elements (the values), 16 rows at a time: 2..20 rows (a second group of 16 among
-    them), with and without a window, equal to each row computed alone and to one thread's."""
+    them), with and without a window, on every path this CPU runs, equal to each row computed
+    alone by one thread."""
     rng = np.random.default_rng(7)
     q, k, v = _cache(rng, m=20, t=2100)
     positions = np.arange(2000, 2020, dtype=np.int64)
     for window in (0, 1500):
         rows = np.concatenate([_attention(q[i:i + 1], k, v, positions[i:i + 1], window, 0.1, threads=1)
                                for i in range(20)])
-        for m in (2, 5, 16, 20):
-            for threads in (2, 3):
-                assert np.array_equal(_attention(q[:m], k, v, positions[:m], window, 0.1, threads=threads), rows[:m])
+        for path in ck.paths():  # each path's code (AVX-512, AVX2: the split; scalar: by rows)
+            prev = ck._force_path(path)
+            try:
+                for m in (2, 5, 16, 20):
+                    for threads in (2, 3):
+                        got = _attention(q[:m], k, v, positions[:m], window, 0.1, threads=threads)
+                        assert np.array_equal(got, rows[:m]), (path, m, threads)
+            finally:
+                ck._force_path(prev)
         np.testing.assert_allclose(rows, _attention_ref(q, k, v, positions, window, 0.1), rtol=1e-4, atol=1e-5)
 
 
