@@ -1297,8 +1297,8 @@ def _gelu_mul(g, u):
 def _summed_norm_rope(pq, dtype, w, eps, cos, sin):
     """_norm_rope on the partials' rounded sum, its rotated half read from the partials themselves.
     Why: RoPE reads the normed row at other columns (`_rope`'s rotate-half); of a sum computed in
-    the kernel (sum_slices' rounding is a bitcast, which inductor stores) that is a second kernel
-    reading it back, one more launch per q and k a layer (E4B: 66 a step, on the H200). The sum of
+    the kernel (through sum_slices' integer rounding) inductor made that a second kernel reading
+    the normed values back, one more launch per q and k a layer (E4B: 66 a step, on the H200). The sum of
     the rotated partials is the rotated sum bit for bit (negation is exact and rounding symmetric),
     the norm's scale is the row's one reduction, and each normed value is rounded to `dtype` as a
     stored one would be; so these are the bits of _norm_rope on the stored sum, every value a load
