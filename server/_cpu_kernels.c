@@ -1474,9 +1474,10 @@ AVX512H static void rows_values_512(const AttnCtx *c, const ChainRows *cr, Py_ss
         }
 }
 
-/* attend_rows_avx2 on 16-lane registers (D % 32 == 0), for up to ROWS_512 rows m..m+R-1 of a chain:
-   all of a part's rows meet each block of keys while it is in L1, so a long cache is read from
-   memory once per part, not once per 4 rows, and converted to floats once for all of them.
+/* attend_rows_avx2's rows on 16-lane registers (D % 32 == 0; the same bits), up to ROWS_512 rows
+   m..m+R-1 of a chain: all of a part's rows meet each block of keys while it is in L1, so a long
+   cache is read from memory once per part, not once per 4 rows, and converted to floats once for
+   all of them.
    scratch: 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D floats. */
 AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
     ChainRows cr;
@@ -1702,8 +1703,10 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
         const Py_ssize_t n = window > 0 && pos[m] + 1 > window ? window : pos[m] + 1;
         if (n > S) S = n;
     }
-    /* several rows of a chain over long runs of keys: split by keys and values, not by rows */
-    const int split_rows = simd == 2 && M > 1 && H <= 4 && !tree && threads > 1 && S >= LONG_ROW_KEYS;
+    /* a chain over long runs of keys, several threads: split by keys and values, not by rows (one
+       row: attend_long_row, on both SIMD paths; several: attend_split_rows, on AVX-512) */
+    const int long_keys = simd && H <= 4 && !tree && threads > 1 && S >= LONG_ROW_KEYS;
+    const int split_rows = long_keys && M > 1 && simd == 2;
     Py_ssize_t per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * S + 16 * D : S + D;
     /* attend_split_rows: one part's scores and accumulators, and a block of keys a thread */
     const Py_ssize_t total = split_rows ? 4 * ROWS_512 * (S + D) + (Py_ssize_t)threads * ATTN_BLOCK * D : per_part * nparts;
@@ -1716,8 +1719,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kwargs) {
                  (Py_ssize_t)tree_start, S, window, scale, simd};
     Py_BEGIN_ALLOW_THREADS
 #if HAVE_X86
-    if (simd && M == 1 && H <= 4 && !tree && threads > 1 &&
-        (window > 0 && pos[0] + 1 > window ? window : pos[0] + 1) >= LONG_ROW_KEYS)
+    if (long_keys && M == 1)
         attend_long_row(&c, threads, scratch);
     else if (split_rows)
         for (Py_ssize_t m = 0; m < M; m += ROWS_512)

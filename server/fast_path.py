@@ -1257,10 +1257,15 @@ def tree_paths(parents: list[int], n: int, T: int) -> np.ndarray:
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
-    n = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    n = xf * _inv_rms(xf, eps)
     if w is not None:
         n = n * w.float()
     return n.to(x.dtype)
+
+
+def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's scale of each row of fp32 `xf` (its last axis): (mean(x^2) + eps)^-1/2."""
+    return torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
 
 
 def _norm_rope(x, w, eps, cos, sin):
@@ -1307,7 +1312,7 @@ def _summed_norm_rope(pq, dtype, w, eps, cos, sin):
     y = sum_slices(pq, dtype)
     y_rot = sum_slices(torch.cat((-pq[..., half:], pq[..., :half]), dim=-1), dtype)
     yf = y.float()
-    inv = torch.pow(yf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    inv = _inv_rms(yf, eps)  # _rms's scale of the sum, for both halves
     n, n_rot = yf * inv, y_rot.float() * inv
     if w is not None:
         wf = w.float()
