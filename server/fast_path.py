@@ -97,10 +97,12 @@ PLE_GELU_FUSED_ROWS = 16
 # RoPE, the residual norms, the per-layer inputs: the `summed_*` ops below), not in the matmul's
 # last program (server/small_m_matmul.py `slices`): the same sum in the same order, the matmul
 # without its counter, fence and serial tail (bench.small_m_bench --chain-tails: the tails cost
-# 0.39 ms of a one-row step's E4B matmuls, 1.27 ms of a 16-row verify's). Off until a GPU run has
-# checked and timed it: built and checked on the CPU only (the kernels' partials under Triton's
-# interpreter, the ops under inductor); tests/test_fast_path.py checks it on CUDA either way.
-SUMMED_SLICES = False
+# 0.39 ms of a one-row step's E4B matmuls, 1.27 ms of a 16-row verify's). On since 12-05: on the H100
+# a one-token step 3.58 -> 3.51 ms, a 16-token verify 4.34 -> 4.13, 4 lanes' stacked forwards 6.11-6.21
+# -> 5.57-5.91 ms (bench/results/step_ab-summed-h100.md, gpu_concurrency-summed-ab.md); the CUDA tests
+# of tests/test_fast_path.py, test_fast_tree.py and test_fast_batch.py pass with it on. False: the
+# matmuls sum their own slices (A/B runs).
+SUMMED_SLICES = True
 
 
 def step_buckets(max_draft: int) -> tuple[int, ...]:
