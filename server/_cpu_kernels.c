@@ -110,8 +110,15 @@ int32 lanes). Outputs are reduced from the accumulator lanes once, at the end.
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 4   /* how many W tile strides ahead matmul_q8 prefetches */
 #endif
+/* Prefetched W goes to L2, not L1: with 8-16 x rows a tile's records (about 1.4 KB a row on the bundled
+   model) and the tiles prefetched ahead overflowed L1, each evicting the other, and a multi-row call's
+   stream stalled on memory between its products. The bundled model's LM head (262144 x 640), 2 threads:
+   8 rows 12.1 -> 7.4-8.1 ms, 16 rows 17.9 -> 11.7-11.9 (1 and 4 rows within the noise); a whole forward at
+   4k context, 8 rows 27.9-28.5 -> 21.6-22.7 ms, 16 rows 41.7-41.9 -> 34.3-36.6 (`python -m bench.cpu_step
+   --context 4096 --rows 1 4 8 16`, alternating builds). The distance (4 to 12 strides) made no difference
+   there. Where data goes changes no result. */
 #ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
 #define M1_PATH PATH_AVX512 /* the path an unforced M = 1 matmul_q8 call takes at most (see matmul_q8) */
 #define SPIN_NS 200000    /* how long an idle worker (or a waiting caller) spins before sleeping */
