@@ -2,7 +2,9 @@
 
 Contract: `CostCurveCache(path)` maps the conditions of a measurement (model, device, dtype,
 backend path, forward sizes, context, torch version, threads: `conditions(...)`) to the curve
-measured under them. `get(conditions)` returns the kept curve or None; `put(conditions, curve,
+measured under them, and the code that runs the forwards (`code_identity()`: a hash of the server
+package's sources and its compiled kernels, so a changed kernel, which can move a verify's cost by
+tens of percent and still pass the start-up check, measures again). `get(conditions)` returns the kept curve or None; `put(conditions, curve,
 seconds)` keeps one. The file is JSON, written atomically (a temporary file, then a rename); a
 file that cannot be read is treated as empty and replaced on the next `put`. A curve is used only
 when every condition matches exactly: a new device, dtype, path or thread count measures again,
@@ -11,6 +13,8 @@ and so does `--remeasure-cost`. The engine also checks a kept curve before it us
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -25,7 +29,23 @@ def conditions(model_id: str, device: torch.device, dtype, backend: str, max_tok
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{os.cpu_count()}"
     return {"model": model_id, "device": name, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
             "max_tokens": int(max_tokens), "context": int(context), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "code": code_identity()}
+
+
+@functools.lru_cache(maxsize=1)
+def code_identity() -> str:
+    """A short hash of what runs a forward: the server package's sources and compiled kernels
+    (`sources_hash` of its directory), computed once per process."""
+    return sources_hash(Path(__file__).resolve().parent)
+
+
+def sources_hash(directory: Path) -> str:
+    """A short hash of a directory's Python and C sources and compiled extensions (their build
+    flags included): names and bytes, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(directory).iterdir() if p.suffix in (".py", ".c", ".so", ".pyd")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class CostCurveCache:

@@ -110,3 +110,23 @@ def test_curves_agree_within_the_tolerance():
     assert not curves_agree(np.array([0.0, 1.0, 1.4, 2.0 * KEPT_CURVE_TOLERANCE * 1.01]), kept)
     assert not curves_agree(np.array([0.0, 1.0, 1.2, 1.4]), kept)  # 2.0 / 1.4 > 1.35
     assert not curves_agree(np.array([0.0, 1.0, 2.0]), kept)  # another length: other conditions
+
+
+def test_a_curve_is_kept_for_the_code_that_measured_it(tmp_path):
+    """The conditions name the code: a changed kernel source or rebuilt extension gives another
+    hash (so another curve is measured), files that run nothing do not."""
+    from server.cost_cache import code_identity, conditions, sources_hash
+
+    (tmp_path / "kernels.c").write_text("int f(void) { return 1; }\n")
+    (tmp_path / "model.py").write_text("X = 1\n")
+    (tmp_path / "_kernels.so").write_bytes(b"\x7fELF-one")
+    first = sources_hash(tmp_path)
+    (tmp_path / "notes.txt").write_text("not code")
+    assert sources_hash(tmp_path) == first
+    for name, text in (("kernels.c", b"int f(void) { return 2; }\n"), ("_kernels.so", b"\x7fELF-two"),
+                       ("model.py", b"X = 2\n")):
+        before = sources_hash(tmp_path)
+        (tmp_path / name).write_bytes(text)
+        assert sources_hash(tmp_path) != before, name
+    cond = conditions("m", torch.device("cpu"), torch.float32, "CpuBackend", 17, 256)
+    assert cond["code"] == code_identity() and len(cond["code"]) == 16
