@@ -114,8 +114,13 @@ def _reference_steps(monkeypatch):
             mask = (sp <= qp) & (sp > qp - window) & (sp >= 0)
         return _attention(q, kc, vc, mask, scaling, _EAGER_OPS.masked_softmax)
 
+    def slices(self, x):
+        # the summed slices' form (server/fast_path.py SUMMED_SLICES) of one K slice: y itself, [1, M, N]
+        return small_m(self, x).reshape(1, -1, self.n)
+
     monkeypatch.setattr(smm, "unpack_tinygemm", unpack_cpu)
     monkeypatch.setattr(smm.SmallMLinear, "__call__", small_m)
+    monkeypatch.setattr(smm.SmallMLinear, "slices", slices)
     monkeypatch.setattr(StepAttention, "__call__", attention)
     monkeypatch.setattr(FastTarget, "_want_step_kernels",
                         lambda self, asked: (False, "off (asked)") if asked is False else (True, "reference"))
