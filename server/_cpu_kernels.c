@@ -597,9 +597,20 @@ static void matmul_tiles_scalar(const MatmulCtx *c, Py_ssize_t t_lo, Py_ssize_t 
 /* The SIMD paths share one loop: per m_block of x rows (their records stay in L2), W tiles in
    strides of NT_MAX tiles (the stride PREFETCH_TILES ahead prefetched: the hardware prefetcher alone
    falls behind once each tile takes a while), each meeting the block's x rows in micro-tiles of up
-   to MR_MAX rows. KERNEL(c, m, T, MR, NT) computes x rows m..m+MR-1 against tiles T..T+NT-1. */
+   to MR_MAX rows. KERNEL(c, m, T, MR, NT) computes x rows m..m+MR-1 against tiles T..T+NT-1. A
+   range's first PREFETCH_TILES strides are prefetched before it starts: a call is cut into about
+   16 ranges (matmul_part), and on a small linear (the bundled model's q|k|v: 12 strides a
+   range) those strides were a third of each range's weights, read on demand. The bundled model's
+   18 layers of body matmuls on cold weights (a throwaway timing, 2 threads, alternating builds on a
+   noisy machine): 16 rows, medians of sittings, 11.4 -> 10.9 and 12.5-16.0 -> 9.9-12.3 ms; 4 rows
+   5.4-7.7 -> 5.2-6.8; 1 row within the noise. */
 #define TILE_LOOP(KERNEL, MR_MAX, NT_MAX)                                                                 \
     const Py_ssize_t tile_bytes = c->ng * WREC;                                                           \
+    {   /* the range's first strides, which the loop's own prefetch (strides ahead of it) never covers */ \
+        const Py_ssize_t pf_hi = t_lo + NT_MAX * PREFETCH_TILES < t_hi ? t_lo + NT_MAX * PREFETCH_TILES : t_hi; \
+        const char *pw = (const char *)(c->wp + t_lo * tile_bytes);                                       \
+        for (Py_ssize_t i = 0; i < (pf_hi - t_lo) * tile_bytes; i += 64) _mm_prefetch(pw + i, PREFETCH_HINT); \
+    }                                                                                                     \
     for (Py_ssize_t m0 = 0; m0 < c->M; m0 += c->m_block) {                                                \
         Py_ssize_t m1 = m0 + c->m_block < c->M ? m0 + c->m_block : c->M;                                   \
         for (Py_ssize_t T = t_lo; T < t_hi; T += NT_MAX) {                                                \
