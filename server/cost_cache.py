@@ -3,10 +3,11 @@
 Contract: `CostCurveCache(path)` maps the conditions of a measurement (model, device, dtype,
 backend path, forward sizes, context, torch version, threads: `conditions(...)`) to the curve
 measured under them, and the code that runs the forwards (`code_identity()`: a hash of the server
-package's sources and its compiled kernels, so a changed kernel, which can move a verify's cost by
-tens of percent and still pass the start-up check, measures again). `get(conditions)` returns the kept curve or None; `put(conditions, curve,
-seconds)` keeps one. The file is JSON, written atomically (a temporary file, then a rename); a
-file that cannot be read is treated as empty and replaced on the next `put`. A curve is used only
+package's sources and compiled kernels, so a changed kernel, which can move a verify's cost by tens
+of percent and still pass the start-up check, measures again; the whole package is a superset, so
+any change to it measures once). `get(conditions)` returns the kept curve or None;
+`put(conditions, curve, seconds)` keeps one. The file is JSON, written atomically (a temporary
+file, then a rename); a file that cannot be read is treated as empty and replaced on the next `put`. A curve is used only
 when every condition matches exactly: a new device, dtype, path or thread count measures again,
 and so does `--remeasure-cost`. The engine also checks a kept curve before it uses it
 (server/backend.py `kept_curve_check`) and replaces one that no longer holds.

@@ -99,9 +99,11 @@ PLE_GELU_FUSED_ROWS = 16
 # without its counter, fence and serial tail (bench.small_m_bench --chain-tails: the tails cost
 # 0.39 ms of a one-row step's E4B matmuls, 1.27 ms of a 16-row verify's). On since 12-05: on the H100
 # a one-token step 3.58 -> 3.51 ms, a 16-token verify 4.34 -> 4.13, 4 lanes' stacked forwards 6.11-6.21
-# -> 5.57-5.91 ms (bench/results/step_ab-summed-h100.md, gpu_concurrency-summed-ab.md); the CUDA tests
-# of tests/test_fast_path.py, test_fast_tree.py and test_fast_batch.py pass with it on. False: the
-# matmuls sum their own slices (A/B runs).
+# -> 5.57-5.91 ms (bench/results/step_ab-summed-h100.md, gpu_concurrency-summed-ab.md). With it on,
+# these CUDA tests passed: test_fast_batch.py's, test_fast_tree.py's, and test_fast_path.py's
+# drafted-equals-plain, batch-invariance and summed-slices ones (its other CUDA tests, and those of
+# test_host_rows.py, test_int8_head.py, test_early_launch.py and test_prefix_cache.py, have not run
+# with it on yet). False: the matmuls sum their own slices (A/B runs).
 SUMMED_SLICES = True
 
 
