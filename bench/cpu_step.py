@@ -4,7 +4,7 @@
 
 The bundled model on the CPU int8 path (server/cpu_model.py), a cache of `--context` random
 tokens; each forward of n rows (1: a decode step, 16: a 16-token verify) is timed `--rounds` times,
-the sizes interleaved, with the time inside `cpu_kernels.linear` and `cpu_kernels.attention`
+the sizes interleaved, with the time inside `cpu_kernels.linear` and the attention kernels
 summed per forward (the rest: the norm, gelu and RoPE kernels, cache writes and numpy glue). Medians.
 """
 from __future__ import annotations
@@ -37,6 +37,12 @@ class _TimedKernels:
     def attention(self, *args, **kw):
         t = time.perf_counter()
         out = self.kernels.attention(*args, **kw)
+        self.spent["attention"] += time.perf_counter() - t
+        return out
+
+    def attention_many(self, calls):
+        t = time.perf_counter()
+        out = self.kernels.attention_many(calls)
         self.spent["attention"] += time.perf_counter() - t
         return out
 

@@ -1,6 +1,6 @@
 """The CPU path's kernels: `linear(x, lin)` (x float32 [M, K] times an Int8Linear's W^T, activations
 quantized per row and 32-value block to int8) and `attention(q, k_cache, v_cache, positions, window,
-scale)`, each row on its own, and the forward's glue: `rms_norm` (with the residual add after it),
+scale)` (`attention_many` for several sequences' at once), each row on its own, and the forward's glue: `rms_norm` (with the residual add after it),
 `gelu_mul` and `rope`.
 
 Contract: all return float32 arrays; row i of a result depends only on row i of the inputs (and the
@@ -82,6 +82,24 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
     _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
                  out, **tree)
     return out
+
+
+def attention_many(calls: list[tuple]) -> list[np.ndarray]:
+    """Several `attention` calls at once (each a tuple of its arguments: q, k_cache, v_cache,
+    positions, window, scale[, tree_start, ancestors]), each result `attention`'s to the bit: the
+    sequences of a batched forward, which the C kernel runs side by side on its threads rather than
+    one after another, each split over them (see attention_many in the C source)."""
+    if _C is None:
+        return [attention(*call) for call in calls]
+    outs, packed = [], []
+    for q, k_cache, v_cache, positions, window, scale, *tree in calls:
+        out = np.empty_like(q)
+        outs.append(out)
+        tree_args = () if not tree or tree[1] is None else (int(tree[0]), np.ascontiguousarray(tree[1], dtype=np.int64))
+        packed.append((q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
+                       out, *tree_args))
+    _C.attention_many(packed)
+    return outs
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, residual: np.ndarray | None = None) -> np.ndarray:

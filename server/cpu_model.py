@@ -274,16 +274,17 @@ class CpuGemma:
             window = self.window if L["sliding"] else 0
             group = heads // kvh
             attn = np.empty((m, heads, D), dtype=np.float32)
-            for r, (lo, hi) in zip(batch, spans):
-                cache, q = r.cache, q_all[lo:hi]
-                if L["source"] == i:
-                    cache.k[i][:, r.start : r.start + hi - lo] = key_all[lo:hi].transpose(1, 0, 2)
-                    cache.v[i][:, r.start : r.start + hi - lo] = value_all[lo:hi].transpose(1, 0, 2)
-                kc, vc = cache.k[L["source"]], cache.v[L["source"]]
-                for g in range(kvh):  # each KV head with the query heads that read it
-                    attn[lo:hi, g * group : (g + 1) * group] = k.attention(
-                        np.ascontiguousarray(q[:, g * group : (g + 1) * group]), kc[g], vc[g], r.positions, window,
-                        L["scaling"], *(r.tree or ()))
+            if L["source"] == i:
+                for r, (lo, hi) in zip(batch, spans):
+                    r.cache.k[i][:, r.start : r.start + hi - lo] = key_all[lo:hi].transpose(1, 0, 2)
+                    r.cache.v[i][:, r.start : r.start + hi - lo] = value_all[lo:hi].transpose(1, 0, 2)
+            for g in range(kvh):  # each KV head with the query heads that read it, every sequence at once
+                heads_g = slice(g * group, (g + 1) * group)
+                outs = k.attention_many([
+                    (np.ascontiguousarray(q_all[lo:hi, heads_g]), r.cache.k[L["source"]][g], r.cache.v[L["source"]][g],
+                     r.positions, window, L["scaling"], *(r.tree or ())) for r, (lo, hi) in zip(batch, spans)])
+                for (lo, hi), out in zip(spans, outs):
+                    attn[lo:hi, heads_g] = out
             x = self._norm(k.linear(attn.reshape(m, heads * D), L["o"]), L["post_attn_norm"], residual=x)
             gate_up = k.linear(self._norm(x, L["pre_ffn_norm"]), L["gate_up"])
             x = self._norm(k.linear(k.gelu_mul(gate_up), L["down"]), L["post_ffn_norm"], residual=x)

@@ -425,6 +425,56 @@ def test_a_malformed_tree_is_refused():
         _attention(q, k, v, np.array([10, 11]), 0, 0.1, tree_start=39, ancestors=np.array([1, 3], np.int64))
 
 
+def test_attention_many_gives_each_call_its_own_bits():
+    """Several sequences' calls at once (a batched forward's): each out is what `attention` writes
+    for that call alone, whichever calls run alone on every thread and which side by side (one
+    far longer than the rest, calls of like size, a tree among them, one row over a long cache),
+    at one thread or two; the wrapper returns them in order."""
+    from server import cpu_kernels
+    from server.cpu_model import tree_layout
+
+    rng = np.random.default_rng(12)
+    depth, ancestors = tree_layout(_random_tree(rng, 6))
+    specs = [  # (rows, cache length, window, tree)
+        [(5, 3000, 0, False), (5, 300, 0, False), (1, 200, 0, False)],      # the first outweighs the rest
+        [(5, 600, 512, False), (5, 700, 512, False), (4, 650, 512, False), (6, 400, 512, True)],
+        [(1, 2048, 0, False), (7, 1500, 0, False)],
+        [(3, 100, 0, False)],
+    ]
+    for spec in specs:
+        calls = []
+        for m, t, window, tree in spec:
+            q, k, v = _cache(rng, m=m, h=4, d=256, t=t)
+            if tree:
+                start = t - 10
+                calls.append((q, k, v, start + depth, window, 0.07, start, ancestors))
+            else:
+                calls.append((q, k, v, np.arange(t - m, t, dtype=np.int64), window, 0.07))
+        alone = [_attention(*c[:6], **({"tree_start": c[6], "ancestors": c[7]} if len(c) > 6 else {})) for c in calls]
+        for threads in (1, 2):
+            outs = [np.full_like(c[0], np.nan) for c in calls]
+            assert ck.attention_many([(*c[:6], o, *c[6:]) for c, o in zip(calls, outs)], threads=threads) is None
+            for a, o in zip(alone, outs):
+                assert np.array_equal(a, o), (spec, threads)
+        for a, o in zip(alone, cpu_kernels.attention_many(calls)):
+            assert np.array_equal(a, o), spec
+
+
+def test_attention_many_refuses_a_bad_call_with_its_index():
+    rng = np.random.default_rng(13)
+    q, k, v = _cache(rng, m=2, h=1, d=32, t=40)
+    good = (q, k, v, np.array([10, 11]), 0, 0.1, np.empty_like(q))
+    with pytest.raises(TypeError, match=r"calls\[1\] must be a tuple"):
+        ck.attention_many([good, [q, k, v]])
+    with pytest.raises(ValueError, match="outside the cache"):
+        ck.attention_many([good, (q, k, v, np.array([10, 40]), 0, 0.1, np.empty_like(q))])
+    with pytest.raises(TypeError):
+        ck.attention_many([good, (q, k)])
+    with pytest.raises(TypeError, match="sequence"):
+        ck.attention_many(5)
+    assert ck.attention_many([]) is None
+
+
 def test_every_float16_in_the_cache_reads_as_its_exact_value():
     """The scalar code's float16 conversion and F16C's agree on every finite float16 (subnormals and
     signed zeros included): attention over a cache holding them all gives the same bits both ways."""

@@ -229,6 +229,10 @@ class FloatKernels:
     def attention(q, k_cache, v_cache, positions, window, scale):
         return cpu_kernels._attention_numpy(q, k_cache, v_cache, positions, window, scale, np.empty_like(q))
 
+    @staticmethod
+    def attention_many(calls):
+        return [FloatKernels.attention(*call) for call in calls]
+
 
 def test_gemma4_math_is_transformers(tiny4, monkeypatch):
     """With the weights kept exactly (float "codes", unit scales) and float matmuls, the forward is
