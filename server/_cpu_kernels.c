@@ -488,6 +488,7 @@ done:
 #define TILE 4                       /* W rows per packed tile */
 #define WREC (8 * 64 + 16 * 4)       /* bytes of one packed (tile, group) record: codes, then 16 scales */
 #define XREC (8 * 16 * 2 + 16 * 2)   /* bytes of one (x row, group) record: codes, |codes|, xc, xs */
+#define XREC512 (8 * 16 + 16 * 2)    /* the AVX-512 path's record: codes, xc, xs (no |codes|) */
 
 static inline Py_ssize_t groups_of(Py_ssize_t K) { return (K / QBLOCK + GROUP - 1) / GROUP; }
 static inline Py_ssize_t packed_bytes(Py_ssize_t N, Py_ssize_t K) {
@@ -542,16 +543,19 @@ static void pack_part(void *ctx, int part, int nparts) {
 
 /* x rows' records: per (m, group g), codes[8][16] (step t, lane q: x[m, 32 (4g + q) + 4t .. + 3]),
    their absolute values as unsigned bytes [8][16], xc[4] = -128 * (block 4g + q's 32 codes' sum), xs[4];
-   a block past K/32 is all zeros. Groups g0.. of each row. */
-static void x_records(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_t K, uint8_t *xr, Py_ssize_t g0) {
+   a block past K/32 is all zeros. Groups g0.. of each row. `rec_bytes` a record: XREC, or XREC512
+   (the AVX-512 path's, which reads no |codes|: xc and xs follow the codes). */
+static void x_records(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_t K, uint8_t *xr, Py_ssize_t g0,
+                      Py_ssize_t rec_bytes) {
     const Py_ssize_t nb = K / QBLOCK, ng = groups_of(K);
+    const int with_abs = rec_bytes == XREC;
     for (Py_ssize_t m = 0; m < M; m++)
         for (Py_ssize_t g = g0; g < ng; g++) {
-            uint8_t *rec = xr + (m * ng + g) * XREC;
+            uint8_t *rec = xr + (m * ng + g) * rec_bytes;
             int8_t *codes = (int8_t *)rec;
             uint8_t *absx = rec + 128;
-            int32_t *xc = (int32_t *)(rec + 256);
-            float *sc = (float *)(rec + 272);
+            int32_t *xc = (int32_t *)(rec + (with_abs ? 256 : 128));
+            float *sc = (float *)(rec + (with_abs ? 272 : 144));
             for (int q = 0; q < GROUP; q++) {
                 const Py_ssize_t b = g * GROUP + q;
                 const int8_t *x = xq + m * K + b * QBLOCK;
@@ -560,7 +564,7 @@ static void x_records(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_
                     for (int i = 0; i < 4; i++) {
                         int8_t v = b < nb ? x[4 * t + i] : 0;
                         codes[16 * t + 4 * q + i] = v;
-                        absx[16 * t + 4 * q + i] = (uint8_t)abs((int)v);
+                        if (with_abs) absx[16 * t + 4 * q + i] = (uint8_t)abs((int)v);
                         sum += v;
                     }
                 xc[q] = -128 * sum;
@@ -586,7 +590,7 @@ XREC_512 static void x_records_vnni_512(const int8_t *xq, const float *xs, Py_ss
     for (Py_ssize_t m = 0; m < M; m++) {
         for (Py_ssize_t g = 0; g < full; g++) {
             const int8_t *x = xq + m * K + g * GROUP * QBLOCK;
-            uint8_t *rec = xr + (m * ng + g) * XREC;
+            uint8_t *rec = xr + (m * ng + g) * XREC512;
             const __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512(x + 64);
             const __m512i c0 = _mm512_permutex2var_epi32(a, lo_idx, b), c1 = _mm512_permutex2var_epi32(a, hi_idx, b);
             _mm512_storeu_si512(rec, c0);
@@ -594,10 +598,10 @@ XREC_512 static void x_records_vnni_512(const int8_t *xq, const float *xs, Py_ss
             const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, c0), ones, c1);
             const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
             const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-            _mm_storeu_si128((__m128i *)(rec + 256), _mm_mullo_epi32(s4, _mm_set1_epi32(-128)));
-            _mm_storeu_ps((float *)(rec + 272), _mm_loadu_ps(xs + m * nb + g * GROUP));
+            _mm_storeu_si128((__m128i *)(rec + 128), _mm_mullo_epi32(s4, _mm_set1_epi32(-128)));
+            _mm_storeu_ps((float *)(rec + 144), _mm_loadu_ps(xs + m * nb + g * GROUP));
         }
-        if (full < ng) x_records(xq + m * K, xs + m * nb, 1, K, xr + m * ng * XREC, full);
+        if (full < ng) x_records(xq + m * K, xs + m * nb, 1, K, xr + m * ng * XREC512, full, XREC512);
     }
 }
 #endif
@@ -798,8 +802,8 @@ AVX512 static inline __attribute__((always_inline)) void kernel_avx512(const Mat
         const uint8_t *xr[4];
         __m512i p[4][AVX512_NT];
         for (int i = 0; i < MR; i++) {
-            xr[i] = c->xr + ((m + i) * ng + g) * XREC;
-            const __m512i xc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xr[i] + 256)));
+            xr[i] = c->xr + ((m + i) * ng + g) * XREC512;
+            const __m512i xc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xr[i] + 128)));
             for (int j = 0; j < NT; j++) p[i][j] = xc;
         }
         for (int t = 0; t < 8; t++) {
@@ -813,7 +817,7 @@ AVX512 static inline __attribute__((always_inline)) void kernel_avx512(const Mat
         __m512 wsv[AVX512_NT];
         for (int j = 0; j < NT; j++) wsv[j] = _mm512_loadu_ps((const float *)(w[j] + 512));
         for (int i = 0; i < MR; i++) {
-            const __m512 xsv = _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)(xr[i] + 272)));
+            const __m512 xsv = _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)(xr[i] + 144)));
             for (int j = 0; j < NT; j++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(xsv, wsv[j]), _mm512_cvtepi32_ps(p[i][j]), acc[i][j]);
         }
@@ -996,11 +1000,12 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
     const Py_ssize_t ng = groups_of(K);
     MatmulCtx c = {v[0].buf, v[2].buf, v[1].buf, v[3].buf, NULL, NULL, v[4].buf, M, N, K, ng, 4, path, 0, 0};
     /* x rows per m_block: their records (XREC bytes per 128 values) stay in L2 while W tiles pass */
-    c.m_block = (512 * 1024 / (ng * XREC)) / 4 * 4;
+    const Py_ssize_t rec_bytes = path == PATH_AVX512 ? XREC512 : XREC;
+    c.m_block = (512 * 1024 / (ng * rec_bytes)) / 4 * 4;
     if (c.m_block < 4) c.m_block = 4;
     uint8_t *xr = NULL, *wp = NULL;
     if (path != PATH_SCALAR) {
-        xr = alloc64((size_t)(M * ng * XREC));
+        xr = alloc64((size_t)(M * ng * rec_bytes));
         wp = n_arrays == 6 ? NULL : alloc64((size_t)packed_bytes(N, K));
         if (!xr || (n_arrays == 5 && !wp)) {
             free(xr);
@@ -1012,10 +1017,10 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_BEGIN_ALLOW_THREADS
     if (path != PATH_SCALAR) {
 #if HAVE_X86
-        if (path != PATH_AVX2 && best_path == PATH_AVX512) x_records_vnni_512(c.xq, c.xs, M, K, xr);
+        if (path == PATH_AVX512) x_records_vnni_512(c.xq, c.xs, M, K, xr);
         else
 #endif
-            x_records(c.xq, c.xs, M, K, xr, 0);
+            x_records(c.xq, c.xs, M, K, xr, 0, XREC);
         c.xr = xr;
         if (wp) {
             PackCtx pc = {c.wq, c.ws, wp, N, K};
