@@ -64,6 +64,10 @@ wrong dtype or a non-array, ValueError for a wrong shape, non-contiguous or read
       depth k. Row m attends to slots start..tree_start-1 and then to those ancestors in depth order
       (those at positions >= start): the keys a chain row at that position sees, in the same order,
       so a tree row's output equals the chain row's bit for bit.
+  attention_many(calls, threads=None) -> None: several attention calls at once, each a tuple of
+      attention's arguments but threads (q, k_cache, v_cache, positions, window, scale, out[,
+      tree_start, ancestors]), each out written with the bits attention writes for that call alone;
+      the calls run side by side on the threads (a batched forward's sequences; see its comment).
   set_threads(n) -> previous count (1..64; the default is the CPUs this process may run on);
   get_threads(); paths() -> matmul_q8's paths this CPU runs ("scalar", "avx2", "avxvnni", "avx512",
   best last); _force_path(name or None) -> the previous forced name or None (ValueError for a path
