@@ -29,21 +29,18 @@ class _TimedKernels:
         return getattr(self.kernels, name)
 
     def linear(self, x, lin, out=None):
-        t = time.perf_counter()
-        out = self.kernels.linear(x, lin, out=out)
-        self.spent["linear"] += time.perf_counter() - t
-        return out
+        return self._timed("linear", self.kernels.linear, x, lin, out=out)
 
     def attention(self, *args, **kw):
-        t = time.perf_counter()
-        out = self.kernels.attention(*args, **kw)
-        self.spent["attention"] += time.perf_counter() - t
-        return out
+        return self._timed("attention", self.kernels.attention, *args, **kw)
 
     def attention_many(self, calls):
+        return self._timed("attention", self.kernels.attention_many, calls)
+
+    def _timed(self, part: str, kernel, *args, **kw):
         t = time.perf_counter()
-        out = self.kernels.attention_many(calls)
-        self.spent["attention"] += time.perf_counter() - t
+        out = kernel(*args, **kw)
+        self.spent[part] += time.perf_counter() - t
         return out
 
 

@@ -577,38 +577,6 @@ static void x_records(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_
         }
 }
 
-#if HAVE_X86
-/* x_records for the VNNI paths on an AVX-512 CPU: the same bytes for codes, xc and xs (the |codes|
-   only the AVX2 path reads are left unwritten). A whole group's 4 blocks (128 codes, contiguous in a
-   row) as two zmm of 32-bit words, word 8 q + t = block q's codes 4t..4t+3, transposed into the
-   record's order (word 4 t + q) by two permutes; the blocks' sums from a dpbusd by ones (4 codes a
-   word, exact) and the record's 4 lane groups added. A last group with fewer than 4 blocks takes
-   the portable loop. With the scalar loop a 20-row call on K = 2048 spent 25 us here, alone on one
-   core before the threads start (a quarter of the down projection's call). */
-#define XREC_512 __attribute__((target("avx2,avx512f,avx512bw,avx512vnni")))
-XREC_512 static void x_records_vnni_512(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_t K, uint8_t *xr) {
-    const Py_ssize_t nb = K / QBLOCK, ng = groups_of(K), full = nb / GROUP;
-    const __m512i lo_idx = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-    const __m512i hi_idx = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (Py_ssize_t m = 0; m < M; m++) {
-        for (Py_ssize_t g = 0; g < full; g++) {
-            const int8_t *x = xq + m * K + g * GROUP * QBLOCK;
-            uint8_t *rec = xr + (m * ng + g) * XREC512;
-            const __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512(x + 64);
-            const __m512i c0 = _mm512_permutex2var_epi32(a, lo_idx, b), c1 = _mm512_permutex2var_epi32(a, hi_idx, b);
-            _mm512_storeu_si512(rec, c0);
-            _mm512_storeu_si512(rec + 64, c1);
-            const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, c0), ones, c1);
-            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
-            const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-            _mm_storeu_si128((__m128i *)(rec + 128), _mm_mullo_epi32(s4, _mm_set1_epi32(-128)));
-            _mm_storeu_ps((float *)(rec + 144), _mm_loadu_ps(xs + m * nb + g * GROUP));
-        }
-        if (full < ng) x_records(xq + m * K, xs + m * nb, 1, K, xr + m * ng * XREC512, full, XREC512);
-    }
-}
-#endif
 
 static inline float tree8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
 
@@ -856,6 +824,36 @@ AVX512 static inline __attribute__((always_inline)) void kernel_avx512(const Mat
 AVX512 static void matmul_tiles_avx512(const MatmulCtx *c, Py_ssize_t t_lo, Py_ssize_t t_hi) {
     TILE_LOOP(kernel_avx512, 4, AVX512_NT)
 }
+
+/* x_records' XREC512 records for the AVX-512 path, built with AVX-512. A whole group's 4 blocks
+   (128 codes, contiguous in a row) as two zmm of 32-bit words, word 8 q + t = block q's codes
+   4t..4t+3, transposed into the record's order (word 4 t + q) by two permutes; the blocks' sums
+   from a dpbusd by ones (4 codes a word, exact) and the record's 4 lane groups added. A last group
+   with fewer than 4 blocks takes the portable loop. With the scalar loop a 20-row call on K = 2048
+   spent 25 us here, alone on one core before the threads start (a quarter of the down
+   projection's call). */
+AVX512 static void x_records_vnni_512(const int8_t *xq, const float *xs, Py_ssize_t M, Py_ssize_t K, uint8_t *xr) {
+    const Py_ssize_t nb = K / QBLOCK, ng = groups_of(K), full = nb / GROUP;
+    const __m512i lo_idx = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i hi_idx = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (Py_ssize_t m = 0; m < M; m++) {
+        for (Py_ssize_t g = 0; g < full; g++) {
+            const int8_t *x = xq + m * K + g * GROUP * QBLOCK;
+            uint8_t *rec = xr + (m * ng + g) * XREC512;
+            const __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512(x + 64);
+            const __m512i c0 = _mm512_permutex2var_epi32(a, lo_idx, b), c1 = _mm512_permutex2var_epi32(a, hi_idx, b);
+            _mm512_storeu_si512(rec, c0);
+            _mm512_storeu_si512(rec + 64, c1);
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, c0), ones, c1);
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
+            const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            _mm_storeu_si128((__m128i *)(rec + 128), _mm_mullo_epi32(s4, _mm_set1_epi32(-128)));
+            _mm_storeu_ps((float *)(rec + 144), _mm_loadu_ps(xs + m * nb + g * GROUP));
+        }
+        if (full < ng) x_records(xq + m * K, xs + m * nb, 1, K, xr + m * ng * XREC512, full, XREC512);
+    }
+}
 #endif
 
 /* Each thread takes chunks of W tiles from the shared queue until it is empty, rather than a fixed
@@ -1003,7 +1001,7 @@ static PyObject *matmul_q8(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (M == 0 || N == 0 || K == 0) path = PATH_SCALAR;  /* nothing to pack for (same results) */
     const Py_ssize_t ng = groups_of(K);
     MatmulCtx c = {v[0].buf, v[2].buf, v[1].buf, v[3].buf, NULL, NULL, v[4].buf, M, N, K, ng, 4, path, 0, 0};
-    /* x rows per m_block: their records (XREC bytes per 128 values) stay in L2 while W tiles pass */
+    /* x rows per m_block: their records (rec_bytes per 128 values) stay in L2 while W tiles pass */
     const Py_ssize_t rec_bytes = path == PATH_AVX512 ? XREC512 : XREC;
     c.m_block = (512 * 1024 / (ng * rec_bytes)) / 4 * 4;
     if (c.m_block < 4) c.m_block = 4;

@@ -1,7 +1,7 @@
 """The CPU path's kernels: `linear(x, lin)` (x float32 [M, K] times an Int8Linear's W^T, activations
 quantized per row and 32-value block to int8) and `attention(q, k_cache, v_cache, positions, window,
-scale)` (`attention_many` for several sequences' at once), each row on its own, and the forward's glue: `rms_norm` (with the residual add after it),
-`gelu_mul` and `rope`.
+scale)` (`attention_many` for several sequences' at once), each row on its own, and the forward's
+glue: `rms_norm` (with the residual add after it), `gelu_mul` and `rope`.
 
 Contract: all return float32 arrays; row i of a result depends only on row i of the inputs (and the
 cache), never on M or on the thread count: the C kernels (server/_cpu_kernels.c) split work by
@@ -74,13 +74,11 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
               window: int, scale: float, tree_start: int = -1, ancestors: np.ndarray | None = None) -> np.ndarray:
     """`ancestors` (int64 [M] bit masks over the step's slots from `tree_start`): a token tree's rows
     (see the C source's contract); None: a chain."""
-    out = np.empty_like(q)
     if _C is None:
-        return _attention_numpy(q, k_cache, v_cache, positions, window, scale, out, tree_start, ancestors)
-    tree = {} if ancestors is None else {"tree_start": int(tree_start),
-                                          "ancestors": np.ascontiguousarray(ancestors, dtype=np.int64)}
-    _C.attention(q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
-                 out, **tree)
+        return _attention_numpy(q, k_cache, v_cache, positions, window, scale, np.empty_like(q), tree_start, ancestors)
+    q, k_cache, v_cache, positions, window, scale, out, *tree = _c_call(q, k_cache, v_cache, positions, window, scale,
+                                                                       tree_start, ancestors)
+    _C.attention(q, k_cache, v_cache, positions, window, scale, out, None, *tree)
     return out
 
 
@@ -91,15 +89,17 @@ def attention_many(calls: list[tuple]) -> list[np.ndarray]:
     one after another, each split over them (see attention_many in the C source)."""
     if _C is None:
         return [attention(*call) for call in calls]
-    outs, packed = [], []
-    for q, k_cache, v_cache, positions, window, scale, *tree in calls:
-        out = np.empty_like(q)
-        outs.append(out)
-        tree_args = () if not tree or tree[1] is None else (int(tree[0]), np.ascontiguousarray(tree[1], dtype=np.int64))
-        packed.append((q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
-                       out, *tree_args))
+    packed = [_c_call(*call) for call in calls]
     _C.attention_many(packed)
-    return outs
+    return [call[6] for call in packed]
+
+
+def _c_call(q, k_cache, v_cache, positions, window, scale, tree_start=-1, ancestors=None) -> tuple:
+    """An attention call's arguments as the C kernels take them, with a new out: (q, k_cache,
+    v_cache, positions, window, scale, out[, tree_start, ancestors])."""
+    tree = () if ancestors is None else (int(tree_start), np.ascontiguousarray(ancestors, dtype=np.int64))
+    return (q, k_cache, v_cache, np.ascontiguousarray(positions, dtype=np.int64), int(window), float(scale),
+            np.empty_like(q), *tree)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, residual: np.ndarray | None = None) -> np.ndarray:
