@@ -54,7 +54,7 @@ def int4_linear(n: int, k: int):
     quantize(holder, weights=qint4)  # quanto swaps a module's children, not the module itself
     freeze(holder)
     lin = holder[0]
-    from server.fast_path import Int4Linear, as_linear
+    from server.fast_linears import Int4Linear, as_linear
     fast = as_linear(lin)
     if not isinstance(fast, Int4Linear):
         raise RuntimeError(f"quanto did not give a tinygemm int4 weight ({type(lin.qweight).__name__})")
@@ -126,7 +126,7 @@ ATTENTION = [("full", 512, 8704, False, 1024), ("full", 512, 8704, False, 8192),
 
 
 def measure_attention(name, head_dim, slots, sliding, context) -> list:
-    from server.fast_path import _EAGER_OPS, _attention, _masks
+    from server.fast_ops import _EAGER_OPS, _attention, _masks
     from server.step_attention import StepAttention
     torch.manual_seed(0)
     kvh, group, window = 2, 4, 512
@@ -291,7 +291,7 @@ def measure_epilogue(name, n, k, count, kind) -> dict:
     """One shape on cold weights: the matmul alone, the matmul then the fast path's compiled gelu_mul
     kernel (two launches, as steps ran before the epilogues), and the fused launch; and whether the
     fused output is the unfused one's bits."""
-    from server.fast_path import _compiled_ops
+    from server.fast_ops import _compiled_ops
 
     gelu_mul = _compiled_ops().gelu_mul
     weight_bytes = n * k // 2 + 2 * 2 * (k // 128) * n

@@ -192,7 +192,7 @@ def _softmax_rows(scores: torch.Tensor, t: int, first: int, key0: int, window, s
     at positions first.. against keys at key0.., by one Triton kernel that derives the causal
     (and window) mask from the positions (server/gpu_kernels.py `_prefill_softmax_kernel`).
 
-    Why not the compiled op: inductor's deterministic mode (fast_path.compile_ops, kept for the
+    Why not the compiled op: inductor's deterministic mode (fast_ops.compile_ops, kept for the
     steps' batch invariance) picks a split reduction for rows of thousands of keys, and without
     its online softmax (a warning says so) a 64k-token prefill took twice as long. This kernel
     reads each row twice and writes it once, in a fixed order. It multiplies by `scaling` in fp32

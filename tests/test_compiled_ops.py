@@ -1,4 +1,4 @@
-"""The fast path's compiled elementwise ops (server/fast_path.py compile_ops) keep one compiled
+"""The fast path's compiled elementwise ops (server/fast_ops.py compile_ops) keep one compiled
 kernel per op for steps of every size. Two compilations of an op are two kernels whose sums may
 round differently, so a row would get other bits in a step of another size and drafted output
 would leave plain output: on the H200 (E4B shape) duck sizing took a 2-row step's row count for
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from server.fast_path import FastTarget, compile_ops
+from server.fast_ops import compile_ops
+from server.fast_path import FastTarget
 from tests.test_engine_lossless import tiny_gemma4
 
 

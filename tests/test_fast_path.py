@@ -214,7 +214,7 @@ def test_step_kernels_batch_invariant_and_close(quant, summed, monkeypatch):
 def test_int4_layers_use_tinygemm():
     model = cuda_model(torch.bfloat16, quant=True)
     fast = FastTarget(model, max_len=64, capture=False, release_weights=False)  # transformers runs below
-    from server.fast_path import Int4Linear
+    from server.fast_linears import Int4Linear
     assert isinstance(fast.layers[0].gate, Int4Linear)
     ids = prompt_of(30, model.config.vocab_size, seed=5)
     ref = hf_logits(model, ids)

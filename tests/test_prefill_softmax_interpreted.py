@@ -64,7 +64,7 @@ def _main() -> int:
     assert (got - want).abs().max().item() < 4e-3, (got - want).abs().max().item()  # 2^-8: a step at 0.5..1
     print("ok bf16")
 
-    from server.fast_path import _EAGER_OPS
+    from server.fast_ops import _EAGER_OPS
     for T, kvh, group, D, S, k0, q0, window in ATTEND_CASES:
         g = torch.Generator().manual_seed(T + S)
         q = torch.randn(T, kvh * group, D, generator=g)

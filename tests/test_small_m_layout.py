@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from server.fast_path import DenseLinear, FastTarget
+from server.fast_linears import DenseLinear
+from server.fast_path import FastTarget
 from server.small_m_matmul import BLOCK_K, SmallMLinear, concat, pack_codes, unpack_codes, unsupported_shape
 from tests.test_engine_lossless import tiny_gemma4
 
@@ -80,7 +81,7 @@ def _reference_steps(monkeypatch):
     (the same layout, dequantized; attention by the step forward's own masks), and quanto's CPU
     tinygemm read back by its CPU kernel. What this checks is the bookkeeping around the kernels."""
     import server.small_m_matmul as smm
-    from server.fast_path import _EAGER_OPS, _attention
+    from server.fast_ops import _EAGER_OPS, _attention
     from server.step_attention import StepAttention
 
     def unpack_cpu(packed, out_features, in_features):
@@ -136,7 +137,7 @@ def test_one_int4_layout_bookkeeping_on_the_cpu(monkeypatch):
 
     from optimum.quanto import freeze, qint4, quantize
 
-    from server.fast_path import ReleasedLinear
+    from server.fast_linears import ReleasedLinear
     from server.fast_prefill import keep_dense_weights
 
     _reference_steps(monkeypatch)

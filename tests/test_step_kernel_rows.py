@@ -111,7 +111,7 @@ def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k):
     """GELU_PAIRS and GELU_TIMES (server/small_m_matmul.py) against the unfused step: the matmul's
     output, then the fast path's compiled gelu_mul kernel. The same bits at every row count, on the
     Gluon kernel and on `_small_m_kernel`, so fusing changes no step's output."""
-    from server.fast_path import _compiled_ops
+    from server.fast_ops import _compiled_ops
 
     gelu_mul = _compiled_ops().gelu_mul
     lin = int4_linear(n, k, seed=n + k + 5)

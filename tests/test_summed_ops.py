@@ -1,4 +1,4 @@
-"""The fast path's summed step ops (server/fast_path.py `summed_*`), which read a split-K matmul's K
+"""The fast path's summed step ops (server/fast_ops.py `_summed_*`), which read a split-K matmul's K
 slices (server/small_m_matmul.py `slices`) and sum them in the op's own compiled kernel:
 
 - the sum is rounded to bfloat16 as the matmul rounds its output, compiled or not: inside a
@@ -15,14 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import fast_path
+from server import fast_ops
 from server.small_m_matmul import round_to_bfloat16, sum_slices
 
 
 @pytest.fixture(scope="module")
 def ops():
     torch._dynamo.reset()
-    yield fast_path.compile_ops()
+    yield fast_ops.compile_ops()
     torch._dynamo.reset()
 
 
@@ -105,7 +105,7 @@ def test_one_compilation_per_op_and_slice_count_for_every_step_size():
 
     torch._dynamo.reset()
     try:
-        ops = fast_path.compile_ops(backend=counting)
+        ops = fast_ops.compile_ops(backend=counting)
         for slices in (8, 2, 10):
             for T in (2, 16, 4, 64, 8, 32, 3):  # step sizes, the padding-free ones of a segmented forward among them
                 for name, summed_args, _ in _cases(slices, T):
@@ -129,9 +129,9 @@ def test_summed_rope_reads_the_rotated_partials_with_the_stored_sums_bits(slices
     cos, sin = (torch.randn(T, 1, D, generator=g).bfloat16() for _ in range(2))
     y = sum_slices(p, torch.bfloat16)
     for w in (torch.randn(D, generator=g).bfloat16(), None):
-        got = fast_path._summed_norm_rope(p, torch.bfloat16, w, 1e-6, cos, sin)
-        assert torch.equal(got, fast_path._norm_rope(y, w, 1e-6, cos, sin))
-    q, k, v = fast_path._summed_qkv_norm_rope(p, p[:, :, :1], p[:, :, 1:2], torch.bfloat16, w, 1e-6, w, 1e-6,
+        got = fast_ops._summed_norm_rope(p, torch.bfloat16, w, 1e-6, cos, sin)
+        assert torch.equal(got, fast_ops._norm_rope(y, w, 1e-6, cos, sin))
+    q, k, v = fast_ops._summed_qkv_norm_rope(p, p[:, :, :1], p[:, :, 1:2], torch.bfloat16, w, 1e-6, w, 1e-6,
                                               None, 1e-6, cos, sin)
-    want = fast_path._qkv_norm_rope(y, y[:, :1], y[:, 1:2], w, 1e-6, w, 1e-6, None, 1e-6, cos, sin)
+    want = fast_ops._qkv_norm_rope(y, y[:, :1], y[:, 1:2], w, 1e-6, w, 1e-6, None, 1e-6, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), want))
