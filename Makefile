@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	@$(PHASE) "installing the BFCL v4 data" "seconds" -- $(PIP) install -qq --no-deps bfcl-eval
 	@touch $(STAMP)
 
-# The C kernels (ngram/_speedups.c, server/_cpu_kernels.c) are built by the editable install; rebuilt when edited.
-$(SPEEDUPS): ngram/_speedups.c server/_cpu_kernels.c $(STAMP)
+# The C kernels (ngram/_speedups.c, server/_cpu_*.c and _cpu_kernels.h) are built by the editable install; rebuilt when edited.
+$(SPEEDUPS): ngram/_speedups.c $(wildcard server/_cpu_*.c server/_cpu_*.h) $(STAMP)
 	@$(PHASE) "building the C kernels" "seconds" -- $(PIP) install -qq --no-deps -e .
 	@touch $(SPEEDUPS)
 
