@@ -216,8 +216,12 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     for (int i = 0; i < N_PATHS; i++)
         if (cpu_paths[i]) best_path = i;
 #endif
+#ifdef __linux__  /* the CPUs this process may run on (a container's or taskset's share) */
     cpu_set_t set;
     long cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+#else  /* macOS and the BSDs have no affinity masks of this kind: the CPUs online */
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+#endif
     n_threads = cpus < 1 ? 1 : cpus > MAX_THREADS ? MAX_THREADS : (int)cpus;
     static int fork_handler = 0;
     if (!fork_handler && pthread_atfork(NULL, NULL, pool_after_fork_child) == 0) fork_handler = 1;

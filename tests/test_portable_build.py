@@ -1,14 +1,15 @@
-"""The CPU kernels (server/_cpu_*.c) on a CPU that is not x86 (an ARM laptop): built as such, they
-compile, link and give every output the same bits as this machine's build.
+"""The CPU kernels (server/_cpu_*.c) on a CPU that is not x86 and a system that is not Linux (an ARM
+Mac): built as such, they compile, link and give every output the same bits as this machine's build.
 
-There is no ARM compiler here, so the test builds the sources as a non-x86 compiler sees them: each
-file included after the system headers with `__x86_64__` / `__i386__` undefined, so `HAVE_X86` is 0
-and only the portable scalar code remains (until 12-05 such a build failed: the attention's plan
-named constants defined for x86 only). The module is loaded beside the installed one, and its
-matmul_q8, quantize_rows, attention (chains, a tree, a long cache), attention_many, rms_norm,
-gelu_mul and rope are compared bit for bit with the installed module's SIMD path; by the kernels'
-contract every path gives the same bits. Linux x86 with a C compiler only (the headers' trick needs
-an x86 glibc); the build takes a few seconds."""
+There is no ARM compiler here, so the test builds the sources as such a compiler sees them: each
+file included after the system headers with `__x86_64__`, `__i386__` and `__linux__` undefined, so
+`HAVE_X86` is 0 and only the portable scalar code remains, and the thread count comes from the CPUs
+online (no affinity masks off Linux). Until 12-05 such a build failed twice over: the attention's
+plan named constants defined for x86 only, and the module's init called Linux's sched_getaffinity.
+The module is loaded beside the installed one, and its matmul_q8, quantize_rows, attention (chains,
+a tree, a long cache), attention_many, rms_norm, gelu_mul and rope are compared bit for bit with the
+installed module's SIMD path; by the kernels' contract every path gives the same bits. Linux x86
+with a C compiler only (the headers' trick needs an x86 glibc); the build takes a few seconds."""
 import glob
 import importlib.util
 import platform
@@ -43,7 +44,7 @@ def portable(tmp_path_factory):
         wrapper = out / f"{Path(source).stem}_portable.c"
         lines = ["#define PY_SSIZE_T_CLEAN", "#include <Python.h>"]
         lines += [f"#include <{h}>" for h in SYSTEM_HEADERS]
-        lines += ["#undef __x86_64__", "#undef __i386__", f'#include "{source}"']
+        lines += ["#undef __x86_64__", "#undef __i386__", "#undef __linux__", f'#include "{source}"']
         wrapper.write_text("\n".join(lines) + "\n")
         obj = wrapper.with_suffix(".o")
         cmd = [CC, "-c", "-O2", "-fPIC", "-pthread", "-Wall", "-Werror=implicit-function-declaration",
@@ -66,6 +67,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def test_the_portable_build_runs_the_scalar_code_only(portable):
     assert portable.paths() == ["scalar"] and portable.simd() == "scalar"
+    assert portable.get_threads() >= 1
     assert ck.paths()[-1] != "scalar" or ck.paths() == ["scalar"]
 
 
