@@ -13,6 +13,7 @@ with a C compiler only (the headers' trick needs an x86 glibc); the build takes 
 import glob
 import importlib.util
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -26,12 +27,23 @@ ck = pytest.importorskip("server._cpu_kernels")
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(glob.glob(str(ROOT / "server" / "_cpu_*.c")))
-SYSTEM_HEADERS = ["math.h", "pthread.h", "sched.h", "stdint.h", "stdlib.h", "string.h", "time.h", "unistd.h"]
 CC = shutil.which("cc") or shutil.which("gcc")
 
 pytestmark = pytest.mark.skipif(
     not (CC and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")),
     reason="needs a C compiler on x86 Linux (builds the non-x86 configuration by undefining x86's macros)")
+
+
+def _system_headers() -> list[str]:
+    """The system headers the sources include, in order (immintrin.h, x86's, aside): included before
+    the macros are undefined, since the system's own headers need them."""
+    found: list[str] = []
+    for path in [ROOT / "server" / "_cpu_kernels.h", *map(Path, SOURCES)]:
+        for line in path.read_text().splitlines():
+            m = re.match(r"#include <([^>]+)>", line.strip())
+            if m and m.group(1) != "immintrin.h" and m.group(1) not in found:
+                found.append(m.group(1))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +54,7 @@ def portable(tmp_path_factory):
     objects = []
     for source in SOURCES:
         wrapper = out / f"{Path(source).stem}_portable.c"
-        lines = ["#define PY_SSIZE_T_CLEAN", "#include <Python.h>"]
-        lines += [f"#include <{h}>" for h in SYSTEM_HEADERS]
+        lines = ["#define PY_SSIZE_T_CLEAN"] + [f"#include <{h}>" for h in _system_headers()]
         lines += ["#undef __x86_64__", "#undef __i386__", "#undef __linux__", f'#include "{source}"']
         wrapper.write_text("\n".join(lines) + "\n")
         obj = wrapper.with_suffix(".o")
@@ -68,7 +79,6 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def test_the_portable_build_runs_the_scalar_code_only(portable):
     assert portable.paths() == ["scalar"] and portable.simd() == "scalar"
     assert portable.get_threads() >= 1
-    assert ck.paths()[-1] != "scalar" or ck.paths() == ["scalar"]
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
