@@ -167,8 +167,9 @@ COLD_CONFIGS = [
     {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 64, "warps": 4},
     {"kernel": "gluon", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
     {"kernel": "gluon", "target": 264, "stages": 4, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 64, "warps": 2},
+    {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 128, "warps": 4, "same_split": True},
     {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 128, "warps": 8, "same_split": True},
-    {"kernel": "gluon", "target": 264, "stages": 3, "block_n": 128, "warps": 8, "same_split": True},
     {"kernel": "triton", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
 ]
 COLD_ROWS = (1, 16, 32, 64)

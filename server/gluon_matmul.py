@@ -3,7 +3,7 @@ server/gpu_kernels.py `_small_m_kernel` with its int4 weights, bit for bit, with
 movement written out instead of left to Triton's pipeliner.
 
 Contract: `int4_step_matmul[grid](...)` takes `_small_m_kernel`'s arguments for an int4 weight in
-server/small_m_matmul.py's layout (BLOCK_N = 64 columns a program with 4 warps, or 128 with 8:
+server/small_m_matmul.py's layout (BLOCK_N = 64 or 128 columns a program, 2 to 8 warps:
 `TILINGS`; K slices of whole 128-feature groups, split-K partials summed in slice order by the last
 program of a column tile), its EPILOGUE included (the gelus fused into the store: server/gpu_kernels.py
 `_small_m_kernel`), and writes the same output bits: each row tile's group sum is the eight m16n8k16 tensor-core products of the
@@ -69,9 +69,13 @@ STAGES = 2          # groups in flight: deeper rings took more shared memory for
 PREFETCH = True
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
-# (columns a program, warps) the kernel is written for: each warp takes 16 columns. A column's sums do
-# not depend on the tile it is in, so the tilings give the same bits for the same K slices.
-TILINGS = ((BLOCK_N, NUM_WARPS), (2 * BLOCK_N, 2 * NUM_WARPS))
+# (columns a program, warps) the kernel is written for. The accumulator's layout gives each warp 8
+# columns in every 8 x warps, so a warp takes BLOCK_N / warps columns: 16 in the first two, 32 in the
+# last two, where each x slice a warp reads from shared memory (ldmatrix) feeds four products instead
+# of two (at 64 rows the x reads, four row tiles a slice, outweigh the weights'). A column's sums do
+# not depend on the tile it is in or on the warp that computes it, so the tilings give the same bits
+# for the same K slices (tests/test_step_kernel_rows.py).
+TILINGS = ((BLOCK_N, NUM_WARPS), (2 * BLOCK_N, 2 * NUM_WARPS), (BLOCK_N, NUM_WARPS // 2), (2 * BLOCK_N, NUM_WARPS))
 
 
 def runs_on(device: torch.device) -> bool:

@@ -102,6 +102,20 @@ PLAIN, GELU_PAIRS, GELU_TIMES = 0, 1, 2
 
 PDL = True          # programmatic dependent launch where the GPU has it (pdl_launch)
 GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it runs (False: A/B runs)
+# From this many row tiles on, an int4 launch on the Gluon kernel runs WIDE_TILING (columns a program,
+# warps), one of server/gluon_matmul.py's TILINGS: 128 columns a program on 4 warps, each warp 32
+# columns, so each x slice a warp reads from shared memory feeds four products instead of two, and
+# half as many programs copy x. Same K slices, so the same bits (a column's sums do not depend on its
+# tile or warp: tests/test_step_kernel_rows.py). Measured on an H100, one sitting (E4B shape, int4):
+# per shape on cold weights (`python -m bench.small_m_bench --cold`, bench/results/small_m_cold-tilings-h100.md)
+# gate|up at 16 / 32 / 64 rows 23.9 / 32.1 / 64.8 -> 20.2 / 27.3 / 43.3 us, the small linears slower at
+# 64 rows (ple gate 10.6 -> 25.3); whole steps at 1k context (a throwaway script, one process each, the
+# form `python -m bench.step_ab --rows 32 48 64` now takes): 32 rows 5.04 -> 4.78 ms, 48 and 64 rows
+# level (7.86 / 7.91 -> 8.00 / 7.99), the 64-token steps' logits the same bits. 32 rows is the forward
+# of 3-16 lanes' drafts (server/fast_batch.py `shared_rows`). One row tile keeps the linear's own
+# tiling: a one-row gate|up took 16.5 us on it and 20.3 on this one. None: the own tiling always.
+WIDE_FROM_TILES: int | None = 2
+WIDE_TILING = (128, 4)
 
 
 def pdl_launch(device: torch.device) -> dict:
@@ -291,19 +305,19 @@ class SmallMLinear:
         if self.partial is None:
             self.partial = torch.empty((max(1, self.partial_numel()),), dtype=torch.float32, device=self.weight.device)
         tiles = max(1, -(-m // TILE_M))
-        grid = (self.n // self.block_n, self.split)
         if self.gluon:
             from server import gluon_matmul
             from server.gluon_matmul import int4_step_matmul, x_rows
-            int4_step_matmul[grid](
+            block_n, warps = self._gluon_tiling(tiles)
+            int4_step_matmul[(self.n // block_n, self.split)](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
-                ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=self.block_n, STAGES=self.gluon_stages,
+                ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=block_n, STAGES=self.gluon_stages,
                 EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), REDUCE=reduce,
-                num_warps=self.num_warps, **self._launch)
+                num_warps=warps, **self._launch)
             return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
-        _small_m_kernel[grid](
+        _small_m_kernel[(self.n // self.block_n, self.split)](
             x2, self.weight, self.scale if self.scale is not None else self.weight,
             self.offset if self.int4 else self.weight,
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split, times,
@@ -311,6 +325,16 @@ class SmallMLinear:
             ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
             REDUCE=reduce, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
+
+    def _gluon_tiling(self, tiles: int) -> tuple[int, int]:
+        """(columns a program, warps) of a Gluon launch of `tiles` row tiles: WIDE_TILING from
+        WIDE_FROM_TILES tiles on, where it tiles N (its programs' counters fit: this linear's tiles
+        are at most as wide), else the linear's own."""
+        if WIDE_FROM_TILES is not None and tiles >= WIDE_FROM_TILES:
+            block_n, warps = WIDE_TILING
+            if self.n % block_n == 0 and block_n >= self.block_n:
+                return block_n, warps
+        return self.block_n, self.num_warps
 
     def partial_numel(self) -> int:
         """fp32 scratch this linear needs for MAX_ROWS rows (0 without split-K)."""

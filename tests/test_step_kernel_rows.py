@@ -86,17 +86,17 @@ def test_gluon_int4_kernel_gives_the_triton_kernels_bits(n, k):
 
 @pytest.mark.parametrize("n,k", [(3072, 2560), (20480, 2560), (2560, 10240), (256, 2560)])
 def test_gluon_tilings_and_rings_give_the_same_bits(n, k):
-    """server/gluon_matmul.py's 128-column tiles (8 warps) and deeper rings, with the same K slices:
-    a column's sums do not depend on its tile or on how far ahead the copies run, so every row
-    count gives the shipped configuration's bits."""
+    """server/gluon_matmul.py's other tilings (128-column tiles, 32 columns a warp) and deeper rings,
+    with the same K slices: a column's sums do not depend on its tile, its warp or on how far ahead
+    the copies run, so every row count gives the shipped configuration's bits."""
     from server import gluon_matmul
 
     lin = int4_linear(n, k, seed=n + k)
     if not lin.gluon:
         pytest.skip("Gluon does not run here")
     x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
-    for (block_n, warps), stages in [(gluon_matmul.TILINGS[1], 2), (gluon_matmul.TILINGS[0], 4),
-                                     (gluon_matmul.TILINGS[1], 3)]:
+    for (block_n, warps), stages in [*((tiling, 2) for tiling in gluon_matmul.TILINGS[1:]),
+                                     (gluon_matmul.TILINGS[0], 4), (gluon_matmul.TILINGS[1], 3)]:
         if n % block_n:
             continue
         other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
@@ -104,6 +104,31 @@ def test_gluon_tilings_and_rings_give_the_same_bits(n, k):
         assert other.gluon
         for m in ROW_COUNTS:
             assert torch.equal(other(x[:m]), lin(x[:m])), f"N={n} K={k} n{block_n} s{stages}: {m} rows"
+
+
+@pytest.mark.parametrize("tiling", [(64, 2), (128, 4)])
+@pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 10240)])
+def test_wide_tiling_from_some_row_tiles_gives_the_same_bits(n, k, tiling, monkeypatch):
+    """server/small_m_matmul.py WIDE_FROM_TILES: launches of that many row tiles or more switch to
+    WIDE_TILING, on plain outputs, gelu pairs and split-K slices alike, and nothing changes."""
+    from server import small_m_matmul
+
+    lin = int4_linear(n, k, seed=n + k + 3)
+    if not lin.gluon:
+        pytest.skip("Gluon does not run here")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
+    pairs = lin.gelu_pairs() if n == 20480 else None
+    ref = {m: (lin(x[:m]), lin.slices(x[:m]).clone(), pairs and pairs(x[:m])) for m in ROW_COUNTS}
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", 1)
+    monkeypatch.setattr(small_m_matmul, "WIDE_TILING", tiling)
+    assert lin._gluon_tiling(1) == tiling
+    for m in ROW_COUNTS:
+        y, parts, gelus = ref[m]
+        assert torch.equal(lin(x[:m]), y), f"{tiling}: {m} rows"
+        assert torch.equal(lin.slices(x[:m]), parts), f"{tiling}: {m} rows, slices"
+        if pairs is not None:
+            assert torch.equal(pairs(x[:m]), gelus), f"{tiling}: {m} rows, gelu pairs"
 
 
 @pytest.mark.parametrize("n,k", [(20480, 2560), (256, 2560), (512, 256)])
