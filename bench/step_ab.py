@@ -19,8 +19,12 @@ CUDA graphs, a 1,000-token prompt, then
     prefill's token, timed from that token on the host; after an untimed first decode, which
     captures the graphs of positions past 1,024) and drafted
     decode with oracle drafts (20% of tokens wrong): drafted equals plain, token for token.
+`--rows N [N ...]`: steps of N tokens more (up to 64: the buckets of several lanes' drafts in one
+forward, server/fast_batch.py), timed as the verify is, each version's N-token logits hashed: the
+table says whether the two versions computed the same bits at each N.
 `--base-set` / `--head-set MODULE.NAME=VALUE` (repeatable): a module-level setting of that version's
-code set before it measures (VALUE a Python literal; a name the module lacks is refused), so one
+code set before it measures (VALUE a Python literal of the type the setting has or is annotated
+with, `int | None` say; a name the module lacks is refused), so one
 switch (the fast path's A/B flags) is compared within one tree, `--base-tree .`. Writes
 DIR/step_ab.json and step_ab.md (default bench/results/): per version, the median over rounds and
 the range, and the settings each ran with. `--tiny` measures a tiny random Gemma 4 on the CPU instead (no graphs, no
@@ -42,8 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT, GEN, VERIFY = 1000, 256, 16
 
 
-def measure(tiny: bool, reps: int) -> dict:
-    """One version's figures (imports the server code of the tree it runs in)."""
+def measure(tiny: bool, reps: int, rows: tuple[int, ...] = ()) -> dict:
+    """One version's figures (imports the server code of the tree it runs in); `rows`: more step sizes."""
+    import hashlib
+
     import torch
 
     from bench.fast_greedy import greedy_generate, oracle
@@ -53,14 +59,15 @@ def measure(tiny: bool, reps: int) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if tiny:
         model = _tiny_gemma4()
-        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=(2, VERIFY))
+        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=tuple(sorted({2, VERIFY, *rows})))
     else:
         from bench.gpu_e4b import build_model
 
         model = build_model(quant=True)
         model.model.embed_tokens_per_layer.to("cpu")
         torch.cuda.empty_cache()
-        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=(2, VERIFY), min_kv_len=1024, ple_on_host=True)
+        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=tuple(sorted({2, VERIFY, *rows})), min_kv_len=1024,
+                          ple_on_host=True)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (PROMPT,), generator=g).tolist()
@@ -79,10 +86,19 @@ def measure(tiny: bool, reps: int) -> dict:
     one, verify = [5], list(range(5, 5 + VERIFY))
     for _ in range(3):  # warm-up (graphs, caches, clocks)
         timed(one, 20), timed(verify, 20)
-    step1, step16 = [], []
+    more = {n: list(range(5, 5 + n)) for n in rows}
+    for ids in more.values():  # their graphs captured, untimed
+        timed(ids, 20)
+    step1, step16, step_more = [], [], {n: [] for n in rows}
     for _ in range(5):
         step1.append(timed(one, reps))
         step16.append(timed(verify, reps))
+        for n, ids in more.items():
+            step_more[n].append(timed(ids, reps))
+    logits_sha = {}
+    for n, ids in more.items():  # the step's logits, every row, as bytes: the same code path gives the same hash
+        logits_sha[str(n)] = hashlib.sha256(fast.step(ids).float().cpu().numpy().tobytes()).hexdigest()[:16]
+        fast.rollback(n)
     kernels, kernel_names, timeline = None, {}, {}
     if cuda:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -109,6 +125,7 @@ def measure(tiny: bool, reps: int) -> dict:
     decode_s = time.perf_counter() - decode_t0
     drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
     return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
+            "rows_ms": {str(n): statistics.median(v) for n, v in step_more.items()}, "rows_logits_sha": logits_sha,
             "kernels_per_step": kernels, "kernel_names": kernel_names, "timeline": timeline,
             "plain_tps_1k": (GEN - 1) / decode_s,  # the tokens of the steps after the prefill's
             "drafted_equals_plain": drafted == plain, "drafted_steps": steps}
@@ -182,11 +199,34 @@ def parse_settings(settings: list[str]) -> list[tuple[str, str, object]]:
         if not hasattr(module, name):
             raise ValueError(f"{setting!r}: {module_name} has no {name} to set")
         current = getattr(module, name)
-        if not (type(value) is type(current) or (isinstance(current, float) and type(value) is int)):
+        if not _fits(value, current, _annotation(module, name)):
             raise ValueError(f"{setting!r}: {module_name}.{name} is a {type(current).__name__}, "
                              f"not a {type(value).__name__}")
         parsed.append((module_name, name, value))
     return parsed
+
+
+def _annotation(module, name: str):
+    """The type `name` is annotated with in `module` (evaluated), or None."""
+    import typing
+
+    try:
+        return typing.get_type_hints(module).get(name)
+    except Exception:  # an annotation that does not evaluate: the current value's type decides
+        return None
+
+
+def _fits(value, current, annotation) -> bool:
+    """Whether `value` may replace a setting whose value is `current`: of its type, or of the type it is
+    annotated with (`int | None` takes None); an int where a float is. A bool is no int here."""
+    if type(value) is type(current) or (isinstance(current, float) and type(value) is int):
+        return True
+    if annotation is None or isinstance(value, bool) != (annotation is bool):
+        return False
+    try:
+        return isinstance(value, annotation)
+    except TypeError:   # an annotation isinstance cannot take (a generic alias)
+        return False
 
 
 def apply_settings(settings: list[str]) -> dict:
@@ -200,12 +240,13 @@ def apply_settings(settings: list[str]) -> dict:
     return applied
 
 
-def run_version(tree: Path, tiny: bool, reps: int, settings: list[str] = ()) -> dict:
+def run_version(tree: Path, tiny: bool, reps: int, settings: list[str] = (), rows: list[int] = ()) -> dict:
     """`measure` in a fresh process whose imports come from `tree`, with `settings` applied first."""
     # The tree first; what the caller's PYTHONPATH adds (packages installed beside the system's) after it.
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != "."]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + extra), PYTHONUNBUFFERED="1")
     cmd = ([sys.executable, str(Path(__file__).resolve()), "--measure", "--reps", str(reps)] + (["--tiny"] if tiny else [])
+           + (["--rows", *map(str, rows)] if rows else [])
            + [arg for setting in settings for arg in ("--head-set", setting)])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -228,6 +269,11 @@ def summarize(samples: list[dict]) -> dict:
         vals = [s[key] for s in samples if s[key] is not None]
         if vals:
             out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    for n in samples[0].get("rows_ms", {}):
+        vals = [s["rows_ms"][n] for s in samples]
+        out[f"step{n}_ms"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    out["rows_logits_sha"] = {n: sorted({s["rows_logits_sha"][n] for s in samples})
+                              for n in samples[0].get("rows_logits_sha", {})}
     out["drafted_equals_plain"] = all(s["drafted_equals_plain"] for s in samples)
     return out
 
@@ -249,6 +295,10 @@ def markdown(r: dict) -> str:
         "|---|---|---|---|",
         f"| one-token step, ms | {f(b, 'step1_ms')} | {f(h, 'step1_ms')} | {ratio('step1_ms')} |",
         f"| {VERIFY}-token verify, ms | {f(b, 'step16_ms')} | {f(h, 'step16_ms')} | {ratio('step16_ms')} |",
+        *(f"| {n}-token step, ms | {f(b, f'step{n}_ms')} | {f(h, f'step{n}_ms')} | {ratio(f'step{n}_ms')} |"
+          for n in h.get("rows_logits_sha", {})),
+        *(f"| {n}-token step's logits, the same bits in both | {b['rows_logits_sha'].get(n) == h['rows_logits_sha'][n]} "
+          "| | |" for n in h.get("rows_logits_sha", {})),
         f"| kernels per one-token step | {f(b, 'kernels_per_step', 0)} | {f(h, 'kernels_per_step', 0)} | "
         f"{ratio('kernels_per_step')} |",
         f"| plain decode at 1k, tokens/s | {f(b, 'plain_tps_1k', 1)} | {f(h, 'plain_tps_1k', 1)} | "
@@ -294,11 +344,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="a module-level setting of the base version's code, set before it measures (repeatable)")
     ap.add_argument("--head-set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="the same for this checkout's version")
+    ap.add_argument("--rows", type=int, nargs="+", default=[], metavar="N",
+                    help="step sizes timed besides 1 and 16 (up to 64), their logits compared between the versions")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args(argv)
+    if any(not 2 <= n <= 64 for n in args.rows):
+        ap.error(f"--rows takes step sizes from 2 to 64, not {args.rows}")
     if args.measure:   # a child: its settings come as --head-set
         applied = apply_settings(args.head_set)
-        print(json.dumps({**measure(args.tiny, args.reps), "settings": applied}), flush=True)
+        print(json.dumps({**measure(args.tiny, args.reps, tuple(args.rows)), "settings": applied}), flush=True)
         return 0
     from bench.results import write_results
 
@@ -319,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             base_tree, base_commit = Path(tmp), export(args.base, Path(tmp))
         for r in range(args.rounds):
             for name, tree, settings in (("base", base_tree, args.base_set), ("head", ROOT, args.head_set)):
-                samples[name].append(run_version(tree, args.tiny, args.reps, settings))
+                samples[name].append(run_version(tree, args.tiny, args.reps, settings, args.rows))
                 print(f"round {r + 1} {name}: {samples[name][-1]}", file=sys.stderr, flush=True)
     results = {"command": "python -m bench.step_ab" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
                "device": device, "base": f"{args.base} ({base_commit[:12]})", "head": "this checkout",

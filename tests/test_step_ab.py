@@ -28,15 +28,22 @@ def test_step_ab_compares_one_switch_within_one_tree(tmp_path):
     that is no literal or of another type, the harness's own constants) is refused before any round."""
     from bench import step_ab
 
-    flag = "server.fast_path.SUMMED_SLICES"
+    flag, wide = "server.fast_path.SUMMED_SLICES", "server.small_m_matmul.WIDE_FROM_TILES"
     assert step_ab.main(["--tiny", "--rounds", "1", "--reps", "5", "--out", str(tmp_path), "--base-tree",
-                         str(step_ab.ROOT), "--base-set", f"{flag}=False", "--head-set", f"{flag}=True"]) == 0
+                         str(step_ab.ROOT), "--base-set", f"{flag}=False", "--base-set", f"{wide}=None",
+                         "--head-set", f"{flag}=True", "--rows", "32"]) == 0
     record = json.loads((tmp_path / "step_ab-tiny.json").read_text())
-    assert record["samples"]["base"][0]["settings"] == {flag: False}
+    assert record["samples"]["base"][0]["settings"] == {flag: False, wide: None}   # an `int | None` takes None
     assert record["samples"]["head"][0]["settings"] == {flag: True}
-    assert f"head sets `{flag}=True`" in (tmp_path / "step_ab-tiny.md").read_text()
+    md = (tmp_path / "step_ab-tiny.md").read_text()
+    assert f"head sets `{flag}=True`" in md and "| 32-token step, ms |" in md
+    # --rows: each version's 32-token logits hashed; on the CPU neither switch changes a bit
+    assert "| 32-token step's logits, the same bits in both | True |" in md
+    with pytest.raises(SystemExit):
+        step_ab.main(["--tiny", "--rows", "65"])
     for bad in ("server.fast_path.NO_SUCH_FLAG=1", "SUMMED_SLICES", "server.fast_path.SUMMED_SLICES=maybe",
                 "server.fast_path.SUMMED_SLICES=", "server.fast_path.SUMMED_SLICES='False'", "bench.step_ab.GEN=8",
+                "server.small_m_matmul.WIDE_FROM_TILES=True", "server.small_m_matmul.WIDE_FROM_TILES=2.0",
                 "server.no_such_module.X=1"):
         with pytest.raises(ValueError, match=re.escape(repr(bad))):   # the message names the setting
             step_ab.apply_settings([bad])
