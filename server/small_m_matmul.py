@@ -116,6 +116,11 @@ GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it r
 # tiling: a one-row gate|up took 16.5 us on it and 20.3 on this one. None: the own tiling always.
 WIDE_FROM_TILES: int | None = 2
 WIDE_TILING = (128, 4)
+# Only linears of at least this many output columns switch (0: every one the tiling fits). The per-shape
+# table suggests 8192 (gate|up and the per-layer model projection: at 64 rows the small linears lose what
+# gate|up gains); not measured as whole steps yet: `python -m bench.step_ab --base-tree . --base HEAD
+# --head-set server.small_m_matmul.WIDE_MIN_COLUMNS=8192 --rows 32 64` on a GPU says.
+WIDE_MIN_COLUMNS = 0
 
 
 def pdl_launch(device: torch.device) -> dict:
@@ -328,9 +333,9 @@ class SmallMLinear:
 
     def _gluon_tiling(self, tiles: int) -> tuple[int, int]:
         """(columns a program, warps) of a Gluon launch of `tiles` row tiles: WIDE_TILING from
-        WIDE_FROM_TILES tiles on, where it tiles N (its programs' counters fit: this linear's tiles
-        are at most as wide), else the linear's own."""
-        if WIDE_FROM_TILES is not None and tiles >= WIDE_FROM_TILES:
+        WIDE_FROM_TILES tiles on, on a linear of WIDE_MIN_COLUMNS columns or more that it tiles (its
+        programs' counters fit: this linear's tiles are at most as wide), else the linear's own."""
+        if WIDE_FROM_TILES is not None and tiles >= WIDE_FROM_TILES and self.n >= WIDE_MIN_COLUMNS:
             block_n, warps = WIDE_TILING
             if self.n % block_n == 0 and block_n >= self.block_n:
                 return block_n, warps

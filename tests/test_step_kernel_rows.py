@@ -122,6 +122,9 @@ def test_wide_tiling_from_some_row_tiles_gives_the_same_bits(n, k, tiling, monke
     ref = {m: (lin(x[:m]), lin.slices(x[:m]).clone(), pairs and pairs(x[:m])) for m in ROW_COUNTS}
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", 1)
     monkeypatch.setattr(small_m_matmul, "WIDE_TILING", tiling)
+    monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", n + 1)   # too few columns: the own tiling
+    assert lin._gluon_tiling(1) == (lin.block_n, lin.num_warps)
+    monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", n)
     assert lin._gluon_tiling(1) == tiling
     for m in ROW_COUNTS:
         y, parts, gelus = ref[m]
