@@ -473,8 +473,8 @@ def test_270m_conversation_identical_with_and_without_the_cache():
         drafted = turn % 2 == 1
         for engine in (cached, fresh):
             engine.set_drafter(PromptLookup() if drafted else None)
-        got, got_text, _, stats = run(cached, prompt, max_tokens=24, draft=drafted)
-        want, *_ = run(fresh, prompt, max_tokens=24, draft=drafted)
+        got, got_text, _, stats = run(cached, prompt, max_tokens=16, draft=drafted)
+        want, *_ = run(fresh, prompt, max_tokens=16, draft=drafted)
         assert got == want, (turn, first_divergence(got, want))
         if turn:
             assert stats.cached_tokens >= prev, (turn, stats.cached_tokens, prev)

@@ -136,10 +136,10 @@ def test_270m_sampled_drafted_equals_plain(gemma270m):
     presets = PRESETS[:2] + [PRESETS[3]]
     for i, prompt in enumerate(prompts):
         preset = presets[i % len(presets)]
-        plain, *_ = run(engine, prompt, max_tokens=24, draft=False, seed=100 + i, **preset)
+        plain, *_ = run(engine, prompt, max_tokens=16, draft=False, seed=100 + i, **preset)
         for kind in ("oracle-err-0.2", "prompt-lookup", "tree-oracle-err-0.5"):
             engine.set_drafter(drafters(len(prompt), plain, vocab, i)[kind])
-            got, _, _, stats = run(engine, prompt, max_tokens=24, seed=100 + i, **preset)
+            got, _, _, stats = run(engine, prompt, max_tokens=16, seed=100 + i, **preset)
             assert got == plain, (i, kind, preset)
         engine.set_drafter(None)
     assert engine.totals()["accepted_tokens"] > 0

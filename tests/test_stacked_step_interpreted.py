@@ -20,7 +20,6 @@ import pytest
 
 # (sliding, cache slots, T, [(start, tree) per segment])
 CASES = [(False, 320, 16, [(70, False), (127, True), (200, False)]),
-         (False, 320, 5, [(3, False), (250, True)]),
          (True, 96, 16, [(70, False), (200, True), (150, False)]),
          (True, 96, 4, [(10, True), (95, False), (33, False), (64, True)]),
          # a ring of three chunks, steps that wrap past its end and start in its middle chunk

@@ -168,7 +168,7 @@ def test_270m_drafted_with_the_tool_schema_equals_plain():
     for user in ("What is the area of a triangle with base 10 and height 5?", "Weather in Paris, in celsius?",
                  "List all airports please"):
         ids = prompt(tok, user)
-        params = GenerationParams(max_tokens=48)
+        params = GenerationParams(max_tokens=32)
         plain = [t for c in plain_engine.generate(ids, params) for t in c.token_ids]
         drafted = [t for c in drafted_engine.generate(ids, params) for t in c.token_ids]
         assert drafted == plain, (user, tok.decode(plain), tok.decode(drafted))
