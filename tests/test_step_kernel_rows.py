@@ -85,11 +85,14 @@ def test_gluon_int4_kernel_gives_the_triton_kernels_bits(n, k):
 
 
 @pytest.mark.parametrize("n,k", [(3072, 2560), (20480, 2560), (2560, 10240), (256, 2560)])
-def test_gluon_tilings_and_rings_give_the_same_bits(n, k):
+def test_gluon_tilings_and_rings_give_the_same_bits(n, k, monkeypatch):
     """server/gluon_matmul.py's other tilings (128-column tiles, 32 columns a warp) and deeper rings,
     with the same K slices: a column's sums do not depend on its tile, its warp or on how far ahead
     the copies run, so every row count gives the shipped configuration's bits."""
-    from server import gluon_matmul
+    from server import gluon_matmul, small_m_matmul
+
+    # every launch on the tiling it was built with (the wide switch would put 17+ rows on one tiling)
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", None)
 
     lin = int4_linear(n, k, seed=n + k)
     if not lin.gluon:
@@ -119,6 +122,7 @@ def test_wide_tiling_from_some_row_tiles_gives_the_same_bits(n, k, tiling, monke
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
     pairs = lin.gelu_pairs() if n == 20480 else None
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", None)   # the reference: the linear's own tiling
     ref = {m: (lin(x[:m]), lin.slices(x[:m]).clone(), pairs and pairs(x[:m])) for m in ROW_COUNTS}
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", 1)
     monkeypatch.setattr(small_m_matmul, "WIDE_TILING", tiling)
