@@ -125,7 +125,7 @@ def measure(tiny: bool, reps: int, rows: tuple[int, ...] = ()) -> dict:
     decode_s = time.perf_counter() - decode_t0
     drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
     return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
-            "rows_ms": {str(n): statistics.median(v) for n, v in step_more.items()}, "rows_logits_sha": logits_sha,
+            **{f"step{n}_ms": statistics.median(v) for n, v in step_more.items()}, "rows_logits_sha": logits_sha,
             "kernels_per_step": kernels, "kernel_names": kernel_names, "timeline": timeline,
             "plain_tps_1k": (GEN - 1) / decode_s,  # the tokens of the steps after the prefill's
             "drafted_equals_plain": drafted == plain, "drafted_steps": steps}
@@ -219,9 +219,11 @@ def _annotation(module, name: str):
 def _fits(value, current, annotation) -> bool:
     """Whether `value` may replace a setting whose value is `current`: of its type, or of the type it is
     annotated with (`int | None` takes None); an int where a float is. A bool is no int here."""
+    import typing
+
     if type(value) is type(current) or (isinstance(current, float) and type(value) is int):
         return True
-    if annotation is None or isinstance(value, bool) != (annotation is bool):
+    if annotation is None or isinstance(value, bool) != (annotation is bool or bool in typing.get_args(annotation)):
         return False
     try:
         return isinstance(value, annotation)
@@ -265,13 +267,11 @@ def export(rev: str, into: Path) -> str:
 
 def summarize(samples: list[dict]) -> dict:
     out = {}
-    for key in ("step1_ms", "step16_ms", "plain_tps_1k", "kernels_per_step"):
+    rows = samples[0].get("rows_logits_sha", {})   # --rows: a step{n}_ms figure each
+    for key in ("step1_ms", "step16_ms", *(f"step{n}_ms" for n in rows), "plain_tps_1k", "kernels_per_step"):
         vals = [s[key] for s in samples if s[key] is not None]
         if vals:
             out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-    for n in samples[0].get("rows_ms", {}):
-        vals = [s["rows_ms"][n] for s in samples]
-        out[f"step{n}_ms"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     out["rows_logits_sha"] = {n: sorted({s["rows_logits_sha"][n] for s in samples})
                               for n in samples[0].get("rows_logits_sha", {})}
     out["drafted_equals_plain"] = all(s["drafted_equals_plain"] for s in samples)
