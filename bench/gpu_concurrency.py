@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the per-layer embedding table sits: host (the engine's choice: read by the GPU in place "
                          "where it can be), staged (on the host, its rows gathered and copied in each forward's "
                          "staging) or gpu (5.25 GiB on E4B, looked up inside the graphs)")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="the lanes' cache in tokens (default 0: what the streams need); the server sizes it to the "
+                         "model's context where memory allows, and a stacked forward's full layers span all of it")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness only")
     ap.add_argument("--no-costs", action="store_true", help="skip the table of forward costs")
     ap.add_argument("--kernels", action="store_true",
@@ -323,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.results import run_header, write_results
     from server.fast_batch import fast_lanes
 
-    fast, vocab = build(args.tiny, args.prompt + args.turn + args.tokens + 64, 2**30 if args.turn else 0,
+    need = args.prompt + args.turn + args.tokens + 64
+    if args.max_len and args.max_len < need:
+        ap.error(f"--max-len {args.max_len}: the streams need {need} tokens of cache")
+    fast, vocab = build(args.tiny, args.max_len or need, 2**30 if args.turn else 0,
                         ple=args.ple)
     lanes = fast_lanes(fast, max(counts))
     g = torch.Generator().manual_seed(0)
