@@ -1,7 +1,7 @@
 """Several streams at once on the GPU fast path's lanes: aggregate tokens/s, latency, identity.
 
     python -m bench.gpu_concurrency [--streams 1,2,4,8,16] [--tokens 128] [--prompt 1000] [--plain] [--rounds 3]
-                                    [--ple host|staged|gpu] [--kernels] [--out DIR]
+                                    [--ple host|staged|gpu] [--kernels] [--max-len N] [--out DIR]
                                                                                     (GPU machine)
     python -m bench.gpu_concurrency --tiny                                          (any machine: a smoke run)
 
@@ -26,6 +26,8 @@ then `--rounds` timed ones (median, range). Before the streams, a table of forwa
 forward carrying S lanes' steps of T tokens each against a lone step of T tokens (S = 1).
 The lanes are what `--parallel N` builds (server/fast_batch.py fast_lanes); whether they pay, and
 whether every stream keeps its solo tokens, is what this measures.
+`--max-len N`: each lane's cache (default: what the streams need); the server sizes it to the
+model's context where memory allows, and a stacked forward's graph spans all of it.
 `--kernels`: one more round of the largest count under torch.profiler, its forwards' GPU time by
 kernel (bench/kernel_time.py). Writes DIR/gpu_concurrency.json and .md (default bench/results/); `--tiny` measures a tiny random
 Gemma 4 on the CPU instead (uncaptured, fp32): it checks the harness, and its times mean nothing.
@@ -231,7 +233,7 @@ def markdown(r: dict) -> str:
              f"{r['model']}; " + (f"prompts of {r['prompt']} random tokens" if not r.get("turn") else
                                   f"each stream an agent's next turn: {r['prompt']} random tokens of conversation "
                                   f"its lane's prefix cache holds (served untimed before each round) and {r['turn']} new")
-             + f", {r['tokens']} tokens a stream, greedy, "
+             + f", {r['tokens']} tokens a stream, each lane's cache {r.get('max_len', '-')} tokens, greedy, "
              + ("plain." if r["plain"] else "oracle drafts (the stream's own output, 20% of tokens wrong).")
              + ("" if r["plain"] else f" Max draft per stream: {_rows_words(r.get('rows', 64))} / streams - 1, "
                 f"within 1..15 (the streams' drafts fill about that many rows a forward, and each stream adds at "
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
          "device": device, "model": "a tiny random Gemma 4, fp32, uncaptured" if args.tiny else
          f"E4B shape, random init, int4, per-layer table {PLE_PLACES[args.ple]}"
          + (f" ({fast.host_table_note})" if fast.host_table_note else ""),
-         "prompt": args.prompt, "tokens": args.tokens,
+         "prompt": args.prompt, "tokens": args.tokens, "max_len": fast.max_len,
          "plain": args.plain, "rounds": args.rounds, "rows": args.rows, "turn": args.turn, "runs": runs,
          "forward_costs": costs,
          "drafted_alone": drafted_alone, "kernels": kernels,
@@ -374,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(r)
     name = "gpu_concurrency" + (f"-rows{args.rows}" if args.rows != 64 else "") + \
         (f"-turn{args.turn}" if args.turn else "") + ("" if args.ple == "host" else f"-ple{args.ple}") + \
+        (f"-len{args.max_len}" if args.max_len else "") + \
         ("-tiny" if args.tiny else "")
     write_results(args.out, name, r, md)
     print(md)

@@ -30,13 +30,14 @@ def test_gpu_concurrency_tiny_next_turns_resume_from_the_prefix_cache(tmp_path):
     from bench import gpu_concurrency
 
     assert gpu_concurrency.main(["--tiny", "--streams", "1,3", "--tokens", "16", "--prompt", "30", "--turn", "6",
-                                 "--rows", "8", "--no-costs", "--out", str(tmp_path)]) == 0
-    record = json.loads((tmp_path / "gpu_concurrency-rows8-turn6-tiny.json").read_text())
+                                 "--rows", "8", "--no-costs", "--max-len", "200", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "gpu_concurrency-rows8-turn6-len200-tiny.json").read_text())
+    assert record["max_len"] == 200  # --max-len: the lanes' cache, as the server sizes it
     one, three = record["runs"]
     assert all(one["identical"]) and all(three["identical"]) and three["peak_streams"] >= 2
     assert (one["max_draft"], three["max_draft"]) == (7, 1) and record["forward_costs"] == []
     assert three["prompt_tokens_computed"] == 3 * 6  # each request prefilled its 6 new tokens only
-    assert "6 new" in (tmp_path / "gpu_concurrency-rows8-turn6-tiny.md").read_text()
+    assert "6 new" in (tmp_path / "gpu_concurrency-rows8-turn6-len200-tiny.md").read_text()
 
 
 def test_rows_auto_caps_each_streams_draft_as_the_server_caps_a_lane():
