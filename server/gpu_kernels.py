@@ -350,8 +350,11 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
                 end = n_cache_chunks
             else:  # the chunks from the step's first on are its own, or masked for every row (the
                 end = first  # step's rows lie inside the kv_len: first < n_cache_chunks)
+            # A while, not a for: Triton's pipeliner would turn the chunk's K/V loads inside a for loop
+            # into asynchronous copies through shared memory, other code than the lone kernel's
+            # programs run (tests/test_stacked_step_ptx.py counts the loads).
             chunk = c
-            while chunk < end:  # (a while: Triton's interpreter takes no runtime bounds in a range)
+            while chunk < end:
                 if SLIDING:
                     written = (chunk - first + n_all) % n_all < span
                 else:

@@ -2,8 +2,10 @@
 
 `run_interpreted(script, *args)` runs `python script args...` in a subprocess with TRITON_INTERPRET=1
 (it must be set before the kernels are defined, so not in the pytest process) and the project on
-the path, asserts it exited 0, and returns its stdout. `interpreter_takes_numpy_2_scalars()` is
-called by such a script before it launches a kernel."""
+the path, asserts it exited 0, and returns its stdout. `interpreted_cases(script, tmp_path)` runs a
+script whose `main(out, shard, shards)` does every shards-th of its cases from `shard` on, in one
+subprocess a core at once (the interpreter runs on one), and gives its saved results in case
+order. `interpreter_takes_numpy_2_scalars()` is called by such a script before it launches a kernel."""
 from __future__ import annotations
 
 import os
@@ -21,6 +23,26 @@ def run_interpreted(script, *args, timeout: int = 600) -> str:
                          timeout=timeout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run.stdout
+
+
+def interpreted_cases(script, tmp_path, timeout: int = 600) -> list:
+    """The results `script`'s main(out, shard, shards) saved ([(case index, result)] for its
+    shard), from `shards` subprocesses under the interpreter at once, merged in case order."""
+    import torch
+
+    shards = max(1, min(2, os.cpu_count() or 1))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    outs = [Path(tmp_path) / f"outputs-{k}.pt" for k in range(shards)]
+    runs = [subprocess.Popen([sys.executable, str(script), str(out), str(k), str(shards)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for k, out in enumerate(outs)]
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=timeout)
+        assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    merged = sorted((pair for out in outs for pair in torch.load(out)), key=lambda pair: pair[0])
+    assert [i for i, _ in merged] == list(range(len(merged))), "a shard left cases out"
+    return [result for _, result in merged]
 
 
 def interpreter_takes_numpy_2_scalars() -> None:

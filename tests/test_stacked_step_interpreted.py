@@ -39,7 +39,7 @@ def test_stacked_attention_and_writes_match_each_step_alone(tmp_path):
 
     from tests.test_step_attention_interpreted import interpreted
 
-    results = interpreted(__file__, tmp_path)
+    results = interpreted(__file__, tmp_path)  # CASES' results, then LOOP_CASES'
     assert len(results) == len(CASES) + len(LOOP_CASES)
     for case, (looped, default) in zip(LOOP_CASES, results[len(CASES):]):
         assert torch.equal(looped, default), (case, float((looped - default).abs().max()))
@@ -80,8 +80,10 @@ def segment_inputs(sliding, slots, T, start, tree, seed):
     return q, k, v, slot_pos, qpos, path
 
 
-def main(out: str) -> int:
-    """Under the interpreter: per case, (stacked rows per segment, each step alone, writes right)."""
+def main(out: str, shard: str = "0", shards: str = "1") -> int:
+    """Under the interpreter, every shards-th case from `shard` on (CASES, then LOOP_CASES), saved
+    to `out` as (case index, result): per case (stacked rows per segment, each step alone, writes
+    right); per loop case (the rows with its programs, the rows with one program a chunk)."""
     import torch
 
     import server.gpu_kernels as kernels
@@ -92,7 +94,10 @@ def main(out: str) -> int:
     kernels._step_attention_combine = _Merge()
     window, scaling = 40, 64 ** -0.5
     results = []
-    for sliding, slots, T, segs in CASES:
+    mine = lambda i: i % int(shards) == int(shard)
+    for c, (sliding, slots, T, segs) in enumerate(CASES):
+        if not mine(c):
+            continue
         inputs = [segment_inputs(sliding, slots, T, start, tree, 7 * i + start)
                   for i, (start, tree) in enumerate(segs)]
         kv_len = max(start + T for start, _ in segs)
@@ -143,9 +148,11 @@ def main(out: str) -> int:
         written = run(stale_table)
         caches_right = all(torch.equal(a, b) for (k, v), (_, k0_, v0_, *_) in zip(stale, inputs)
                            for a, b in ((k, k0_), (v, v0_)))
-        results.append((stacked, alone, torch.equal(written, got) and torch.equal(unwritten, got) and caches_right
-                        and slot_positions_right(inputs, table, slots, T, segs)))
-    for sliding, slots, T, segs, programs in LOOP_CASES:
+        results.append((c, (stacked, alone, torch.equal(written, got) and torch.equal(unwritten, got)
+                            and caches_right and slot_positions_right(inputs, table, slots, T, segs))))
+    for c, (sliding, slots, T, segs, programs) in enumerate(LOOP_CASES, start=len(CASES)):
+        if not mine(c):
+            continue
         inputs = [segment_inputs(sliding, slots, T, start, tree, 5 * i + start)
                   for i, (start, tree) in enumerate(segs)]
         table = torch.tensor([[k.data_ptr(), v.data_ptr(), sp.data_ptr(), path.data_ptr()]
@@ -157,7 +164,7 @@ def main(out: str) -> int:
         run = lambda n: attn.segments(q, table, 0, 1, len(segs), T, slots, qpos, sliding, slots, k0.stride(0),
                                       k0.stride(1), inputs[0][5].stride(0), table.stride(0), 2, 3, window, scaling,
                                       cache_programs=n)
-        results.append((run(programs), run(1 << 20)))  # looping, and one program a chunk
+        results.append((c, (run(programs), run(1 << 20))))  # looping, and one program a chunk
     torch.save(results, out)
     return 0
 
@@ -181,4 +188,4 @@ def slot_positions_right(inputs, table, slots, T, segs) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))

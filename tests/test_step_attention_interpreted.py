@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.interpreted import run_interpreted
+from tests.interpreted import interpreted_cases
 
 GEOMETRIES = ((False, 70, 256), (False, 127, 320), (True, 70, 96), (True, 200, 96), (True, 150, 200))
 # 64-row steps (chains and trees) in two geometries, a full layer and the ring that wraps: the
@@ -37,12 +37,9 @@ WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 an
 
 
 def interpreted(script: str, tmp_path):
-    """What `script`'s main(out) saved, run in a subprocess under Triton's interpreter."""
-    import torch
-
-    out = tmp_path / "outputs.pt"
-    run_interpreted(script, out)
-    return torch.load(out)
+    """What `script`'s main(out, shard, shards) saved, case by case, run under Triton's interpreter
+    (tests/interpreted.py `interpreted_cases`)."""
+    return interpreted_cases(script, tmp_path)
 
 
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
@@ -156,8 +153,9 @@ def case_inputs(sliding, start, slots, T, tree):
     return q, k, v, slot_pos, None, torch.arange(start, start + T), None
 
 
-def main(out: str) -> int:
-    """Under the interpreter: every case's step attention output, saved to `out`."""
+def main(out: str, shard: str = "0", shards: str = "1") -> int:
+    """Under the interpreter: the step attention output of every shards-th case from `shard` on,
+    saved to `out` as (case index, output) pairs."""
     import torch
 
     import server.gpu_kernels as kernels
@@ -165,13 +163,15 @@ def main(out: str) -> int:
 
     kernels._step_attention_combine = _Merge()
     outputs = []
-    for sliding, start, slots, T, tree in CASES:
+    for i, (sliding, start, slots, T, tree) in enumerate(CASES):
+        if i % int(shards) != int(shard):
+            continue
         q, k, v, slot_pos, _, qpos, path = case_inputs(sliding, start, slots, T, tree)
         attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
         kv_len = slots if sliding else start + T
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
         if (sliding, start, slots, T, tree) not in WRITE_CASES:
-            outputs.append((got, None, None, None))
+            outputs.append((i, (got, None, None, None)))
             continue
         # The same step with its rows not yet in the cache (those slots hold other numbers), handed
         # to the launch, which writes them: row t at slot start + t.
@@ -189,10 +189,10 @@ def main(out: str) -> int:
                          new_kv=(new_k, new_v))
         kernels._write_own_row = write_row
         written = attn(q, stale_k, stale_v, kv_len, qpos, slot_pos, WINDOW, SCALING, path, new_kv=(new_k, new_v))
-        outputs.append((got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v)))
+        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v))))
     torch.save(outputs, out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))
