@@ -284,15 +284,15 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
     _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
-                  nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh, n_cache_chunks,
-                  G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE, False)
+                  nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                  G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
 def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_ptr, m_ptr, l_ptr, acc_ptr,
                                       kv_heads, T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt,
                                       stride_qh, stride_kh, stride_ks, stride_pt, stride_table, n_rows, n_chunks,
-                                      nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh, cache_programs,
+                                      nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                                       SLOT_POS_FIELD: tl.constexpr, PATH_FIELD: tl.constexpr,
                                       G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
                                       BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
@@ -303,15 +303,7 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
     addresses in row s of `table` (int64: fields k_field / v_field for this layer's K and V,
     SLOT_POS_FIELD, PATH_FIELD). Each program is the lone kernel's program on the segment's
     pointers, so a segment's partials are the bits of its step alone. WRITE: as the lone kernel's,
-    segment s's new rows are rows s*T.. of nk / nv, written into its own caches.
-
-    The chunks the step did not write get `cache_programs` programs (the third grid axis: those,
-    then the own-chunk programs): program p does chunks p, p + cache_programs, ... that the step
-    did not write (a full layer: those before its first chunk). A stacked forward's graph serves
-    every context, so a full layer's n_cache_chunks spans the whole cache (128k tokens: 2,048
-    chunks a segment, KV head and row block), and one program a chunk would start that many
-    programs, nearly all past the context and idle. Which program computes a chunk changes none
-    of its arithmetic: the same partials, the same bits."""
+    segment s's new rows are rows s*T.. of nk / nv, written into its own caches."""
     _pdl_start(PDL)
     seg = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
@@ -329,52 +321,30 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                   kvh, tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
                   nk_ptr + seg * T * stride_nkt, nv_ptr + seg * T * stride_nvt, stride_nkt, stride_nkh, stride_nvt,
-                  stride_nvh, cache_programs, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE, True)
+                  stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
 def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
                   T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
                   stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
-                  stride_nvh, cache_programs, G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr, CACHE_LOOP: tl.constexpr):
+                  stride_nvh, G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
     """Program (kvh, a, c) of `_step_attention_partials` (its docstring says what each does). With
-    WRITE, the program of token t's first own chunk also writes t's K/V row of head kvh into the cache.
-    CACHE_LOOP (`_step_attention_partials_segments`): programs c < cache_programs each do the cache
-    chunks c, c + cache_programs, ... (without it cache_programs is n_cache_chunks: one chunk each)."""
+    WRITE, the program of token t's first own chunk also writes t's K/V row of head kvh into the cache."""
     start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
     first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
-    if c < cache_programs:  # row block a < R: its rows start before T * G
-        if CACHE_LOOP:
-            if SLIDING:
-                end = n_cache_chunks
-            else:  # the chunks from the step's first on are its own, or masked for every row (the
-                end = first  # step's rows lie inside the kv_len: first < n_cache_chunks)
-            # A while, not a for: Triton's pipeliner would turn the chunk's K/V loads inside a for loop
-            # into asynchronous copies through shared memory, other code than the lone kernel's
-            # programs run (tests/test_stacked_step_ptx.py counts the loads).
-            chunk = c
-            while chunk < end:
-                if SLIDING:
-                    written = (chunk - first + n_all) % n_all < span
-                else:
-                    written = False
-                if not written:
-                    _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, a,
-                                    chunk, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, n_rows,
-                                    n_chunks, G, D, SLIDING, BLOCK_R, BLOCK_S)
-                chunk += cache_programs
-        else:
-            if SLIDING:
-                written = (c - first + n_all) % n_all < span
-            else:  # chunks at or past the step's first slot: the step's own chunks, or masked for every row
-                written = c >= first
-            if not written:
-                _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
-                                T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, n_rows, n_chunks,
-                                G, D, SLIDING, BLOCK_R, BLOCK_S)
+    if c < n_cache_chunks:  # row block a < R: its rows start before T * G
+        if SLIDING:
+            written = (c - first + n_all) % n_all < span
+        else:  # chunks at or past the step's first slot: the step's own chunks, or masked for every row
+            written = c >= first
+        if not written:
+            _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
+                            T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, n_rows, n_chunks,
+                            G, D, SLIDING, BLOCK_R, BLOCK_S)
     else:
-        o = c - cache_programs
+        o = c - n_cache_chunks
         t = a + tl.num_programs(1) * (o // n_own_chunks)
         which = o % n_own_chunks
         if WRITE:

@@ -41,11 +41,6 @@ from __future__ import annotations
 import torch
 
 BLOCK_R = 16   # query rows (token x head of one KV head) per program
-# A stacked forward's (`segments`) programs for the cache chunks its steps did not write, over all
-# segments, KV heads and row blocks: about four an SM on an H100 / H200. Each program loops over
-# its share of the chunks (the grid does not grow with the cache the graph spans; the bits do not
-# change). None: one program a chunk, as the lone kernel has.
-STACKED_CACHE_PROGRAMS: int | None = 512
 
 
 def _block_s(head_dim: int) -> int:
@@ -104,16 +99,14 @@ class StepAttention:
     def segments(self, q: torch.Tensor, table: torch.Tensor, k_field: int, v_field: int, S: int, T: int,
                  kv_len: int, qpos: torch.Tensor, sliding: bool, cache_slots: int, stride_kh: int, stride_ks: int,
                  stride_pt: int, stride_table: int, slot_pos_field: int, path_field: int, window: int,
-                 scaling: float, new_kv: tuple | None = None, cache_programs: int | None = None) -> torch.Tensor:
+                 scaling: float, new_kv: tuple | None = None) -> torch.Tensor:
         """S sequences' steps of T rows each (q [>= S*T, H, D], qpos [>= S*T]: segment s's rows from
         s*T; rows past S*T belong to no segment and get zeros),
         each over its own cache, ring positions and tree paths (the int64 addresses in row s of
         `table`: server/batch_step.py), in one launch of the partials and one of the merge: [S*T, H*D],
         segment s's rows the bits `__call__` gives its step alone (the same programs, on its pointers
         and its own rows of the scratch, sized here for S*T <= max_tokens rows). `new_kv`: as
-        `__call__`'s, segment s's rows s*T.. written into its caches. `cache_programs`: programs a
-        segment, KV head and row block for the chunks its step did not write (default: from
-        STACKED_CACHE_PROGRAMS; server/gpu_kernels.py `_step_attention_partials_segments`)."""
+        `__call__`'s, segment s's rows s*T.. written into its caches."""
         from server.gpu_kernels import _step_attention_partials_segments
         rows_out, H, D = q.shape
         R = S * T
@@ -121,19 +114,14 @@ class StepAttention:
         if q.stride(-1) != 1:
             q = q.contiguous()
         slots = cache_slots if sliding else kv_len
-        chunks, own_chunks, (row_blocks, programs) = self._grid(T, slots, sliding)
-        if cache_programs is None:
-            cache_programs = chunks if STACKED_CACHE_PROGRAMS is None else \
-                max(1, STACKED_CACHE_PROGRAMS // (S * self.kv_heads * row_blocks))
-        cache_programs = min(chunks, cache_programs)
-        grid = (row_blocks, programs - chunks + cache_programs)
+        chunks, own_chunks, grid = self._grid(T, slots, sliding)
         out = (torch.empty if rows_out == R else torch.zeros)((rows_out, H * D), dtype=q.dtype, device=q.device)
         nk, nv = _new_rows(new_kv, q, R, self.kv_heads, D)
         _step_attention_partials_segments[(S * self.kv_heads, *grid)](
             q, table, k_field, v_field, qpos, self.m, self.l, self.acc, self.kv_heads,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), stride_kh, stride_ks,
             stride_pt, stride_table, self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0),
-            nv.stride(1), cache_programs, SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
+            nv.stride(1), SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
             G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
             num_warps=_warps(D), **self._launch)
         self._merge(qpos, out, R, chunks, sliding, D)

@@ -5,8 +5,6 @@ run by Triton's interpreter on the CPU against the lone step's kernels and plain
   through a table of addresses, equal what the lone kernel gives that step alone, exactly (the
   same programs; the merge is the torch twin of tests/test_step_attention_interpreted.py), with
   chains and trees, different start positions and a shared kv_len larger than a segment's own.
-- With fewer programs than cache chunks (each looping over its share: a stacked graph's full
-  layers span the whole cache), the same bits, full and sliding layers.
 - With the steps' K/V rows handed to the launch (not yet in the caches), the same rows, and the
   caches written as index_copy_ would; the ring-position kernel puts each position where
   index_copy_ would.
@@ -26,11 +24,6 @@ CASES = [(False, 320, 16, [(70, False), (127, True), (200, False)]),
          (True, 96, 4, [(10, True), (95, False), (33, False), (64, True)]),
          # a ring of three chunks, steps that wrap past its end and start in its middle chunk
          (True, 300, 16, [(290, False), (500, True), (128, False), (899, True)])]
-# (sliding, cache slots, T, segments, programs for the unwritten cache chunks): a full layer over a
-# kv_len of the whole cache (five chunks; the steps start in chunks 0, 2 and 4), a ring of three
-LOOP_CASES = [(False, 640, 4, [(70, False), (300, True), (517, False)], 1),
-              (False, 640, 4, [(70, False), (300, True), (517, False)], 2),
-              (True, 300, 4, [(290, False), (133, True)], 1)]
 
 
 def test_stacked_attention_and_writes_match_each_step_alone(tmp_path):
@@ -39,10 +32,8 @@ def test_stacked_attention_and_writes_match_each_step_alone(tmp_path):
 
     from tests.test_step_attention_interpreted import interpreted
 
-    results = interpreted(__file__, tmp_path)  # CASES' results, then LOOP_CASES'
-    assert len(results) == len(CASES) + len(LOOP_CASES)
-    for case, (looped, default) in zip(LOOP_CASES, results[len(CASES):]):
-        assert torch.equal(looped, default), (case, float((looped - default).abs().max()))
+    results = interpreted(__file__, tmp_path)
+    assert len(results) == len(CASES)
     for case, (stacked, alone, writes_ok) in zip(CASES, results):
         assert len(stacked) == len(case[3]) + 1
         for s, (a, b) in enumerate(zip(stacked, alone)):
@@ -81,9 +72,8 @@ def segment_inputs(sliding, slots, T, start, tree, seed):
 
 
 def main(out: str, shard: str = "0", shards: str = "1") -> int:
-    """Under the interpreter, every shards-th case from `shard` on (CASES, then LOOP_CASES), saved
-    to `out` as (case index, result): per case (stacked rows per segment, each step alone, writes
-    right); per loop case (the rows with its programs, the rows with one program a chunk)."""
+    """Under the interpreter, every shards-th case from `shard` on, saved to `out` as (case index,
+    result): per case (stacked rows per segment, each step alone, writes right)."""
     import torch
 
     import server.gpu_kernels as kernels
@@ -150,21 +140,6 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
                            for a, b in ((k, k0_), (v, v0_)))
         results.append((c, (stacked, alone, torch.equal(written, got) and torch.equal(unwritten, got)
                             and caches_right and slot_positions_right(inputs, table, slots, T, segs))))
-    for c, (sliding, slots, T, segs, programs) in enumerate(LOOP_CASES, start=len(CASES)):
-        if not mine(c):
-            continue
-        inputs = [segment_inputs(sliding, slots, T, start, tree, 5 * i + start)
-                  for i, (start, tree) in enumerate(segs)]
-        table = torch.tensor([[k.data_ptr(), v.data_ptr(), sp.data_ptr(), path.data_ptr()]
-                              for q, k, v, sp, qpos, path in inputs], dtype=torch.int64)
-        q = torch.cat([i[0] for i in inputs])
-        qpos = torch.cat([i[4] for i in inputs])
-        k0 = inputs[0][1]
-        attn = StepAttention(2, 4, 64, slots, 64, "cpu")
-        run = lambda n: attn.segments(q, table, 0, 1, len(segs), T, slots, qpos, sliding, slots, k0.stride(0),
-                                      k0.stride(1), inputs[0][5].stride(0), table.stride(0), 2, 3, window, scaling,
-                                      cache_programs=n)
-        results.append((c, (run(programs), run(1 << 20))))  # looping, and one program a chunk
     torch.save(results, out)
     return 0
 

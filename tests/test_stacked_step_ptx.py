@@ -98,7 +98,6 @@ def _segments_signature(consts: dict) -> dict:
     sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_pt", "stride_table",
                                    "n_rows", "n_chunks")})
     sig.update(_NEW_ROWS)
-    sig["cache_programs"] = "i32"
     sig.update({n: "constexpr" for n in consts})
     return sig
 
