@@ -29,9 +29,9 @@ def cache_root() -> Path:
 
 
 def bundled_model_dir() -> Path:
-    """Directory of the converted bundled model; converts it on first use (about a minute)."""
+    """Directory of the converted bundled model; converts it on first use (under a minute)."""
     return converted_gguf_dir(bundled_gguf_path, cache_root() / "models" / MODEL_SUBDIR,
-                              "the bundled Gemma 3 270M model", "once; about 1 min, up to 3 on a busy machine")
+                              "the bundled Gemma 3 270M model", "once; under a minute, up to 2 on a busy machine")
 
 
 def converted_gguf_dir(gguf, target: Path, what: str, about: str) -> Path:
