@@ -2,10 +2,11 @@
 
 `run_interpreted(script, *args)` runs `python script args...` in a subprocess with TRITON_INTERPRET=1
 (it must be set before the kernels are defined, so not in the pytest process) and the project on
-the path, asserts it exited 0, and returns its stdout. `interpreted_cases(script, tmp_path)` runs a
-script whose `main(out, shard, shards)` does every shards-th of its cases from `shard` on, in one
-subprocess a core at once (the interpreter runs on one), and gives its saved results in case
-order. `interpreter_takes_numpy_2_scalars()` is called by such a script before it launches a kernel."""
+the path, asserts it exited 0, and returns its stdout. `run_interpreted_shards(script)` runs a
+script whose cases are cut into shards (it takes `shard shards` as its last arguments and does every
+shards-th case from `shard` on) in one subprocess a core at once (the interpreter runs on one);
+`interpreted_cases(script, tmp_path)` does so for a `main(out, shard, shards)` that saves
+(case index, result) pairs, and gives the results in case order. `interpreter_takes_numpy_2_scalars()` is called by such a script before it launches a kernel."""
 from __future__ import annotations
 
 import os
@@ -16,31 +17,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(script, *args, timeout: int = 600) -> str:
+def _interpreter_env() -> dict:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, env=env,
-                         timeout=timeout)
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+
+
+def run_interpreted(script, *args, timeout: int = 600) -> str:
+    run = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                         env=_interpreter_env(), timeout=timeout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run.stdout
 
 
+def run_interpreted_shards(script, tmp_path=None, timeout: int = 600) -> list[str]:
+    """`python script [out] shard shards` under the interpreter for every shard at once, one
+    subprocess a core (the interpreter runs on one; at most two), out = tmp_path/outputs-<shard>.pt
+    when tmp_path is given; their stdouts, in shard order."""
+    shards = max(1, min(2, os.cpu_count() or 1))
+    out = [[str(Path(tmp_path) / f"outputs-{k}.pt")] if tmp_path is not None else [] for k in range(shards)]
+    runs = [subprocess.Popen([sys.executable, str(script), *out[k], str(k), str(shards)], env=_interpreter_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for k in range(shards)]
+    stdouts = []
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=timeout)
+            assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]
+            stdouts.append(stdout)
+    finally:
+        for run in runs:  # a shard that failed or timed out leaves no other running
+            if run.poll() is None:
+                run.kill()
+    return stdouts
+
+
 def interpreted_cases(script, tmp_path, timeout: int = 600) -> list:
     """The results `script`'s main(out, shard, shards) saved ([(case index, result)] for its
-    shard), from `shards` subprocesses under the interpreter at once, merged in case order."""
+    shard), from its shards run at once (`run_interpreted_shards`), merged in case order."""
     import torch
 
-    shards = max(1, min(2, os.cpu_count() or 1))
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    outs = [Path(tmp_path) / f"outputs-{k}.pt" for k in range(shards)]
-    runs = [subprocess.Popen([sys.executable, str(script), str(out), str(k), str(shards)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for k, out in enumerate(outs)]
-    for run in runs:
-        stdout, stderr = run.communicate(timeout=timeout)
-        assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    merged = sorted((pair for out in outs for pair in torch.load(out)), key=lambda pair: pair[0])
+    shards = len(run_interpreted_shards(script, tmp_path, timeout))
+    merged = sorted((pair for k in range(shards) for pair in torch.load(Path(tmp_path) / f"outputs-{k}.pt")),
+                    key=lambda pair: pair[0])
     assert [i for i, _ in merged] == list(range(len(merged))), "a shard left cases out"
     return [result for _, result in merged]
 

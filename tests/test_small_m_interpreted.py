@@ -11,9 +11,11 @@ TRITON_INTERPRET must be set before the kernels are defined.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tests.interpreted import interpreter_takes_numpy_2_scalars, run_interpreted
+from tests.interpreted import interpreter_takes_numpy_2_scalars, run_interpreted_shards
 
 # (N, K, rows, split target): target_programs 1 keeps one K slice, 64 cuts K into several
 CASES = [(n, k, m, target) for n, k in ((64, 256), (96, 512)) for m in (1, 5, 16, 40, 64) for target in (1, 64)]
@@ -33,18 +35,25 @@ EPILOGUE_CASES = [(n, k, m, target) for n, k in ((128, 256), (192, 512)) for m i
 
 def test_small_m_kernel_rows_and_slices():
     pytest.importorskip("triton")
-    out = run_interpreted(__file__)
+    out = "".join(run_interpreted_shards(__file__))  # its cases in two processes at once
     assert out.count("ok") == (len(CASES) + len(INT8_CASES) + len(INT4_CASES) + 4 * len(EPILOGUE_CASES)
                                + len(SLICES_CASES)), out[-2000:]
 
 
-def _main() -> int:
+def _main(shard: str = "0", shards: str = "1") -> int:
+    """Every shards-th case from `shard` on (counted over all the lists in turn), "ok" printed for each."""
+    import itertools
+
     import torch
 
     interpreter_takes_numpy_2_scalars()
     from server.small_m_matmul import SmallMLinear, pack_codes, quantize_int8, sum_slices
 
+    counter = itertools.count()
+    mine = lambda: next(counter) % int(shards) == int(shard)
     for n, k, m, target in CASES:
+        if not mine():
+            continue
         g = torch.Generator().manual_seed(n + k + m)
         w = torch.randn(n, k, generator=g)
         lin = SmallMLinear(w, None, None, n, k, target_programs=target)
@@ -56,6 +65,8 @@ def _main() -> int:
         assert target == 1 or lin.split > 1
         print("ok", n, k, m, lin.split)
     for n, k, m, target in INT8_CASES:
+        if not mine():
+            continue
         g = torch.Generator().manual_seed(7 * n + k + m)
         w = torch.randn(n, k, generator=g)
         lin = quantize_int8(w, rows_per_chunk=40)  # chunks that do not divide N: the column offsets
@@ -70,6 +81,8 @@ def _main() -> int:
         assert err < 1e-5, ("int8", n, k, m, target, lin.split, err)
         print("ok int8", n, k, m, lin.split)
     for n, k, m, target in INT4_CASES:
+        if not mine():
+            continue
         g = torch.Generator().manual_seed(11 * n + k + m)
         codes = torch.randint(0, 16, (n, k), generator=g)
         scale = torch.rand(k // 128, n, generator=g) * 0.1
@@ -84,6 +97,8 @@ def _main() -> int:
         print("ok int4", n, k, m, lin.split)
     gelu = lambda a: 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a ** 3)))
     for (n, k, m, target), kind in [(case, kind) for case in EPILOGUE_CASES for kind in ("dense", "int4")]:
+        if not mine():
+            continue
         g = torch.Generator().manual_seed(13 * n + k + m)
         if kind == "dense":
             lin = SmallMLinear(torch.randn(n, k, generator=g) * 0.05, None, None, n, k, target_programs=target)
@@ -107,6 +122,8 @@ def _main() -> int:
         assert err < 1e-5, ("times", kind, n, k, m, target, lin.split, err)
         print("ok gelu times", kind, n, k, m, lin.split)
     for n, k, m, target in SLICES_CASES:
+        if not mine():
+            continue
         # SmallMLinear.slices: the K slices' partials, [split, m, n] contiguous, no counter moved;
         # added in slice order (sum_slices, as the step ops add them) they are the launch's own sum
         g = torch.Generator().manual_seed(17 * n + k + m)
@@ -128,4 +145,4 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(_main(*sys.argv[1:]))

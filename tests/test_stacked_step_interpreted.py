@@ -30,9 +30,9 @@ def test_stacked_attention_and_writes_match_each_step_alone(tmp_path):
     pytest.importorskip("triton")
     import torch
 
-    from tests.test_step_attention_interpreted import interpreted
+    from tests.interpreted import interpreted_cases
 
-    results = interpreted(__file__, tmp_path)
+    results = interpreted_cases(__file__, tmp_path)
     assert len(results) == len(CASES)
     for case, (stacked, alone, writes_ok) in zip(CASES, results):
         assert len(stacked) == len(case[3]) + 1

@@ -36,17 +36,11 @@ WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 an
                or (case[0] and case[1] == 200)]
 
 
-def interpreted(script: str, tmp_path):
-    """What `script`'s main(out, shard, shards) saved, case by case, run under Triton's interpreter
-    (tests/interpreted.py `interpreted_cases`)."""
-    return interpreted_cases(script, tmp_path)
-
-
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     pytest.importorskip("triton")
     import torch
 
-    outputs = interpreted(__file__, tmp_path)
+    outputs = interpreted_cases(__file__, tmp_path)
     assert len(outputs) == len(CASES)
     errors = {}
     for case, (got, written, unwritten, cache_right) in zip(CASES, outputs):
