@@ -57,17 +57,17 @@ def measure(tiny: bool, reps: int, rows: tuple[int, ...] = ()) -> dict:
 
     cuda = not tiny
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    buckets = tuple(sorted({2, VERIFY, *rows}))
     if tiny:
         model = _tiny_gemma4()
-        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=tuple(sorted({2, VERIFY, *rows})))
+        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=buckets)
     else:
         from bench.gpu_e4b import build_model
 
         model = build_model(quant=True)
         model.model.embed_tokens_per_layer.to("cpu")
         torch.cuda.empty_cache()
-        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=tuple(sorted({2, VERIFY, *rows})), min_kv_len=1024,
-                          ple_on_host=True)
+        fast = FastTarget(model, max_len=PROMPT + GEN + 64, buckets=buckets, min_kv_len=1024, ple_on_host=True)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (PROMPT,), generator=g).tolist()
@@ -272,8 +272,7 @@ def summarize(samples: list[dict]) -> dict:
         vals = [s[key] for s in samples if s[key] is not None]
         if vals:
             out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-    out["rows_logits_sha"] = {n: sorted({s["rows_logits_sha"][n] for s in samples})
-                              for n in samples[0].get("rows_logits_sha", {})}
+    out["rows_logits_sha"] = {n: sorted({s["rows_logits_sha"][n] for s in samples}) for n in rows}
     out["drafted_equals_plain"] = all(s["drafted_equals_plain"] for s in samples)
     return out
 

@@ -6,7 +6,8 @@ the path, asserts it exited 0, and returns its stdout. `run_interpreted_shards(s
 script whose cases are cut into shards (it takes `shard shards` as its last arguments and does every
 shards-th case from `shard` on) in one subprocess a core at once (the interpreter runs on one);
 `interpreted_cases(script, tmp_path)` does so for a `main(out, shard, shards)` that saves
-(case index, result) pairs, and gives the results in case order. `interpreter_takes_numpy_2_scalars()` is called by such a script before it launches a kernel."""
+(case index, result) pairs, and gives the results in case order.
+`interpreter_takes_numpy_2_scalars()` is called by such a script before it launches a kernel."""
 from __future__ import annotations
 
 import os
@@ -34,7 +35,7 @@ def run_interpreted_shards(script, tmp_path=None, timeout: int = 600) -> list[st
     subprocess a core (the interpreter runs on one; at most two), out = tmp_path/outputs-<shard>.pt
     when tmp_path is given; their stdouts, in shard order."""
     shards = max(1, min(2, os.cpu_count() or 1))
-    out = [[str(Path(tmp_path) / f"outputs-{k}.pt")] if tmp_path is not None else [] for k in range(shards)]
+    out = [[str(_shard_output(tmp_path, k))] if tmp_path is not None else [] for k in range(shards)]
     runs = [subprocess.Popen([sys.executable, str(script), *out[k], str(k), str(shards)], env=_interpreter_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for k in range(shards)]
@@ -51,13 +52,17 @@ def run_interpreted_shards(script, tmp_path=None, timeout: int = 600) -> list[st
     return stdouts
 
 
+def _shard_output(tmp_path, shard: int) -> Path:
+    return Path(tmp_path) / f"outputs-{shard}.pt"
+
+
 def interpreted_cases(script, tmp_path, timeout: int = 600) -> list:
     """The results `script`'s main(out, shard, shards) saved ([(case index, result)] for its
     shard), from its shards run at once (`run_interpreted_shards`), merged in case order."""
     import torch
 
     shards = len(run_interpreted_shards(script, tmp_path, timeout))
-    merged = sorted((pair for k in range(shards) for pair in torch.load(Path(tmp_path) / f"outputs-{k}.pt")),
+    merged = sorted((pair for k in range(shards) for pair in torch.load(_shard_output(tmp_path, k))),
                     key=lambda pair: pair[0])
     assert [i for i, _ in merged] == list(range(len(merged))), "a shard left cases out"
     return [result for _, result in merged]

@@ -49,11 +49,9 @@ def _main(shard: str = "0", shards: str = "1") -> int:
     interpreter_takes_numpy_2_scalars()
     from server.small_m_matmul import SmallMLinear, pack_codes, quantize_int8, sum_slices
 
-    counter = itertools.count()
-    mine = lambda: next(counter) % int(shards) == int(shard)
-    for n, k, m, target in CASES:
-        if not mine():
-            continue
+    counter = itertools.count()  # over all the lists in turn
+    mine = lambda cases: [case for case in cases if next(counter) % int(shards) == int(shard)]
+    for n, k, m, target in mine(CASES):
         g = torch.Generator().manual_seed(n + k + m)
         w = torch.randn(n, k, generator=g)
         lin = SmallMLinear(w, None, None, n, k, target_programs=target)
@@ -64,9 +62,7 @@ def _main(shard: str = "0", shards: str = "1") -> int:
         assert err < 1e-5, (n, k, m, target, lin.split, err)
         assert target == 1 or lin.split > 1
         print("ok", n, k, m, lin.split)
-    for n, k, m, target in INT8_CASES:
-        if not mine():
-            continue
+    for n, k, m, target in mine(INT8_CASES):
         g = torch.Generator().manual_seed(7 * n + k + m)
         w = torch.randn(n, k, generator=g)
         lin = quantize_int8(w, rows_per_chunk=40)  # chunks that do not divide N: the column offsets
@@ -80,9 +76,7 @@ def _main(shard: str = "0", shards: str = "1") -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("int8", n, k, m, target, lin.split, err)
         print("ok int8", n, k, m, lin.split)
-    for n, k, m, target in INT4_CASES:
-        if not mine():
-            continue
+    for n, k, m, target in mine(INT4_CASES):
         g = torch.Generator().manual_seed(11 * n + k + m)
         codes = torch.randint(0, 16, (n, k), generator=g)
         scale = torch.rand(k // 128, n, generator=g) * 0.1
@@ -96,9 +90,7 @@ def _main(shard: str = "0", shards: str = "1") -> int:
         assert err < 1e-5, ("int4", n, k, m, target, lin.split, err)
         print("ok int4", n, k, m, lin.split)
     gelu = lambda a: 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a ** 3)))
-    for (n, k, m, target), kind in [(case, kind) for case in EPILOGUE_CASES for kind in ("dense", "int4")]:
-        if not mine():
-            continue
+    for (n, k, m, target), kind in mine([(case, kind) for case in EPILOGUE_CASES for kind in ("dense", "int4")]):
         g = torch.Generator().manual_seed(13 * n + k + m)
         if kind == "dense":
             lin = SmallMLinear(torch.randn(n, k, generator=g) * 0.05, None, None, n, k, target_programs=target)
@@ -121,9 +113,7 @@ def _main(shard: str = "0", shards: str = "1") -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("times", kind, n, k, m, target, lin.split, err)
         print("ok gelu times", kind, n, k, m, lin.split)
-    for n, k, m, target in SLICES_CASES:
-        if not mine():
-            continue
+    for n, k, m, target in mine(SLICES_CASES):
         # SmallMLinear.slices: the K slices' partials, [split, m, n] contiguous, no counter moved;
         # added in slice order (sum_slices, as the step ops add them) they are the launch's own sum
         g = torch.Generator().manual_seed(17 * n + k + m)
