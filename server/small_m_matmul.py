@@ -118,8 +118,9 @@ WIDE_FROM_TILES: int | None = 2
 WIDE_TILING = (128, 4)
 # Only linears of at least this many output columns switch (0: every one the tiling fits). The per-shape
 # table suggests 8192 (gate|up and the per-layer model projection: at 64 rows the small linears lose what
-# gate|up gains); not measured as whole steps yet: `python -m bench.step_ab --base-tree . --base HEAD
-# --head-set server.small_m_matmul.WIDE_MIN_COLUMNS=8192 --rows 32 64` on a GPU says.
+# gate|up gains). Whole steps on an H100 (one round each, docs/bars.md, 12-06): 8192 took 7.55 against
+# 8.02 ms a 64-row step and 4 streams' forwards 5.37 against 5.44-5.60 ms, but 16 streams' 14.77
+# against 9.72-10.08: single samples that disagree, so 0 stays until more rounds call it.
 WIDE_MIN_COLUMNS = 0
 
 
