@@ -1,6 +1,7 @@
 """Several requests at once (server/batcher.py, the engine's lanes, the scheduler's workers): every
 request's output equals its output served alone, at 1, 2, 4 and 8 concurrent streams, greedy and
-seeded sampling, drafted (chains and token trees) and plain, with the prefix cache on; their steps
+seeded sampling, drafted (chains and token trees) and plain, with the prefix cache on, and with nothing
+cached (prefill chunks beside the others' drafted steps); their steps
 really share forwards; cancelling one disturbs no other; a full queue answers 429 with Retry-After
 in each API's error shape while the server keeps serving."""
 from __future__ import annotations
@@ -38,13 +39,14 @@ def _requests(n_requests: int):
 
 
 def _concurrently(engine, jobs) -> list:
-    """Run engine.generate for every (prompt, kwargs) at once, one thread each; their token lists."""
+    """Run engine.generate for every (prompt, kwargs) at once, one thread each; their `run` results
+    (tokens, text, finish reason, stats)."""
     out: list = [None] * len(jobs)
     start = threading.Barrier(len(jobs))
 
     def go(i, prompt, kw):
         start.wait()
-        out[i] = run(engine, prompt, **kw)[0]
+        out[i] = run(engine, prompt, **kw)
 
     threads = [threading.Thread(target=go, args=(i, p, kw)) for i, (p, kw) in enumerate(jobs)]
     for t in threads:
@@ -101,13 +103,50 @@ def test_concurrent_streams_equal_solo_runs(model, streams):
         jobs.append((prompt, dict(max_tokens=32, draft=make is not None, **kw)))
     engine.set_drafter(_PerRequestDrafter(by_prompt))
     before = engine.batch_summary() or {"forwards": 0, "sequences": 0}
-    got = _concurrently(engine, jobs)
+    got = [tokens for tokens, *_ in _concurrently(engine, jobs)]
     for i, (tokens, reference) in enumerate(zip(got, solo)):
         assert tokens == reference, (i, requests[i][1], first_divergence(tokens, reference))
     if streams > 1:
         after = engine.batch_summary()
         assert after["peak_sequences"] > 1  # steps of different requests did share forwards
         assert after["sequences"] - before["sequences"] > after["forwards"] - before["forwards"]
+
+
+@pytest.mark.parametrize("streams", [3, 6])
+def test_concurrent_fresh_prompts_equal_solo_runs(model, streams):
+    """Nothing cached: every request's prompt (64 to 600 tokens, past the window of 8) is computed
+    while the others run, its prefill chunks in the same forwards as their drafted steps and trees.
+    Each output equals the request's plain output served alone by another engine (greedy and seeded
+    sampling), and each request really drafted and had drafts accepted."""
+    cpu = CpuGemma.from_hf(model)
+    alone = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=1)
+    prompts = prompts_for(512, [300, 600, 129, 64, 410, 95][:streams], seed=57)
+    samplings = [{}, dict(temperature=1.0, top_k=64, top_p=0.95, seed=7), dict(temperature=0.8, seed=13)]
+    solo = [run(alone, p, max_tokens=24, draft=False, **samplings[i % 3])[0] for i, p in enumerate(prompts)]
+    by_prompt = {tuple(p): (OracleWithErrors(len(p), ref, 512, 0.3, seed=i) if i % 2 == 0
+                            else TreeOracle(len(p), ref, 512, 0.4, seed=i))
+                 for i, (p, ref) in enumerate(zip(prompts, solo))}
+    engine = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=streams)
+    engine.set_drafter(_PerRequestDrafter(by_prompt))
+    forwards: list = []
+    real_forward = cpu.forward_batch
+
+    def recording_forward(batch):
+        forwards.append([(len(rows.ids), rows.last_only) for rows in batch])
+        return real_forward(batch)
+
+    cpu.forward_batch = recording_forward  # the lanes share this model object
+    try:
+        got = _concurrently(engine, [(p, dict(max_tokens=24, draft=True, **samplings[i % 3]))
+                                     for i, p in enumerate(prompts)])
+    finally:
+        del cpu.forward_batch
+    for i, ((tokens, _, _, stats), reference) in enumerate(zip(got, solo)):
+        assert tokens == reference, (i, first_divergence(tokens, reference))
+        assert stats.cached_tokens == 0 and stats.accepted_tokens > 0, (i, stats)
+    # prefill chunks (only their last row's logits wanted) rode in forwards beside other requests' steps
+    assert any(any(last for _, last in f) and any(not last for _, last in f) for f in forwards)
+    assert max(len(f) for f in forwards) == streams
 
 
 def test_cancelling_one_request_disturbs_no_other(model):
