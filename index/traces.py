@@ -19,9 +19,10 @@ recursively for `*.jsonl`). The format is detected per file from its first parse
   carry no tool schemas, so `tools` lists the names used with `parameters: {"type": "object"}`.
 
 ANSI escape sequences are stripped from all text, tool arguments included. Bad input never
-raises: malformed lines (invalid JSON, wrong shape, unknown roles, missing fields) and orphan
-tool results are skipped and recorded in the `ReadReport`. A conversation with no assistant turn
-is still yielded; the caller decides when zero usable turns is an error.
+raises: malformed lines (invalid JSON, a string holding a lone surrogate, wrong shape, unknown
+roles, missing fields) and orphan tool results are skipped and recorded in the `ReadReport`. A
+conversation with no assistant turn is still yielded; the caller decides when zero usable turns
+is an error.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from common.json_text import lone_surrogate_at, may_hold_lone_surrogate
+
+
 ROLES = ("system", "user", "assistant", "tool")
 _CLAUDE_EVENT_TYPES = {"user", "assistant", "summary", "system", "progress",
                        "file-history-snapshot", "queue-operation"}
@@ -259,14 +263,21 @@ def parse_openai_tools(raw: Any) -> list[dict]:
 
 
 def _json_lines(source: str, lines: list[str], report: ReadReport) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) for every non-blank line; invalid JSON is skipped and reported."""
+    """(line number, parsed value) for every non-blank line; invalid JSON, and JSON whose strings
+    hold a lone surrogate (no tokenizer takes it), is skipped and reported."""
     for no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            yield no, json.loads(line)
+            value = json.loads(line)
         except ValueError as e:
             report.skip(source, no, f"invalid JSON: {e.msg}")
+            continue
+        where = lone_surrogate_at(value) if may_hold_lone_surrogate(line) else None
+        if where is not None:
+            report.skip(source, no, f"a lone UTF-16 surrogate in {where} (not text)")
+            continue
+        yield no, value
 
 
 def _read_openai(source: str, lines: list[str], report: ReadReport) -> Iterator[Conversation]:

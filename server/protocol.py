@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.chat_format import MAX_VALUE_DEPTH, json_depth
+from common.json_text import lone_surrogate_at, may_hold_lone_surrogate
 from server.sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -55,7 +56,7 @@ def _bad(message: str, param: str | None, code: str | None = "invalid_value") ->
 
 def parse_body(raw: bytes) -> Any:
     """The decoded JSON of a request body, or an APIError: 413 past MAX_BODY_BYTES, 400 for invalid
-    JSON or nesting deeper than MAX_JSON_DEPTH."""
+    JSON, nesting deeper than MAX_JSON_DEPTH, or a string holding a lone surrogate (not text)."""
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", None,
                        "request_too_large")
@@ -68,6 +69,11 @@ def parse_body(raw: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from e
     if json_depth(body) > MAX_JSON_DEPTH:
         raise _bad(f"the request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", None, "too_deep")
+    if may_hold_lone_surrogate(raw):
+        where = lone_surrogate_at(body)
+        if where is not None:
+            raise _bad(f"'{where}' holds a lone UTF-16 surrogate (an escape from \\ud800 to \\udfff that is not "
+                       "half of a pair): it is not text", where)
     return body
 
 

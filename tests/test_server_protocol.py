@@ -477,6 +477,30 @@ def test_hostile_bodies_get_a_4xx(server, raw, status, code):
     assert r.json()["error"]["code"] == code
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "LONE"}]}),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "LONE", "parameters": {"type": "object"}}}]}),
+    ("/v1/completions", {"prompt": "LONE", "max_tokens": 2}),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "LONE"}]}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "LONE"}]}),
+    ("/v1/responses", {"model": "m", "input": "LONE"}),
+])
+def test_a_lone_surrogate_is_a_400_in_each_apis_shape(server, path, body):
+    """JSON may escape a surrogate half alone ("\\ud800"), which no text encoding carries: a 400
+    naming where it is, in the API's own error shape; a whole pair (an emoji) is text as usual."""
+    raw = json.dumps(body).replace("LONE", "a \\ud800 b").encode()
+    r = httpx.post(server[2] + path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "lone UTF-16 surrogate" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    if path.startswith("/v1/messages"):  # Anthropic's shape: {"type": "error", "error": {...}}
+        assert r.json()["type"] == "error"
+    pair = json.dumps(body).replace("LONE", "a \\ud83d\\ude00 b").encode()
+    assert httpx.post(server[2] + path, content=pair, headers={"content-type": "application/json"}).status_code == 200
+
+
 def test_oversized_body_is_a_413_and_deep_tool_results_render_as_text(server):
     from server.protocol import MAX_BODY_BYTES
 

@@ -52,6 +52,26 @@ def test_openai_jsonl_arguments_object_and_string_and_malformed_lines(tmp_path):
     assert "skipped 5" in summary and "t.jsonl:2: invalid JSON" in summary
 
 
+def test_a_lone_surrogate_skips_its_line_in_either_format(tmp_path):
+    """JSON may spell half a surrogate pair alone ("\\ud800"), which no tokenizer takes: the line is
+    skipped and reported with where it is; whole pairs (an emoji) and the other lines are read."""
+    chat = {"messages": [{"role": "user", "content": "hi \U0001f600"}, {"role": "assistant", "content": "ok"}]}
+    lone = json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "LONE"}]}).replace("LONE", "a \\udfff b")
+    f = write_jsonl(tmp_path / "t.jsonl", [chat, lone, chat])
+    convs, report = read(f)
+    assert [c.line for c in convs] == [1, 3] and convs[0].messages[0]["content"] == "hi \U0001f600"
+    assert f"{f}:2: a lone UTF-16 surrogate in messages[1].content" in report.summary()
+    event = {"type": "user", "sessionId": "s", "uuid": "u1", "message": {"role": "user", "content": "LONE"}}
+    reply = {"type": "assistant", "sessionId": "s", "uuid": "u2", "parentUuid": "u1",
+             "message": {"role": "assistant", "content": [{"type": "text", "text": "fine"}]}}
+    g = write_jsonl(tmp_path / "claude.jsonl", [json.dumps(event).replace("LONE", "\\ud800"),
+                                                json.dumps(event).replace("LONE", "ok"), reply])
+    convs, report = read(g)
+    assert len(convs) == 1 and [line for _, line, _ in report.skipped] == [1]
+    assert "a lone UTF-16 surrogate in message.content" in report.summary()
+
+
 def test_ansi_is_stripped_everywhere(tmp_path):
     red, osc = "\x1b[31;1m", "\x1b]0;title\x07"
     row = {"messages": [
