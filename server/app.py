@@ -1,6 +1,7 @@
 """The HTTP layer: thin Starlette routes over `server.serving.Service`.
 
-Contract: `create_app(service)` returns the ASGI app with GET /v1/models, POST /v1/chat/completions,
+Contract: `create_app(service)` returns the ASGI app with GET /v1/models (and /v1/models/{id}: any
+name, since every name is served by the loaded model), POST /v1/chat/completions,
 POST /v1/completions, POST /v1/responses (stateless, over the chat path: server.responses_api),
 GET /health, GET /metrics and POST /admin/reload-index (see server.reload; 409 in the error shape
 when the rebuilt index is refused). Every error, from validation to an unexpected
@@ -32,7 +33,7 @@ from starlette.routing import Route
 
 from server import anthropic_api
 from server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest, CompletionRequest, error_body,
-                             model_list, parse_body)
+                             model_entry, model_list, parse_body)
 from server.reload import ReloadStatus
 from server.responses_api import ResponsesRequest, create_response
 from server.serving import Service
@@ -110,6 +111,11 @@ def create_app(service: Service) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse(model_list(service.model_id, service.created, service.engine.max_context))
 
+    async def model(request: Request) -> Response:
+        # Every model name is served by the loaded model (requests' `model` only labels the reply), so
+        # any name a client retrieves is the loaded model under that name.
+        return JSONResponse(model_entry(request.path_params["model_id"], service.created, service.engine.max_context))
+
     async def health(request: Request) -> Response:
         return JSONResponse(service.health())
 
@@ -142,6 +148,7 @@ def create_app(service: Service) -> Starlette:
     guard = lambda handler: _guarded(handler, service.metrics)
     routes = [
         Route("/v1/models", guard(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", guard(model), methods=["GET"]),
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(completions), methods=["POST"]),
         Route("/v1/responses", guard(responses), methods=["POST"]),

@@ -500,7 +500,12 @@ def completion(rid: str, model: str, created: int, text: str, finish_reason: str
 
 def model_list(model_id: str, created: int, context_length: int | None = None) -> dict:
     """The model list; `max_model_len` (vLLM's name) and `context_length` give the served context."""
+    return {"object": "list", "data": [model_entry(model_id, created, context_length)]}
+
+
+def model_entry(model_id: str, created: int, context_length: int | None = None) -> dict:
+    """One model object (GET /v1/models/{id} answers with it; the list holds the loaded model's)."""
     entry = {"id": model_id, "object": "model", "created": created, "owned_by": "sailfish"}
     if context_length is not None:
         entry.update(max_model_len=context_length, context_length=context_length)
-    return {"object": "list", "data": [entry]}
+    return entry

@@ -149,6 +149,10 @@ def _weather(**kw):
 
 def test_models_and_any_model_name(client):
     assert [m.id for m in client.models.list().data] == ["scripted-stand-in"]
+    # retrieve: the loaded model, under whatever name the client asks for (every name is served)
+    for name in ("scripted-stand-in", "gpt-4o", "org/model:tag"):
+        got = client.models.retrieve(name)
+        assert (got.id, got.object, got.owned_by) == (name, "model", "sailfish")
     r = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert r.model == "scripted-stand-in"
     assert r.choices[0].message.content == "Hello there! How can I help you today?"
