@@ -249,7 +249,8 @@ def _strip_end_marker(text: str) -> str:
 
 def parse_generated(text: str) -> ParsedTurn:
     """Generated model text -> content + tool calls + reasoning. A truncated or garbled call stays
-    content; thinking never does (ThinkingStreamParser)."""
+    content (markup cut off before a call's name is complete is dropped); thinking never does
+    (ThinkingStreamParser)."""
     thinking = ThinkingStreamParser()
     segments = thinking.feed(_strip_end_marker(text)) + thinking.finish()
     reasoning = "".join(part for kind, part in segments if kind == REASONING)
@@ -355,7 +356,8 @@ class ToolCallStreamParser:
 
     Text that could still become `<|tool_call>` is held back, and so is an open call until its
     `<tool_call|>` arrives, so no partial markup is emitted as content. A call that does not
-    parse is released as content. `finish()` flushes what is held (an unclosed call as content).
+    parse is released as content. `finish()` flushes what is held (an unclosed call as content), save
+    markup cut off before a call's name was complete (from "<|" on), which is dropped.
     `forced` is the part of the model turn the prompt already holds (`ChatFormat.forced_call`): it is
     parsed as the start of the generated text, so a forced call left unclosed is released as content too.
     """
@@ -390,6 +392,10 @@ class ToolCallStreamParser:
 
     def finish(self) -> tuple[str, list[dict]]:
         rest, self._buf = self._buf, ""
+        if rest.startswith(CALL_OPEN) and _could_become_call_head(rest[len(CALL_OPEN):]):
+            return "", []  # a call's markup cut off before its name was complete: neither content nor a call
+        if len(rest) >= 2 and CALL_OPEN.startswith(rest):
+            return "", []  # the start of `<|tool_call>` (a lone "<" may be text)
         return rest, []
 
 
@@ -586,6 +592,8 @@ class ToolCallStreamer:
 
     Content is held back only while it could still become `<|tool_call>`. Text after `<|tool_call>`
     that cannot become `call:NAME{` is content, through its `<tool_call|>`, as `parse_generated` has it.
+    Generation ending inside a marker (from "<|" of `<|tool_call>` on) or before a call's name is
+    complete drops that markup: it is neither content nor a call.
     Once a call has started it is committed (a stream cannot take it back): a body that breaks the
     value syntax, or generation ending before the object closes, ends the call incomplete
     (`CallEnded.complete` False, its arguments the JSON converted so far); the rest of its text through
@@ -617,10 +625,13 @@ class ToolCallStreamer:
     def finish(self) -> list[StreamEvent]:
         events, self._held_events = self._held_events, []
         rest, self._buf = self._buf, ""
-        if self._state == self._HEAD:
-            events.append(CALL_OPEN + rest)
-        elif self._state in (self._TEXT, self._NOT_A_CALL):
+        if self._state == self._TEXT:
+            # held back as the start of `<|tool_call>`: from "<|" on it is markup cut off, not content
+            # (a lone "<" may be text)
+            events.append(rest if len(rest) < 2 else "")
+        elif self._state == self._NOT_A_CALL:
             events.append(rest)
+        # _HEAD: `<|tool_call>` and a prefix of `call:NAME{` (the name unfinished): markup cut off, dropped
         elif self._state == self._BODY:
             self._to_converter(rest, events)
             if self._state == self._BODY:

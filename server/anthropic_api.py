@@ -48,7 +48,7 @@ Translation, field by field:
   (a hint; `output_config.format` gets a 400); `context_management` whose edits all clear thinking
   (there is none to clear; other edits get a 400). The `anthropic-version` and `anthropic-beta`
   headers are accepted with any value. Any other field gets a 400.
-- `stop_reason`: "tool_use" when the answer has a tool call, "max_tokens" at the length limit,
+- `stop_reason`: "tool_use" when the answer has tool calls, all finished, "max_tokens" at the length limit,
   "stop_sequence" (with `stop_sequence`) when one of the request's stop sequences ended it, else
   "end_turn". A tool_use block cut off by max_tokens streams its unfinished JSON; its `input` in the
   whole message is what Anthropic's SDK reads from that partial JSON (`partial_json_object`: an

@@ -372,7 +372,8 @@ class Service:
         metrics are recorded. With `prep.separate_reasoning` the thinking channel is split off first, as
         Reasoning events (the tool-call parser sees content only). When the model saw tools, their calls
         are parsed out of the content as they are generated (common.chat_format.ToolCallStreamer) and a
-        finish_reason "stop" after a call is "tool_calls". With `capture`, the chat request and its answer
+        finish_reason "stop" after calls that all finished is "tool_calls" (one a stop string cut off
+        leaves it "stop", with that stop string). With `capture`, the chat request and its answer
         (content and complete calls only) are appended to the trace log. `receive` (non-streaming only)
         watches for a disconnect."""
         parser = ToolCallStreamer(prep.forced) if prep.offered else None
@@ -380,9 +381,10 @@ class Service:
         content, calls, finish, stats, ttft, t0 = [], [], None, None, None, time.perf_counter()
         stop_string, captured_calls, open_call_id = None, [], ""
         in_call, held_reasoning = False, []  # thinking generated inside a call waits for the call's end
+        cut_call = False  # a call ended unfinished (a stop string, max_tokens or broken syntax cut it)
 
         def events(parsed: list) -> list[Event]:
-            nonlocal open_call_id, in_call
+            nonlocal open_call_id, in_call, cut_call
             out: list[Event] = []
             for item in parsed:
                 if isinstance(item, str):
@@ -399,6 +401,8 @@ class Service:
                     calls.append(call)
                     if item.complete:
                         captured_calls.append(call)
+                    else:
+                        cut_call = True
                     in_call = False
                     out += [Reasoning(text) for text in held_reasoning]
                     held_reasoning.clear()
@@ -451,8 +455,9 @@ class Service:
         if capture is not None:
             self._capture(capture, prep, _assistant_message("".join(content), captured_calls))
         finish = finish or "stop"
-        yield Finish("tool_calls" if calls and finish == "stop" else finish, _usage(prep, stats, queue_s or 0.0),
-                     stop_string)
+        # "tool_calls" only for calls that all finished: a stop string that cut one ends it as "stop"
+        yield Finish("tool_calls" if calls and finish == "stop" and not cut_call else finish,
+                     _usage(prep, stats, queue_s or 0.0), stop_string)
 
     async def _sse(self, rid: str, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         """`chunks` as SSE lines, then [DONE]. Once streaming has begun the status is sent, so an error is

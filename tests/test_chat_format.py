@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from common.chat_format import ChatFormat, ToolCallStreamParser, format_value, parse_generated
+from common.chat_format import (ChatFormat, ParsedTurn, ToolCallStreamer, ToolCallStreamParser, format_value,
+                                parse_generated)
 
 TOOLS = [{"type": "function", "function": {
     "name": "search", "description": "Find files",
@@ -74,7 +75,7 @@ def test_garbled_or_truncated_call_stays_content(text):
 def test_stream_parser_with_every_split():
     text = ('Sure <|tool_call>call:f{a:<|"|><x><|"|>,b:[1,2]}<tool_call|> and <|tool_cal'
             'l>call:g{}<tool_call|>< tail <|tool')
-    want_content = "Sure  and < tail <|tool"
+    want_content = "Sure  and < tail "  # the cut-off marker at the end is dropped; the lone "<" is text
     want_calls = [{"name": "f", "arguments": json.dumps({"a": "<x>", "b": [1, 2]})},
                   {"name": "g", "arguments": "{}"}]
     for i in range(len(text) + 1):
@@ -97,6 +98,20 @@ def test_stream_parser_holds_back_partial_marker():
     assert p.feed("<tool_call|>!") == ("!", [{"name": "f", "arguments": "{}"}])
 
 
+@pytest.mark.parametrize("text, content", [
+    ("done <|tool", "done "), ("done <|", "done "), ("done <", "done <"),   # a lone "<" may be text
+    ("done <|tool_call>", "done "), ("done <|tool_call>call:get_wea", "done "),
+    ("done <|tool_call>nonsense", "done <|tool_call>nonsense"),           # not a call head: content
+])
+def test_markup_cut_off_before_a_call_name_is_complete_is_dropped(text, content):
+    """Generation cut (max_tokens) inside `<|tool_call>` or before the call's name is complete leaves
+    markup that is neither content nor a call: dropped, streamed or parsed whole."""
+    assert parse_generated(text) == ParsedTurn(content=content)
+    streamer = ToolCallStreamer()
+    events = [e for ch in text for e in streamer.feed(ch)] + streamer.finish()
+    assert "".join(events) == content
+
+
 
 def test_forced_call_ends_the_prompt_and_the_parser_continues_it():
     cf, user = ChatFormat(), MESSAGES[:2]
@@ -111,7 +126,7 @@ def test_forced_call_ends_the_prompt_and_the_parser_continues_it():
     assert p.feed('q:<|"|>x<|"|>}') == ("", [])
     assert p.feed("<tool_call|>done") == ("done", [{"name": "search", "arguments": '{"q": "x"}'}])
     p = ToolCallStreamParser(cf.forced_call("required"))
-    assert p.feed("sea") == ("", []) and p.finish() == ("<|tool_call>call:sea", [])  # cut off: content, as ever
+    assert p.feed("sea") == ("", []) and p.finish() == ("", [])  # cut off before the name ends: dropped
 
 
 class _FakeTemplateTokenizer:

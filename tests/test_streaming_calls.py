@@ -157,7 +157,8 @@ def test_a_forced_call_starts_at_once():
         CallStarted("f"), ArgumentsDelta('{"a": "1 b"}'), CallEnded("f", '{"a": "1 b"}', True), "!"]),
     # not a call head: content through its closing marker, as parse_generated has it
     ("x<|tool_call>nonsense<tool_call|>y", ["x<|tool_call>nonsense<tool_call|>y"]),
-    ("x<|tool_call>call:sea", ["x<|tool_call>call:sea"]),
+    # cut off before the name is complete: the markup is dropped
+    ("x<|tool_call>call:sea", ["x"]),
 ])
 def test_cut_off_broken_and_non_calls(text, want):
     for pieces in ([text], list(text)):
@@ -217,6 +218,31 @@ def test_chat_arguments_stream_in_fragments_that_make_the_whole_arguments(client
         assert whole.finish_reason == choices[-1].finish_reason == "length"
         with pytest.raises(ValueError):
             json.loads(streamed)
+
+
+def test_a_stop_string_inside_a_call_ends_it_unfinished_as_stop_not_as_a_call(client, claude):
+    """A stop sequence that matches inside a call's arguments cuts the call: the same unfinished call
+    in the stream and the whole answer, and the finish says the stop sequence ended it ("stop", or
+    Anthropic's "stop_sequence" naming it), never a finished call's "tool_calls" / "tool_use"."""
+    stop = "line\t2"
+    whole = client.chat.completions.create(model="m", messages=WRITE, tools=[WRITE_TOOL], stop=[stop]).choices[0]
+    choices = _chat_stream(client, stop=[stop])
+    (call,) = whole.message.tool_calls
+    streamed = "".join(d.function.arguments for c in choices for d in c.delta.tool_calls or [])
+    assert streamed == call.function.arguments and EXPECTED_ARGUMENTS.startswith(streamed)
+    assert "line 1" in streamed and "line\\t2" not in streamed
+    assert whole.finish_reason == choices[-1].finish_reason == "stop"
+    tool = {"name": "write_file", "input_schema": WRITE_TOOL["function"]["parameters"]}
+    req = dict(model="m", max_tokens=200, messages=WRITE, tools=[tool], stop_sequences=[stop])
+    message = claude.messages.create(**req)
+    with claude.messages.stream(**req) as stream:
+        streamed_message = stream.get_final_message()
+    for m in (message, streamed_message):
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+        assert [b.type for b in m.content] == ["text", "tool_use"]
+    # a stop string after a finished call leaves it a call: "tool_calls"
+    after = client.chat.completions.create(model="m", messages=WRITE, tools=[WRITE_TOOL], stop=["<|tool_response>"])
+    assert after.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("max_tokens", [200, _tokens_until(LONG_ANSWER, "x,y")])
