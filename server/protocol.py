@@ -284,7 +284,26 @@ def parse_messages(raw: Any) -> list[dict]:
         if isinstance(m.get("name"), str) and m["name"]:
             msg["name"] = m["name"]
         out.append(msg)
+    check_tool_results(out)
     return out
+
+
+def check_tool_results(messages: list[dict]) -> None:
+    """A 400 for a tool result (normalized messages) that answers no call: each must answer a call of
+    the assistant turn right before its run of results (Anthropic: in the next user message), once,
+    as OpenAI's and Anthropic's APIs require. Calls left unanswered are accepted (rendered as they
+    are: recorded agent sessions hold them, and the model sees the calls either way)."""
+    open_ids: list[str] = []      # the calls of the last assistant turn not answered yet
+    for m in messages:
+        if m["role"] == "tool":
+            call_id = m["tool_call_id"]
+            if call_id not in open_ids:
+                raise _bad(f"a tool result for {call_id!r} answers no tool call of the assistant turn right "
+                           "before it (each result follows the turn with its call, once, before any other "
+                           "message)", "messages", "invalid_tool_result")
+            open_ids.remove(call_id)
+        else:
+            open_ids = [c["id"] for c in m.get("tool_calls", [])] if m["role"] == "assistant" else []
 
 
 def parse_tools(raw: Any) -> list[dict]:

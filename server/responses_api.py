@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from server.protocol import (_TOOL_NAME, APIError, ChatCompletionRequest, _bad, _opt, _refuse_unknown, _sampling,
-                             error_body, json_arguments, parse_tool_choice, parse_tools)
+                             check_tool_results, error_body, json_arguments, parse_tool_choice, parse_tools)
 from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.responses")
@@ -101,6 +101,7 @@ class ResponsesRequest:
         _refuse_unknown(body, _KNOWN_FIELDS)
         instructions = _opt(body, "instructions", str, None, "a string")
         messages = parse_input(body.get("input"), instructions)
+        check_tool_results(messages)
         tools = parse_function_tools(body.get("tools"))
         tool_choice = parse_tool_choice(_chat_tool_choice(body.get("tool_choice")), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")

@@ -331,3 +331,16 @@ def test_the_engine_names_the_stop_string_it_cut_at():
     assert fed == len("Hi END") - 1 and stream.stopped_by == "END" and stream.take(True) == "Hi "
     plain = TextStream(ByteTokenizer(), ("END",), [])
     assert not any(plain.add(b) for b in b"no stop here") and plain.stopped_by is None
+
+
+def test_a_tool_result_answering_no_tool_use_is_a_400(client):
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+    ok = client.messages.create(model="m", max_tokens=8, messages=[
+        {"role": "user", "content": "hi"}, use,
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "r"}]}])
+    assert ok.type == "message"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model="m", max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}, use,
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "r"}]}])
+    assert "'nope' answers no tool call" in bad.value.body["error"]["message"]

@@ -279,3 +279,14 @@ def test_openai_agents_tool_loop(server):
     assert kinds == ["message_output_item", "tool_call_item", "tool_call_output_item", "message_output_item"]
     assert server[0].prompts[-1].startswith("<bos><|turn>system\nAnswer order questions.<|tool>declaration:"
                                             "get_order_status{")
+
+
+def test_a_function_call_output_answering_no_call_is_a_400(client):
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    ok = client.responses.create(model="m", input=[{"role": "user", "content": "hi"}, call,
+                                                   {"type": "function_call_output", "call_id": "c1", "output": "r"}])
+    assert ok.status == "completed"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="m", input=[{"role": "user", "content": "hi"}, call,
+                                                  {"type": "function_call_output", "call_id": "zz", "output": "r"}])
+    assert bad.value.body["code"] == "invalid_tool_result"

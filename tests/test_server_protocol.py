@@ -678,3 +678,23 @@ def test_reload_status_maps_to_http(tmp_path):
         assert r.status_code == 200 and r.json() == {"reloaded": False, "message": off.reload_index().message}
     assert off.reload_index().status is ReloadStatus.UNCHANGED
     assert service.reload_index().status is ReloadStatus.REFUSED
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages,status", [
+    (HI + [{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_1", "content": "r"}], 200),
+    (HI + [{"role": "assistant", "tool_calls": [CALL]}, {"role": "user", "content": "never mind"}], 200),  # unanswered
+    (HI + [{"role": "tool", "tool_call_id": "call_1", "content": "r"}], 400),                      # no call before it
+    (HI + [{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "zzz", "content": "r"}], 400),
+    (HI + [{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+           {"role": "tool", "tool_call_id": "call_1", "content": "again"}], 400),                  # answered twice
+    (HI + [{"role": "assistant", "tool_calls": [CALL]}, {"role": "user", "content": "x"},
+           {"role": "tool", "tool_call_id": "call_1", "content": "late"}], 400),                   # not right after
+])
+def test_a_tool_result_must_answer_a_call_of_the_turn_before_it(server, messages, status):
+    r = httpx.post(server[2] + "/v1/chat/completions", json={"model": "m", "messages": messages})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["code"] == "invalid_tool_result" and r.json()["error"]["param"] == "messages"
