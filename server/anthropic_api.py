@@ -124,6 +124,8 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
     max_tokens = _max_tokens({"max_tokens": body.get("max_tokens")})
     if max_tokens is None and require_max_tokens:
         raise APIError(400, "max_tokens: Field required", "max_tokens", "missing_required_parameter")
+    if body.get("model") is None:  # required by Anthropic's API (any name is served: see server.app)
+        raise APIError(400, "model: Field required", "model", "missing_required_parameter")
     system = _system_text(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.get("messages"))
     tools = parse_tools(_tools(body.get("tools")))

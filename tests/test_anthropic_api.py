@@ -251,6 +251,7 @@ def _error_of(r: httpx.Response, status: int, kind: str) -> str:
     ({"max_tokens": 10, "messages": HI, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
      "clear_tool_uses"),
     ({"max_tokens": 10**9, "messages": HI}, "max_tokens"),
+    ({"model": None, "max_tokens": 10, "messages": HI}, "model: Field required"),
 ])
 def test_bad_requests_get_anthropic_errors(server, body, says):
     message = _error_of(httpx.post(server[2] + "/v1/messages", json={"model": "m", **body}), 400,

@@ -149,6 +149,33 @@ def test_concurrent_fresh_prompts_equal_solo_runs(model, streams):
     assert max(len(f) for f in forwards) == streams
 
 
+def test_concurrent_requests_sharing_a_kept_conversation_equal_fresh_runs(model):
+    """Kept conversations in the store that every lane shares; at once: one's next turn (it takes the
+    kept cache over), a prompt that leaves it mid-way (a copy of its prefix, when it comes before the
+    take-over), a retry of the other kept one, and a stranger. Each output equals the same prompt
+    computed afresh, alone and plain; the ones that share a kept prefix really reused it. Several
+    rounds, so arrival orders vary."""
+    cpu = CpuGemma.from_hf(model)
+    fresh = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=1)
+    for round_ in range(3):
+        engine = engine_for(model, backend=CpuBackend(cpu, 4096, 64 * 2**20, max_step=17), parallel=4)
+        a, b = prompts_for(512, [150, 90], seed=60 + round_)
+        a_reply, *_ = run(engine, a, max_tokens=12, draft=False)
+        run(engine, b, max_tokens=12, draft=False)
+        next_turn = a + a_reply + prompts_for(512, [20], seed=70 + round_)[0][1:]
+        leaves_mid_way = a[:100] + prompts_for(512, [40], seed=80 + round_)[0][1:]
+        stranger = prompts_for(512, [120], seed=90 + round_)[0]
+        prompts = [next_turn, leaves_mid_way, b, stranger]
+        want = [run(fresh, p, max_tokens=16, draft=False)[0] for p in prompts]
+        got = _concurrently(engine, [(p, dict(max_tokens=16, draft=False)) for p in prompts])
+        for i, ((tokens, _, _, stats), reference) in enumerate(zip(got, want)):
+            assert tokens == reference, (round_, i, first_divergence(tokens, reference))
+        cached = [stats.cached_tokens for _, _, _, stats in got]
+        # the next turn always takes A over; the copy finds A only if it came first (else the shared <bos>)
+        assert cached[0] == len(a) + len(a_reply) - 1 and cached[1] in (100, 0, 1) and cached[2] == len(b) - 1
+        assert cached[3] <= 1
+
+
 def test_cancelling_one_request_disturbs_no_other(model):
     cpu = CpuGemma.from_hf(model)
     engine = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=4)

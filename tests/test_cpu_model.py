@@ -155,6 +155,39 @@ def test_drafted_equals_plain_through_the_engine(tiny, prefix_cache):
             assert stats.cached_tokens > 0
 
 
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.9, top_p=0.95, seed=5)])
+def test_stops_and_limits_exact_with_drafts_and_trees(tiny, sampling):
+    """Drafted chains and token trees on the int8 path end exactly where plain decoding ends: at a stop
+    token, at a stop string inside one token's text or spanning two, and at max_tokens, whatever the
+    verify step accepted past that point (a tree's accepted path cut short included); greedy and
+    seeded sampling."""
+    from tests.test_engine_lossless import OracleWithErrors, TreeOracle
+
+    model, cpu = tiny
+    engine = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), prefix_cache=False)
+    prompt = prompts_for(512, [30], seed=9)[0]
+    plain, plain_text, *_ = run(engine, prompt, max_tokens=40, draft=False, **sampling)
+    stop_token = plain[17]
+    cut = plain.index(stop_token)
+    accepted = trees = 0
+    for make in (lambda: OracleWithErrors(len(prompt), plain, 512, 0.15, seed=1),
+                 lambda: TreeOracle(len(prompt), plain, 512, 0.3, seed=2)):
+        engine.set_drafter(make())
+        got, _, finish, stats = run(engine, prompt, max_tokens=40, stop_token_ids=frozenset({stop_token}), **sampling)
+        assert got == plain[:cut] and finish == "stop", first_divergence(got, plain)
+        accepted, trees = accepted + stats.accepted_tokens, trees + stats.tree_steps
+        for stop in (f"<{plain[15]}>"[1:-1], f"{plain[20]}><{plain[21]}"):  # inside a token; across two
+            engine.set_drafter(make())
+            _, text, finish, stats = run(engine, prompt, max_tokens=40, stop_strings=("never-seen", stop), **sampling)
+            assert text == plain_text[:plain_text.index(stop)] and finish == "stop"
+            accepted += stats.accepted_tokens
+        for n in (1, 2, 7, 16, 17, 33):
+            engine.set_drafter(make())
+            got, _, finish, stats = run(engine, prompt, max_tokens=n, **sampling)
+            assert got == plain[:n] and finish == "length" and stats.completion_tokens == n
+    assert accepted > 0 and trees > 0  # drafts were verified, as chains and as trees
+
+
 def test_sampled_token_trees_equal_plain(tiny):
     """Sampled requests verified as token trees: for the same seed, the output of every preset
     (penalties included: a tree row sees its own path's tokens) equals plain decoding's."""
