@@ -354,6 +354,34 @@ def test_tiny_constrained_drafted_equals_plain(tiny):
     assert cut > 0 and accepted > 0  # drafts were cut, and drafts were taken
 
 
+def test_constrained_requests_at_once_on_the_int8_path_equal_plain_alone():
+    """The CPU int8 path, four requests at once (their prefills, past the window of 8, and drafted
+    steps sharing forwards), each under a grammar (a JSON object or a tool call), greedy and seeded:
+    each output equals its plain constrained output served alone; the grammar cut drafts, and drafts
+    were taken."""
+    from server.cpu_backend import CpuBackend
+    from server.cpu_model import CpuGemma
+    from tests.test_batching import _concurrently, _PerRequestDrafter
+    from tests.test_cpu_model import tiny_gemma3
+    from tests.test_engine_lossless import run
+
+    model = tiny_gemma3(seed=4)
+    cpu = CpuGemma.from_hf(model)
+    alone = engine_for(model, BYTE_TOKENIZER, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=1)
+    constraints = [byte_compiler(False).json_object(), byte_compiler(True).tool_call(TOOLS)] * 2
+    prompts = prompts_for(512, (40, 70, 25, 90), seed=12)
+    params = [dict(constraint=c, max_tokens=48, **SAMPLED[i]) for i, c in enumerate(constraints)]
+    want = [run(alone, p, draft=False, **kw) for p, kw in zip(prompts, params)]
+    engine = engine_for(model, BYTE_TOKENIZER, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=4)
+    engine.set_drafter(_PerRequestDrafter({tuple(p): OracleWithErrors(len(p), w[0], 512, 0.3, seed=i)
+                                           for i, (p, w) in enumerate(zip(prompts, want))}))
+    got = _concurrently(engine, list(zip(prompts, params)))
+    for i, ((tokens, text, finish, stats), (plain, plain_text, plain_finish, _)) in enumerate(zip(got, want)):
+        assert (tokens, text, finish) == (plain, plain_text, plain_finish), i
+    assert sum(s.grammar_cut_tokens for *_, s in got) > 0 and sum(s.accepted_tokens for *_, s in got) > 0
+    assert engine.batch_summary()["peak_sequences"] > 1
+
+
 @tiny_test
 def test_tiny_grammar_rejected_draft_tokens_are_never_verified(tiny):
     constraint = byte_compiler(True).tool_call(TOOLS)

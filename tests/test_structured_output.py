@@ -87,17 +87,21 @@ def test_required_tool_choice_yields_tool_calls_20_of_20(servers):
 def test_drafted_constrained_equals_plain_constrained(servers, sampling):
     drafted, plain = servers
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    accepted = 0
     for ask in ASKS[:2]:
         kw = dict(model="m", messages=[{"role": "user", "content": ask}], max_tokens=96, **sampling)
         a = drafted.chat.completions.create(response_format=fmt, **kw)
         b = plain.chat.completions.create(response_format=fmt, **kw)
         assert a.choices[0].message.content == b.choices[0].message.content
+        accepted += a.usage.model_extra["sailfish"]["accepted_tokens"]
         a = drafted.chat.completions.create(tools=TOOLS, tool_choice="required", **kw)
+        accepted += a.usage.model_extra["sailfish"]["accepted_tokens"]
         b = plain.chat.completions.create(tools=TOOLS, tool_choice="required", **kw)
         assert a.choices[0].message.model_dump(exclude={"tool_calls"}) == b.choices[0].message.model_dump(
             exclude={"tool_calls"})
         assert [(c.function.name, c.function.arguments) for c in a.choices[0].message.tool_calls or []] == \
             [(c.function.name, c.function.arguments) for c in b.choices[0].message.tool_calls or []]
+    assert accepted > 0  # the drafted server's drafts were taken (from the live context: no index here)
 
 
 def test_unenforceable_formats_get_a_400(servers):
