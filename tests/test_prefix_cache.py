@@ -456,7 +456,7 @@ def test_engine_on_a_mock_backend_drafted_equals_plain_and_finishes_exactly():
     assert finish == "stop" and got == plain[:plain.index(stop)]
 
 
-# ---------------------------------------------------------------- the bundled 270M model (the CPU int8 path, the default)
+# ------------------------------------------------------- the bundled 270M model (the CPU int8 path, the default)
 
 @pytest.mark.slow
 def test_270m_conversation_identical_with_and_without_the_cache():
