@@ -124,9 +124,8 @@ def test_penalties_follow_their_definitions():
 @pytest.mark.slow
 def test_270m_sampled_drafted_equals_plain(gemma270m):
     """The bundled model on the CPU int8 path (the default): prompts past its 512-token sliding
-    window and short ones, both
-    sampling presets of the issue plus penalties; drafts from the true continuation with errors
-    injected and from prompt lookup."""
+    window and short ones, both sampling presets of the issue plus penalties; drafts from the true
+    continuation with errors injected and from prompt lookup."""
     from server.engine import Engine, EngineConfig
     from tests.test_engine_lossless import SNIPPETS, _long_prompts, drafters
 
