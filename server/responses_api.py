@@ -122,7 +122,9 @@ class ResponsesRequest:
                                      tool_choice=tool_choice, tools=tools, user=user)
         echoed = {"instructions": instructions, "metadata": metadata, "parallel_tool_calls": parallel,
                   "temperature": sampling.temperature, "top_p": sampling.top_p,
-                  "tool_choice": _responses_tool_choice(tool_choice), "tools": _echoed_tools(tools, body),
+                  # as OpenAI echoes it: "auto" when the request names none (with no tools it calls none)
+                  "tool_choice": _responses_tool_choice(tool_choice) if body.get("tool_choice") is not None else "auto",
+                  "tools": _echoed_tools(tools, body),
                   "max_output_tokens": max_output_tokens, "user": user}
         return cls(chat, echoed)
 

@@ -62,7 +62,7 @@ def test_text_reply(server, client):
     assert u.input_tokens_details.cached_tokens == 0 and u.output_tokens_details.reasoning_tokens == 0
     assert "drafted_tokens" in u.model_extra["sailfish"]
     assert r.metadata == {"k": "v"} and r.instructions == "Be brief." and r.model_extra["store"] is False
-    assert r.tools == [] and r.tool_choice == "none" and r.parallel_tool_calls is True
+    assert r.tools == [] and r.tool_choice == "auto" and r.parallel_tool_calls is True
     prompt = server[0].prompts[-1]
     assert prompt.startswith("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nhi<turn|>\n")
 
