@@ -5,7 +5,8 @@ Contract: `TraceLog(directory, max_bytes).append(messages, tools)` writes one li
 assistant message as the client received it), which `index.traces` reads and `make index` indexes.
 Files are `sailfish-<UTC time>-<pid>.jsonl`, created readable and writable by the user only (0600,
 in a 0700 directory); a file past `max_bytes` is closed and the next line starts a new one. A
-failed write is logged as a warning and never raised: capture must not fail a request.
+failed write is logged as a warning and never raised: capture must not fail a request. A line is
+written whole or not at all (a short write is cut back off), so the file stays valid JSONL.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class TraceLog:
                 path = self._current(len(line))
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 try:
-                    os.write(fd, line)
+                    _write_whole_line(fd, line)
                 finally:
                     os.close(fd)
             return True
@@ -56,3 +57,21 @@ class TraceLog:
             self._seq += 1
             self._path = self.directory / f"sailfish-{stamp}-{os.getpid()}-{self._seq}.jsonl"
         return self._path
+
+
+def _write_whole_line(fd: int, line: bytes) -> None:
+    """Append `line` whole or not at all: a short write (a full disk, a file-size limit) is continued,
+    and one that cannot finish is cut back off, so the log never holds a broken line for the next
+    record to be glued onto. Callers hold the log's lock (the only writer of the file)."""
+    start = os.fstat(fd).st_size
+    done = 0
+    try:
+        while done < len(line):
+            n = os.write(fd, line[done:])
+            if n <= 0:
+                raise OSError(f"wrote {done} of {len(line)} bytes")
+            done += n
+    except OSError:
+        if done:
+            os.ftruncate(fd, start)
+        raise

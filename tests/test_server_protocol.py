@@ -441,6 +441,27 @@ def test_trace_log_rotation_and_failure(tmp_path):
     assert service.trace_log.failed == 1
 
 
+def test_trace_log_never_keeps_a_broken_line(tmp_path):
+    """A write cut short (a file-size limit here, a full disk in life) is cut back off: the log
+    holds whole lines only, the next record starts on a line of its own, and the failure is counted."""
+    import resource
+
+    from server.trace_log import TraceLog
+
+    log = TraceLog(tmp_path / "t")
+    big = [{"role": "user", "content": "y" * 6000}]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, hard))  # Python ignores SIGXFSZ: writes fail
+    try:
+        assert log.append(big, []) is True
+        assert log.append(big, []) is False  # 4 kB fit under the limit: written, then cut back off
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert log.append([{"role": "user", "content": "after"}], []) is True and log.failed == 1
+    lines = log.path.read_text().splitlines()
+    assert [json.loads(line)["messages"][0]["content"][:5] for line in lines] == ["yyyyy", "after"]
+
+
 def test_settings_cli():
     s = Settings.from_args(["--port", "9999", "--no-draft", "--max-draft", "5", "--confidence-cutoff", "0.5",
                             "--no-trace-log", "--index", "somewhere", "--no-use-context"])
