@@ -59,12 +59,19 @@ class BuildSummary:
         return "\n".join(lines)
 
 
-def _trace_files(paths: list[Path]) -> list[Path]:
+def _trace_files(paths: list[Path], report: ReadReport) -> list[Path]:
+    """The trace files named or found (recursively, `*.jsonl` files only: not a directory so named)
+    under `paths`; a link found there that leads nowhere is skipped and reported. A named path that
+    does not exist is an error."""
     files: list[Path] = []
     for p in paths:
         p = Path(p)
         if p.is_dir():
-            files.extend(sorted(p.rglob("*.jsonl")))
+            for f in sorted(p.rglob("*.jsonl")):
+                if f.is_file():
+                    files.append(f)
+                elif f.is_symlink():
+                    report.skip(str(f), 0, "a link to nothing (no such file)")
         elif p.exists():
             files.append(p)
         else:
@@ -114,7 +121,7 @@ def build_index(
     previous = _previous(Path(out_dir), fingerprint, params) if incremental else None
     old_sources = previous.meta.get("sources", {}) if previous is not None else {}
 
-    files = _trace_files(trace_paths)
+    files = _trace_files(trace_paths, summary.report)
     units: list[tuple[str, str]] = [(str(f.resolve()), _file_signature(f)) for f in files]
     if include_bfcl:
         units.append((BFCL_SOURCE, _bfcl_signature()))
@@ -132,11 +139,14 @@ def build_index(
             summary.reused_sources += 1
             summary.conversations += old.get("conversations", 0)
         else:
+            skipped = len(summary.report.skipped)
             convs = bfcl_index_conversations(summary.report) if key == BFCL_SOURCE else list(iter_conversations([key], summary.report))
             turns.extend(np.asarray(t, dtype=np.uint32) for t in indexed_turns(fmt, tok, convs, params.anchor_tokens))
             summary.read_sources += 1
             summary.conversations += len(convs)
             old = {"conversations": len(convs)}
+            if any(line == 0 for _, line, _ in summary.report.skipped[skipped:]):
+                continue  # it could not be read: not kept as read, so the next build tries it again
         sources[key] = {"signature": signature, "turn_start": start, "turn_end": len(turns),
                         "conversations": old.get("conversations", 0)}
     if not turns:

@@ -135,7 +135,7 @@ def iter_conversations(paths: list[str | Path], report: ReadReport) -> Iterator[
     for path in _files(paths, report):
         report.files += 1
         try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            lines = _text_lines(str(path), path.read_bytes(), report)
         except OSError as e:
             report.skip(str(path), 0, f"unreadable: {e}")
             continue
@@ -152,6 +152,33 @@ def iter_conversations(paths: list[str | Path], report: ReadReport) -> Iterator[
             report.conversations += 1
             report.by_format[kind] += 1
             yield conv
+
+
+def _text_lines(source: str, data: bytes, report: ReadReport) -> list[str]:
+    """A file's lines as text: UTF-8 (a byte-order mark dropped), or UTF-16 where its mark says so.
+    A line that is not UTF-8 (a Latin-1 file's accents, say) is blanked, skipped and reported: read
+    with replacement characters it would index text the model never sees."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        try:
+            return data.decode("utf-16").splitlines()
+        except UnicodeDecodeError:
+            report.skip(source, 0, "not UTF-16 text after its UTF-16 byte-order mark")
+            return []
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        pass
+    lines = []
+    for no, raw in enumerate(data.decode("utf-8", errors="surrogateescape").splitlines(), 1):
+        try:
+            raw.encode("utf-8")
+        except UnicodeEncodeError:
+            report.skip(source, no, "not UTF-8 text (another encoding? traces are read as UTF-8)")
+            raw = ""
+        lines.append(raw)
+    return lines
 
 
 def _detect(lines: list[str]) -> str | None:

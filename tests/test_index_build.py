@@ -62,6 +62,37 @@ def test_rebuild_reuses_unchanged_sources(tmp_path, capsys):
     assert load_index(out).meta["stats"]["tokens"] == 2 * first
 
 
+def test_a_source_that_could_not_be_read_is_read_again_next_build(tmp_path, capsys, monkeypatch):
+    """A file unreadable at one build (permissions) is not kept as read: once readable, the next
+    incremental build reads it (its size and time did not change). A link to nothing and a
+    directory named like a trace file are passed over, the link reported."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "a.jsonl").write_text(_openai_lines()[0] + "\n")
+    (traces / "b.jsonl").write_text(_openai_lines()[0] + "\n")
+    (traces / "dead.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    (traces / "folder.jsonl").mkdir()
+    (traces / "folder.jsonl" / "c.jsonl").write_text(_openai_lines()[0] + "\n")
+    real = Path.read_bytes
+
+    def locked(path):
+        if path.name == "b.jsonl":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    out = tmp_path / "idx"
+    monkeypatch.setattr(Path, "read_bytes", locked)
+    assert main(["build", "--traces", str(traces), "--out", str(out), "--quiet"]) == 0
+    first = capsys.readouterr().out
+    assert "b.jsonl:0: unreadable" in first
+    assert "dead.jsonl:0: a link to nothing" in first
+    assert load_index(out).meta["conversations"] == 2  # a and folder.jsonl/c, each once
+    monkeypatch.setattr(Path, "read_bytes", real)
+    assert main(["build", "--traces", str(traces), "--out", str(out), "--quiet"]) == 0
+    assert "sources read 1, reused from the previous index 2" in capsys.readouterr().out
+    assert load_index(out).meta["conversations"] == 3
+
+
 def test_default_sources_say_how_many_trace_files_they_hold(tmp_path, monkeypatch):
     from common.paths import claude_code_dir, describe_source
 

@@ -72,6 +72,25 @@ def test_a_lone_surrogate_skips_its_line_in_either_format(tmp_path):
     assert "a lone UTF-16 surrogate in message.content" in report.summary()
 
 
+def test_encodings_utf8_with_a_mark_utf16_and_lines_that_are_not_utf8(tmp_path):
+    """A UTF-8 byte-order mark is dropped and UTF-16 (by its mark) is read; a line in another
+    encoding (Latin-1) is skipped and reported, never indexed with replacement characters."""
+    conv = {"messages": [{"role": "user", "content": "Voil\u00e0: na\u00efve caf\u00e9"},
+                         {"role": "assistant", "content": "oui"}]}
+    line = json.dumps(conv, ensure_ascii=False) + "\n"
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + line.encode())
+    (tmp_path / "utf16.jsonl").write_bytes(line.encode("utf-16"))
+    for name in ("bom.jsonl", "utf16.jsonl"):
+        convs, report = read(tmp_path / name)
+        assert [c.messages[0]["content"] for c in convs] == ["Voil\u00e0: na\u00efve caf\u00e9"] and not report.skipped
+    plain = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(line.encode("latin-1") + (plain + "\n").encode())
+    convs, report = read(f)
+    assert [c.line for c in convs] == [2]
+    assert f"{f}:1: not UTF-8 text" in report.summary()
+
+
 def test_ansi_is_stripped_everywhere(tmp_path):
     red, osc = "\x1b[31;1m", "\x1b]0;title\x07"
     row = {"messages": [
