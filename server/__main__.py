@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 
 from server.settings import Settings
@@ -45,6 +46,11 @@ def _serve(argv: list[str] | None) -> int:
         from server.serving import Service, load_engine
 
     try:
+        sock = bound_socket(settings.host, settings.port)
+    except OSError as e:
+        log.error("cannot serve on %s port %d: %s", settings.host, settings.port, e.strerror or e)
+        return 2
+    try:
         engine, note = load_engine(settings)
     except (ModelNotFoundError, ValueError) as e:
         log.error("cannot load the model: %s", e)
@@ -63,16 +69,33 @@ def _serve(argv: list[str] | None) -> int:
         service.reloader.watch(settings.watch_index)
     log.info("index reload: SIGHUP, POST /admin/reload-index%s",
              f", or automatically within {settings.watch_index:g} s of a rebuild" if settings.watch_index > 0 else "")
-    log.info("serving %s on http://%s:%d/v1", engine.model_id, settings.host, settings.port)
+    log.info("serving %s on http://%s:%d/v1", engine.model_id, settings.host, sock.getsockname()[1])
     # While it serves, uvicorn handles SIGINT/SIGTERM itself (a graceful shutdown) and re-raises the
     # signal to the handler it found once done: a quiet one here, so that stopping is not a traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     freeze_start_up_objects(log)
-    uvicorn.run(create_app(service), host=settings.host, port=settings.port,
-                log_level=settings.log_level if settings.log_level != "info" else "warning")
+    level = settings.log_level if settings.log_level != "info" else "warning"
+    uvicorn_config = uvicorn.Config(create_app(service), log_level=level)
+    uvicorn.Server(uvicorn_config).run(sockets=[sock])
     log.info("stopped")
     return 0
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port in use or a host that is not
+    this machine's is said at once (not after loading), and port 0 names the port it got. uvicorn
+    listens on it once serving starts: until then a client is refused, never left waiting."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def freeze_start_up_objects(log: logging.Logger) -> None:

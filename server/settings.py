@@ -25,7 +25,7 @@ DEFAULT_PORT = 22343
 @dataclass
 class Settings:
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind"})
-    port: int = field(default=DEFAULT_PORT, metadata={"help": "TCP port"})
+    port: int = field(default=DEFAULT_PORT, metadata={"min": 0, "max": 65535, "help": "TCP port (0: any free one)"})
     model: str | None = field(default=None, metadata={
         "help": "model directory, .gguf file or cached Hugging Face id (default: the bundled Gemma 3 270M)"})
     quant: str | None = field(default=None, metadata={"help": "weights: int4, int8 or none (default: per model)"})

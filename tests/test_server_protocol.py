@@ -462,6 +462,35 @@ def test_trace_log_never_keeps_a_broken_line(tmp_path):
     assert [json.loads(line)["messages"][0]["content"][:5] for line in lines] == ["yyyyy", "after"]
 
 
+def test_a_taken_port_or_a_foreign_host_is_said_before_the_model_loads(monkeypatch, caplog):
+    """`python -m server` binds its socket first: a port in use or a host that is not this machine's
+    ends it with status 2 and the reason, before any model is loaded; a port past 65535 is a usage
+    error; port 0 gets a free port, which the socket names."""
+    import signal
+    import socket
+
+    import server.serving
+    from server.__main__ import bound_socket, main
+
+    monkeypatch.setattr(server.serving, "load_engine", lambda settings: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # main() would install its handlers here
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        assert main(["--port", str(taken.getsockname()[1]), "--no-trace-log"]) == 2
+        assert "cannot serve on 127.0.0.1 port" in caplog.text and "in use" in caplog.text
+        assert main(["--host", "no-such-host.invalid", "--no-trace-log"]) == 2
+    finally:
+        taken.close()
+    with pytest.raises(SystemExit) as usage:
+        Settings.from_args(["--port", "70000"])
+    assert usage.value.code == 2
+    free = bound_socket("127.0.0.1", 0)
+    assert free.getsockname()[1] > 0
+    free.close()
+
+
 def test_settings_cli():
     s = Settings.from_args(["--port", "9999", "--no-draft", "--max-draft", "5", "--confidence-cutoff", "0.5",
                             "--no-trace-log", "--index", "somewhere", "--no-use-context"])
