@@ -2,11 +2,13 @@
 
 build: --traces PATH [PATH ...] --out DIR [--tokenizer DIR]. Without --traces, the default sources
 (see common.paths) and the BFCL starter corpus; --bfcl / --no-bfcl override the starter corpus.
-Exit status: 0 on success, 2 when the input has no usable assistant turn (nothing is written).
+Exit status: 0 on success, 2 when the input has no usable assistant turn or --out cannot be written
+(checked before any work; nothing is written).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,8 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bfcl", action=argparse.BooleanOptionalAction, default=None,
                    help="include the BFCL v4 starter corpus (default: only without --traces)")
     b.add_argument("--full", action="store_true", help="re-read every source instead of reusing unchanged ones")
-    b.add_argument("--key-tokens", type=int, default=BuildParams.key_tokens)
-    b.add_argument("--anchor-tokens", type=int, default=BuildParams.anchor_tokens)
+    b.add_argument("--key-tokens", type=_at_least(1), default=BuildParams.key_tokens,
+                   help=f"longest n-gram key, in tokens (default {BuildParams.key_tokens})")
+    b.add_argument("--anchor-tokens", type=_at_least(0), default=BuildParams.anchor_tokens,
+                   help=f"prompt tokens kept before each turn (default {BuildParams.anchor_tokens})")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     d = sub.add_parser("distill", help="write the target's own completions for recorded contexts as traces")
     d.add_argument("--traces", nargs="+", type=Path, required=True)
@@ -37,6 +41,31 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe an index")
     i.add_argument("dir", type=Path, nargs="?")
     return p
+
+
+def _at_least(minimum: int):
+    def checked(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below the minimum {minimum}")
+        return value
+    checked.__name__ = "int"
+    return checked
+
+
+def unwritable(path: Path, directory: bool) -> str | None:
+    """Why `path` cannot be written as an output (a directory to create or fill, or a file), checked
+    before any work is done; None when it can."""
+    if path.exists() and path.is_dir() != directory:
+        return f"{path} exists and is {'not ' if directory else ''}a directory"
+    parent = path if path.exists() else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from index.distill import distill, load_distill_engine
         from index.traces import ReadReport, iter_conversations
 
+        problem = unwritable(args.out, directory=False)
+        if problem:
+            print(f"error: --out: {problem}", file=sys.stderr)
+            return 2
         report = ReadReport()
         convs = list(iter_conversations(args.traces, report))
         if report.skipped:
@@ -80,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     traces = args.traces if args.traces else default_trace_paths()
     include_bfcl = args.bfcl if args.bfcl is not None else not args.traces
     out = args.out or default_index_dir()
+    problem = unwritable(Path(out), directory=True)
+    if problem:
+        print(f"error: --out: {problem}", file=sys.stderr)
+        return 2
     if not args.traces:
         shown = "; ".join(describe_source(p) for p in traces) or "none found"
         print(f"default trace sources: {shown}; BFCL v4 starter corpus: {'yes' if include_bfcl else 'no'}",

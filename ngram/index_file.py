@@ -191,7 +191,17 @@ def resolve_generation(path: str | os.PathLike) -> Path:
 
 
 def load_index(path: str | os.PathLike, expected_fingerprint: str | None = None) -> NgramIndex:
-    """Load and validate an index, memory-mapping its arrays. See the module docstring."""
+    """Load and validate an index, memory-mapping its arrays. See the module docstring. Whatever is
+    wrong with it (its files unreadable, its metadata missing fields) is an IndexLoadError."""
+    try:
+        return _load_index(path, expected_fingerprint)
+    except IndexLoadError:
+        raise
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise IndexLoadError(f"the index at {path} cannot be read ({type(e).__name__}: {e}); rebuild it") from e
+
+
+def _load_index(path: str | os.PathLike, expected_fingerprint: str | None) -> NgramIndex:
     gen = resolve_generation(path)
     try:
         meta = msgpack.unpackb((gen / META_FILE).read_bytes())

@@ -93,6 +93,27 @@ def test_a_source_that_could_not_be_read_is_read_again_next_build(tmp_path, caps
     assert load_index(out).meta["conversations"] == 3
 
 
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """An --out that is a file (or under one) ends `index build` / `index distill` with status 2 and
+    the reason before anything is read, tokenized or generated; nonsense key lengths are usage errors."""
+    import index.build
+
+    monkeypatch.setattr(index.build, "load_tokenizer", lambda *a: pytest.fail("work began"))
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(_openai_lines()[0] + "\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out, says in ((a_file, "exists and is not a directory"), (a_file / "sub", "is not a directory")):
+        assert main(["build", "--traces", str(traces), "--out", str(out), "--quiet"]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["distill", "--traces", str(traces), "--out", str(tmp_path)]) == 2
+    assert "exists and is a directory" in capsys.readouterr().err
+    for flag, value in (("--key-tokens", "0"), ("--anchor-tokens", "-1")):
+        with pytest.raises(SystemExit) as usage:
+            main(["build", "--traces", str(traces), flag, value])
+        assert usage.value.code == 2
+
+
 def test_default_sources_say_how_many_trace_files_they_hold(tmp_path, monkeypatch):
     from common.paths import claude_code_dir, describe_source
 

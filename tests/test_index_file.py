@@ -26,8 +26,8 @@ def test_other_tokenizer_is_refused(tmp_path):
         load_index(tmp_path, "fp-b")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "meta"])
-def test_broken_files_are_refused_with_a_message(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "meta", "meta-fields", "unreadable"])
+def test_broken_files_are_refused_with_a_message(tmp_path, damage, monkeypatch):
     gen = write_index(tmp_path, TURNS, "fp", BuildParams())
     trie = gen / index_file.TRIE_FILE
     if damage == "truncate":
@@ -38,8 +38,23 @@ def test_broken_files_are_refused_with_a_message(tmp_path, damage):
         trie.write_bytes(bytes(data))
     elif damage == "delete":
         trie.unlink()
-    else:
+    elif damage == "meta":
         (gen / index_file.META_FILE).write_bytes(b"\x93garbage")
+    elif damage == "meta-fields":  # well-formed, but without the table of its files
+        import msgpack
+
+        meta = msgpack.unpackb((gen / index_file.META_FILE).read_bytes())
+        del meta["files"]
+        (gen / index_file.META_FILE).write_bytes(msgpack.packb(meta))
+    else:  # a data file this user cannot read (root reads through permissions: refused by hand here)
+        real_open = open
+
+        def guarded_open(file, *args, **kwargs):
+            if str(file).endswith(index_file.COUNTS_FILE):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr("builtins.open", guarded_open)
     with pytest.raises(IndexLoadError, match="rebuild|not a Sailfish"):
         load_index(tmp_path, "fp")
 
