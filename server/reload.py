@@ -46,6 +46,8 @@ class IndexReloader:
         self.fingerprint = tokenizer_fingerprint(engine.tokenizer)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.note: str | None = None       # what the last reload put in service (/health's "drafting")
+        self._refused: Path | None = None  # a generation refused once: the watcher does not retry it
 
     def in_service(self) -> Path | None:
         """The index generation the engine's drafter serves; None when it has no index (drafting
@@ -72,18 +74,21 @@ class IndexReloader:
             self.engine.set_drafter(drafter)
             message = f"index {generation.name} in service: {index.num_turns} turns, {len(index.trie)} keys"
             log.info("%s", message)
+            self.note = message
             return ReloadResult(ReloadStatus.RELOADED, message)
 
     def watch(self, every_s: float) -> None:
-        """Poll the index's `current` link in a daemon thread and reload when it moves."""
+        """Poll the index's `current` link in a daemon thread and reload when it moves. A generation
+        refused once is not read again (each build publishes a new one): no warning every poll."""
         def loop():
             while not self._stop.wait(every_s):
                 try:
                     generation = resolve_generation(self.directory)
                 except IndexLoadError:
                     continue
-                if generation != self.in_service():
-                    self.reload()
+                if generation != self.in_service() and generation != self._refused:
+                    if self.reload().status is ReloadStatus.REFUSED:
+                        self._refused = generation
         threading.Thread(target=loop, name="index-watch", daemon=True).start()
 
     def stop(self) -> None:

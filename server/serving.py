@@ -49,7 +49,7 @@ from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
                              completion, error_body, new_call_id, new_id, usage_body)
 from server.sampling import describe_defaults, sampling_defaults
-from server.reload import IndexReloader, ReloadResult, ReloadStatus
+from server.reload import IndexReloader, ReloadResult
 from server.scheduler import QueueFull, Scheduler
 from server.settings import Settings
 from server.trace_log import TraceLog
@@ -507,14 +507,12 @@ class Service:
         self.trace_log.append(req.messages + [seen], prep.offered)
 
     def reload_index(self) -> ReloadResult:
-        result = self.reloader.reload()
-        if result.status is ReloadStatus.RELOADED:
-            self.drafter_note = result.message
-        return result
+        return self.reloader.reload()
 
     def health(self) -> dict:
         index = self.reloader.in_service()
-        return {"status": "ok", "model": self.model_id, "drafting": self.drafter_note,
+        # what the latest reload put in service (by a request, SIGHUP or the watcher), else the start's
+        return {"status": "ok", "model": self.model_id, "drafting": self.reloader.note or self.drafter_note,
                 "index": None if index is None else str(index),
                 "context_length": self.engine.max_context, "prefix_cache": self.engine.prefix_summary(),
                 "waiting": self.scheduler.waiting, "running": self.scheduler.running,

@@ -80,3 +80,43 @@ def test_reloads_under_load_change_no_output(target, tmp_path):
         # the admin endpoint is guarded like the API
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).post("/admin/reload-index", cast_to=dict, body={})
+
+
+def test_the_watcher_reloads_and_health_says_so_and_a_refused_generation_is_read_once(target, tmp_path,
+                                                                                       monkeypatch):
+    """No index at start (the README's own flow: serve, then `make index`): the watcher puts the
+    built one in service and /health's "drafting" says so; a broken generation published after it
+    is refused once, not re-read every poll, and the one in service stays."""
+    import time
+
+    import httpx
+
+    import server.reload
+    from ngram.drafter import NgramDrafter
+
+    fingerprint = tokenizer_fingerprint(target.tokenizer)
+    index_dir = tmp_path / "index"
+    settings = Settings(index=index_dir, trace_log=False)
+    engine = Engine(target, NgramDrafter(None, settings.drafter), EngineConfig(cost_curve=np.ones(17)))
+    service = Service(engine, settings, "no usable index: drafting from the live context")
+    loads = []
+    real_load = server.reload.load_index
+    monkeypatch.setattr(server.reload, "load_index", lambda *a: loads.append(a[0]) or real_load(*a))
+    service.reloader.watch(0.05)
+    try:
+        with ServerThread(create_app(service)) as url:
+            assert "no usable index" in httpx.get(url + "/health").json()["drafting"]
+            _index_generation(index_dir, fingerprint, 1)
+            for _ in range(200):
+                if service.reloader.in_service() is not None:
+                    break
+                time.sleep(0.05)
+            health = httpx.get(url + "/health").json()
+            assert health["index"] == str(service.reloader.in_service())
+            assert health["drafting"].startswith(f"index {service.reloader.in_service().name} in service")
+            good = service.reloader.in_service()
+            _index_generation(index_dir, "another-tokenizer", 2)
+            time.sleep(0.6)  # a dozen polls
+            assert service.reloader.in_service() == good and len(loads) == 2  # the good one, the bad one once
+    finally:
+        service.reloader.stop()
