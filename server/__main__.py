@@ -76,8 +76,23 @@ def _serve(argv: list[str] | None) -> int:
         signal.signal(sig, lambda *_: None)
     freeze_start_up_objects(log)
     level = settings.log_level if settings.log_level != "info" else "warning"
-    uvicorn_config = uvicorn.Config(create_app(service), log_level=level)
-    uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    # The scheduler starts and stops here rather than in the app's lifespan (which tests and benches
+    # serving the app on a thread use): a second Ctrl-C makes uvicorn cancel the lifespan task, whose
+    # CancelledError it logs as a traceback.
+    uvicorn_config = uvicorn.Config(create_app(service), log_level=level, lifespan="off")
+    class StoppingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Ctrl-C / SIGTERM: requests in flight stop at their next step (each client gets a 503 in
+            # its API's error shape), so the shutdown does not wait for whole generations
+            service.scheduler.cancel_all()
+            super().handle_exit(sig, frame)
+
+    service.scheduler.start()
+    try:
+        StoppingServer(uvicorn_config).run(sockets=[sock])
+    finally:
+        service.scheduler.cancel_all()
+        service.scheduler.stop()
     log.info("stopped")
     return 0
 

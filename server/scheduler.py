@@ -69,6 +69,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self.waiting = 0
         self.running = 0
+        self._live: set[Job] = set()  # submitted and not yet ended: what cancel_all stops
+        self.stopping = False         # cancel_all was called: the server is shutting down
 
     def start(self) -> None:
         if not self._threads:
@@ -91,8 +93,18 @@ class Scheduler:
                 raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting}) and "
                                 f"{self.running} running")
             self.waiting += 1
+            self._live.add(job)
         self._queue.put(job)
         return job
+
+    def cancel_all(self) -> None:
+        """Cancel every waiting and running request (the server is stopping): each running one ends
+        at its next step, so shutting down does not wait for whole generations."""
+        with self._lock:
+            self.stopping = True
+            live = list(self._live)
+        for job in live:
+            job.cancel()
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: about one request's turn per waiting batch."""
@@ -106,7 +118,7 @@ class Scheduler:
             with self._lock:
                 self.waiting -= 1
             if job.cancelled:
-                job._put(_END, None)
+                self._ended(job, None)
                 continue
             with self._lock:
                 self.running += 1
@@ -128,4 +140,9 @@ class Scheduler:
             finally:
                 with self._lock:
                     self.running -= 1
-            job._put(_END, error)
+            self._ended(job, error)
+
+    def _ended(self, job: Job, error: BaseException | None) -> None:
+        with self._lock:
+            self._live.discard(job)
+        job._put(_END, error)

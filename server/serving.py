@@ -446,6 +446,9 @@ class Service:
                 watcher.cancel()
             queue_s = job.started - job.submitted if job.started is not None else None
             self.metrics.record(endpoint, outcome, stats, time.perf_counter() - t0, ttft, queue_s)
+        if outcome == "cancelled" and self.scheduler.stopping:  # Ctrl-C / SIGTERM while it ran
+            raise APIError(503, "the server is shutting down; the generation was stopped", None, "server_shutting_down",
+                           type="server_error")
         if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
             raise APIError(499, "the client disconnected", None, "client_disconnected")
         for event in routed(thinking.finish()) if thinking else []:

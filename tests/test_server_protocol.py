@@ -491,6 +491,40 @@ def test_a_taken_port_or_a_foreign_host_is_said_before_the_model_loads(monkeypat
     free.close()
 
 
+def test_stopping_the_server_stops_generations_in_flight_with_a_503():
+    """What Ctrl-C / SIGTERM does (server/__main__.py): every running and waiting request is
+    cancelled at its next step, each client told so in its API's error shape (a streamed one as its
+    last event), instead of the shutdown waiting for whole generations."""
+    engine = ScriptedEngine(delay=0.05, script=lambda prompt: "word " * 400)
+    service, thread = _serve(engine)
+    with thread as url:
+        got: dict = {}
+
+        def streamed():
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=30, json={
+                    "model": "m", "messages": HI, "stream": True, "max_tokens": 500}) as r:
+                got["stream"] = [line for line in r.iter_lines() if line.startswith("data:")]
+
+        def whole():
+            got["whole"] = httpx.post(url + "/v1/messages", timeout=30, json={
+                "model": "m", "max_tokens": 500, "messages": HI})
+
+        threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        while service.scheduler.running + service.scheduler.waiting < 2:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        started = time.perf_counter()
+        service.scheduler.cancel_all()
+        for t in threads:
+            t.join(timeout=30)
+        assert time.perf_counter() - started < 5  # not the 400 tokens' 20 s
+        last = json.loads(got["stream"][-1][len("data:"):])
+        assert last["error"]["code"] == "server_shutting_down" and last["error"]["type"] == "server_error"
+        assert got["whole"].status_code == 503 and got["whole"].json()["type"] == "error"
+
+
 def test_settings_cli():
     s = Settings.from_args(["--port", "9999", "--no-draft", "--max-draft", "5", "--confidence-cutoff", "0.5",
                             "--no-trace-log", "--index", "somewhere", "--no-use-context"])
