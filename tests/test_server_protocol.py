@@ -749,7 +749,7 @@ def test_reload_status_maps_to_http(tmp_path):
         write_turns(tokenizer_fingerprint(engine.tokenizer))
         r = reload(url)
         assert r.status_code == 200 and r.json()["reloaded"] is True and set(r.json()) == {"reloaded", "message"}
-        assert engine._drafter is not None and service.drafter_note == r.json()["message"]
+        assert engine._drafter is not None and httpx.get(url + "/health").json()["drafting"] == r.json()["message"]
         assert httpx.get(url + "/health").json()["index"] == str(engine._drafter.index.path)
         r = reload(url)
         assert r.status_code == 200 and r.json()["reloaded"] is False and r.json()["message"].startswith("unchanged")
