@@ -7,6 +7,8 @@
     $SAILFISH_HOME/traces, ~/.claude/projects (Claude Code sessions) when present, every directory
     in `SAILFISH_TRACE_DIRS` (os.pathsep-separated), and the public BFCL v4 starter corpus (the
     `bfcl-eval` package) minus its held-out split, which benchmarks replay against.
+- `unwritable(path, directory)` says why an output (the index, a distilled file, the trace log)
+  cannot be written, so commands refuse it before doing any work.
 """
 from __future__ import annotations
 
@@ -52,3 +54,18 @@ def describe_source(path: Path) -> str:
            else "the server logs every completed chat request here" if path == default_trace_dir()
            else "nothing to index")
     return f"{path} (no {label} yet: {why})"
+
+
+def unwritable(path: Path, directory: bool) -> str | None:
+    """Why `path` cannot be written as an output (a directory to create or fill, or a file), checked
+    before any work is done; None when it can."""
+    if path.exists() and path.is_dir() != directory:
+        return f"{path} exists and is {'not ' if directory else ''}a directory"
+    parent = path if path.exists() else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None

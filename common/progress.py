@@ -3,7 +3,8 @@ saying it is alive until it ends, so a user never watches a silent terminal.
 
 Contract: `with phase("converting the bundled model", about="about 1 min, once"):` says
 "<what> (<about>) ..." on entry, "  ... <what>: <n> s" every `interval` seconds (8 s by default)
-while the block runs, and "<what>: done in <t> s" on exit ("failed after <t> s" when it raises).
+while the block runs, and "<what>: done in <t> s" on exit ("failed after <t> s" when it raises,
+"interrupted after <t> s" on Ctrl-C).
 Lines go to `say` (default: stderr). Standard library only, so that the Makefile can run this
 file as a script before any virtual environment exists:
 
@@ -63,6 +64,9 @@ def phase(what: str, about: str | None = None, say: Callable[[str], None] | None
     with _Heartbeat(what, say, interval) as beat:
         try:
             yield beat
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, which the server turns into one): not a failure
+            say(f"{what}: interrupted after {time.monotonic() - beat.start:.1f} s")
+            raise
         except BaseException:
             say(f"{what}: failed after {time.monotonic() - beat.start:.1f} s")
             raise

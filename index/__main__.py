@@ -8,7 +8,6 @@ Exit status: 0 on success, 2 when the input has no usable assistant turn or --ou
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -53,24 +52,9 @@ def _at_least(minimum: int):
     return checked
 
 
-def unwritable(path: Path, directory: bool) -> str | None:
-    """Why `path` cannot be written as an output (a directory to create or fill, or a file), checked
-    before any work is done; None when it can."""
-    if path.exists() and path.is_dir() != directory:
-        return f"{path} exists and is {'not ' if directory else ''}a directory"
-    parent = path if path.exists() else path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from common.paths import default_index_dir, default_trace_paths, describe_source
+    from common.paths import default_index_dir, default_trace_paths, describe_source, unwritable
 
     if args.command == "info":
         from ngram.index_file import IndexLoadError, load_index

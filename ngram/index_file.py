@@ -113,6 +113,7 @@ def write_index(
         raise ValueError("no usable turns: refusing to write an empty index")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(out)
     staging = out / f".building-{os.getpid()}-{time.time_ns()}"
     staging.mkdir()
     try:
@@ -188,6 +189,19 @@ def resolve_generation(path: str | os.PathLike) -> Path:
     if (p / META_FILE).exists():
         return p
     raise IndexLoadError(f"no n-gram index at {p} (expected {CURRENT_LINK}/ or {META_FILE}); build one with `make index`")
+
+
+def _remove_abandoned_builds(out: Path) -> None:
+    """Staging folders of builds whose process is gone (killed mid-build): never published, removed.
+    A build still running (its process alive) keeps its folder."""
+    for staging in out.glob(".building-*"):
+        try:
+            pid = int(staging.name.split("-")[1])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live process
 
 
 def load_index(path: str | os.PathLike, expected_fingerprint: str | None = None) -> NgramIndex:

@@ -50,6 +50,13 @@ def _serve(argv: list[str] | None) -> int:
     except OSError as e:
         log.error("cannot serve on %s port %d: %s", settings.host, settings.port, e.strerror or e)
         return 2
+    if settings.trace_log and settings.trace_dir is not None:
+        from common.paths import unwritable
+
+        problem = unwritable(settings.trace_dir, directory=True)
+        if problem:
+            log.error("cannot keep the trace log in --trace-dir: %s (--no-trace-log turns it off)", problem)
+            return 2
     try:
         engine, note = load_engine(settings)
     except (ModelNotFoundError, ValueError) as e:

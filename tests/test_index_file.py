@@ -93,3 +93,16 @@ def test_rebuild_swaps_atomically_and_keeps_one_previous_generation(tmp_path):
     assert len(list(tmp_path.glob("gen-*"))) == 2
     assert not old.exists()
     assert len(mapped.trie) > 0
+
+
+def test_a_build_killed_mid_way_leaves_nothing_behind_the_next_one(tmp_path):
+    """A staging folder whose build process is gone (kill -9) is removed by the next build; one of a
+    live process is kept."""
+    dead = tmp_path / ".building-999999999-1"
+    live = tmp_path / f".building-{os.getpid()}-2"
+    for staging in (dead, live):
+        staging.mkdir(parents=True)
+        (staging / "part").write_bytes(b"x")
+    write_index(tmp_path, TURNS, "fp", BuildParams())
+    assert not dead.exists() and live.exists()
+    assert load_index(tmp_path, "fp").num_turns == 2

@@ -462,10 +462,11 @@ def test_trace_log_never_keeps_a_broken_line(tmp_path):
     assert [json.loads(line)["messages"][0]["content"][:5] for line in lines] == ["yyyyy", "after"]
 
 
-def test_a_taken_port_or_a_foreign_host_is_said_before_the_model_loads(monkeypatch, caplog):
+def test_a_taken_port_or_a_foreign_host_is_said_before_the_model_loads(monkeypatch, caplog, tmp_path):
     """`python -m server` binds its socket first: a port in use or a host that is not this machine's
-    ends it with status 2 and the reason, before any model is loaded; a port past 65535 is a usage
-    error; port 0 gets a free port, which the socket names."""
+    ends it with status 2 and the reason, before any model is loaded, as does a --trace-dir that
+    cannot be written; a port past 65535 is a usage error; port 0 gets a free port, which the socket
+    names."""
     import signal
     import socket
 
@@ -481,6 +482,10 @@ def test_a_taken_port_or_a_foreign_host_is_said_before_the_model_loads(monkeypat
         assert main(["--port", str(taken.getsockname()[1]), "--no-trace-log"]) == 2
         assert "cannot serve on 127.0.0.1 port" in caplog.text and "in use" in caplog.text
         assert main(["--host", "no-such-host.invalid", "--no-trace-log"]) == 2
+        a_file = tmp_path / "a_file"
+        a_file.write_text("x")
+        assert main(["--port", "0", "--trace-dir", str(a_file)]) == 2
+        assert "cannot keep the trace log in --trace-dir" in caplog.text
     finally:
         taken.close()
     with pytest.raises(SystemExit) as usage:
