@@ -96,7 +96,8 @@ def _weird_value(rng: random.Random, depth: int = 0):
     if pick == 3:
         return rng.choice([0.5, -0.0, 1e308, -1e308, 3.7, 1e-320])
     if pick == 4:
-        return rng.choice(["", "x", "\x00", "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+        # "\ud800" alone: json.dumps escapes it, and the server decodes a string no encoding carries
+        return rng.choice(["", "x", "\x00", "\ud800", "a\udfffb", "\ud83d\ude00",
                            "<|tool_call>call:x{", "{" * 50, "\u202e\u0000\ufeff", "a" * rng.choice([10, 10_000, 300_000])])
     if pick == 5:
         return [] if depth > 2 else [_weird_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]

@@ -392,11 +392,16 @@ class ToolCallStreamParser:
 
     def finish(self) -> tuple[str, list[dict]]:
         rest, self._buf = self._buf, ""
-        if rest.startswith(CALL_OPEN) and _could_become_call_head(rest[len(CALL_OPEN):]):
-            return "", []  # a call's markup cut off before its name was complete: neither content nor a call
-        if len(rest) >= 2 and CALL_OPEN.startswith(rest):
-            return "", []  # the start of `<|tool_call>` (a lone "<" may be text)
-        return rest, []
+        return ("" if _markup_cut_off(rest) else rest), []
+
+
+def _markup_cut_off(held: str) -> bool:
+    """Whether text held back at the end of generation is call markup cut off before the call's name
+    was complete: the start of `<|tool_call>` from "<|" on (a lone "<" may be text), or the marker and
+    a prefix of `call:NAME{`. Such text is neither content nor a call: both parsers drop it."""
+    if held.startswith(CALL_OPEN):
+        return _could_become_call_head(held[len(CALL_OPEN):])
+    return len(held) >= 2 and CALL_OPEN.startswith(held)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -625,13 +630,12 @@ class ToolCallStreamer:
     def finish(self) -> list[StreamEvent]:
         events, self._held_events = self._held_events, []
         rest, self._buf = self._buf, ""
-        if self._state == self._TEXT:
-            # held back as the start of `<|tool_call>`: from "<|" on it is markup cut off, not content
-            # (a lone "<" may be text)
-            events.append(rest if len(rest) < 2 else "")
+        if self._state == self._TEXT:  # held back as the start of `<|tool_call>`
+            events.append("" if _markup_cut_off(rest) else rest)
         elif self._state == self._NOT_A_CALL:
             events.append(rest)
-        # _HEAD: `<|tool_call>` and a prefix of `call:NAME{` (the name unfinished): markup cut off, dropped
+        # _HEAD: `<|tool_call>` and a prefix of `call:NAME{` (the name unfinished): markup cut off
+        # (_markup_cut_off), dropped
         elif self._state == self._BODY:
             self._to_converter(rest, events)
             if self._state == self._BODY:

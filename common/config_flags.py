@@ -40,13 +40,14 @@ def add_flag(p, name: str, typ, default, help_text: str, dest: str | None = None
         return
     conv = int if typ.startswith("int") else float if typ.startswith("float") else Path if "Path" in typ else str
     if minimum is not None or maximum is not None:
-        conv = _within(conv, minimum, maximum)
+        conv = within(conv, minimum, maximum)
     shown = f" (default {default})" if default is not None else ""
     p.add_argument(*flags, dest=dest, type=conv, default=default, choices=choices,
                    metavar=name.upper() if choices is None else None, help=help_text + shown)
 
 
-def _within(conv, minimum, maximum):
+def within(conv, minimum=None, maximum=None):
+    """`conv` (an argparse type) that refuses values below `minimum` or above `maximum`."""
     def checked(text: str):
         value = conv(text)
         if minimum is not None and value < minimum:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.config_flags import within
 from ngram.index_file import BuildParams
 
 
@@ -25,9 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bfcl", action=argparse.BooleanOptionalAction, default=None,
                    help="include the BFCL v4 starter corpus (default: only without --traces)")
     b.add_argument("--full", action="store_true", help="re-read every source instead of reusing unchanged ones")
-    b.add_argument("--key-tokens", type=_at_least(1), default=BuildParams.key_tokens,
+    b.add_argument("--key-tokens", type=within(int, 1), default=BuildParams.key_tokens,
                    help=f"longest n-gram key, in tokens (default {BuildParams.key_tokens})")
-    b.add_argument("--anchor-tokens", type=_at_least(0), default=BuildParams.anchor_tokens,
+    b.add_argument("--anchor-tokens", type=within(int, 0), default=BuildParams.anchor_tokens,
                    help=f"prompt tokens kept before each turn (default {BuildParams.anchor_tokens})")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     d = sub.add_parser("distill", help="write the target's own completions for recorded contexts as traces")
@@ -42,19 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _at_least(minimum: int):
-    def checked(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is below the minimum {minimum}")
-        return value
-    checked.__name__ = "int"
-    return checked
+def _refused_out(out: Path, directory: bool) -> bool:
+    """Whether --out cannot be written (said on stderr), checked before any work."""
+    from common.paths import unwritable
+
+    problem = unwritable(out, directory)
+    if problem:
+        print(f"error: --out: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from common.paths import default_index_dir, default_trace_paths, describe_source, unwritable
+    from common.paths import default_index_dir, default_trace_paths, describe_source
 
     if args.command == "info":
         from ngram.index_file import IndexLoadError, load_index
@@ -76,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         from index.distill import distill, load_distill_engine
         from index.traces import ReadReport, iter_conversations
 
-        problem = unwritable(args.out, directory=False)
-        if problem:
-            print(f"error: --out: {problem}", file=sys.stderr)
+        if _refused_out(args.out, directory=False):
             return 2
         report = ReadReport()
         convs = list(iter_conversations(args.traces, report))
@@ -97,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = args.traces if args.traces else default_trace_paths()
     include_bfcl = args.bfcl if args.bfcl is not None else not args.traces
     out = args.out or default_index_dir()
-    problem = unwritable(Path(out), directory=True)
-    if problem:
-        print(f"error: --out: {problem}", file=sys.stderr)
+    if _refused_out(Path(out), directory=True):
         return 2
     if not args.traces:
         shown = "; ".join(describe_source(p) for p in traces) or "none found"

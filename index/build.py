@@ -23,7 +23,7 @@ import numpy as np
 from common.chat_format import ChatFormat
 from common.paths import BFCL_HOLDOUT_FRACTION, BFCL_SPLIT_SEED
 from common.tokenizer import indexed_turns, load_tokenizer, tokenizer_fingerprint
-from index.traces import ReadReport, iter_conversations
+from index.traces import ReadReport, iter_conversations, trace_files
 from ngram.index_file import BuildParams, IndexLoadError, load_index, write_index
 
 BFCL_SOURCE = "bfcl-v4-starter"
@@ -60,23 +60,12 @@ class BuildSummary:
 
 
 def _trace_files(paths: list[Path], report: ReadReport) -> list[Path]:
-    """The trace files named or found (recursively, `*.jsonl` files only: not a directory so named)
-    under `paths`; a link found there that leads nowhere is skipped and reported. A named path that
-    does not exist is an error."""
-    files: list[Path] = []
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():
-            for f in sorted(p.rglob("*.jsonl")):
-                if f.is_file():
-                    files.append(f)
-                elif f.is_symlink():
-                    report.skip(str(f), 0, "a link to nothing (no such file)")
-        elif p.exists():
-            files.append(p)
-        else:
+    """index.traces.trace_files, but a named path that does not exist is an error (a typo in
+    --traces must not build an index without it)."""
+    for p in map(Path, paths):
+        if not p.exists():
             raise FileNotFoundError(f"trace path {p} does not exist")
-    return files
+    return list(trace_files(paths, report))
 
 
 def _bfcl_signature() -> str:
@@ -145,7 +134,7 @@ def build_index(
             summary.read_sources += 1
             summary.conversations += len(convs)
             old = {"conversations": len(convs)}
-            if any(line == 0 for _, line, _ in summary.report.skipped[skipped:]):
+            if any(reason.startswith("unreadable") for _, _, reason in summary.report.skipped[skipped:]):
                 continue  # it could not be read: not kept as read, so the next build tries it again
         sources[key] = {"signature": signature, "turn_start": start, "turn_end": len(turns),
                         "conversations": old.get("conversations", 0)}

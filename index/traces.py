@@ -120,11 +120,18 @@ def normalize_arguments(arguments: Any) -> str:
     raise BadLine(f"arguments of type {type(arguments).__name__}")
 
 
-def _files(paths: Iterable[str | Path], report: ReadReport) -> Iterator[Path]:
+def trace_files(paths: Iterable[str | Path], report: ReadReport) -> Iterator[Path]:
+    """The trace files named, or found under named directories (recursively, `*.jsonl` files only:
+    not a directory so named). A link found there that leads nowhere, and a named path that does not
+    exist, are skipped and reported."""
     for p in paths:
         p = Path(p)
         if p.is_dir():
-            yield from sorted(f for f in p.rglob("*.jsonl") if f.is_file())
+            for f in sorted(p.rglob("*.jsonl")):
+                if f.is_file():
+                    yield f
+                elif f.is_symlink():
+                    report.skip(str(f), 0, "a link to nothing (no such file)")
         elif p.is_file():
             yield p
         else:
@@ -132,7 +139,7 @@ def _files(paths: Iterable[str | Path], report: ReadReport) -> Iterator[Path]:
 
 
 def iter_conversations(paths: list[str | Path], report: ReadReport) -> Iterator[Conversation]:
-    for path in _files(paths, report):
+    for path in trace_files(paths, report):
         report.files += 1
         try:
             lines = _text_lines(str(path), path.read_bytes(), report)
@@ -160,18 +167,18 @@ def _text_lines(source: str, data: bytes, report: ReadReport) -> list[str]:
     with replacement characters it would index text the model never sees."""
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         try:
-            return data.decode("utf-16").splitlines()
+            return _split_lines(data.decode("utf-16"))
         except UnicodeDecodeError:
             report.skip(source, 0, "not UTF-16 text after its UTF-16 byte-order mark")
             return []
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     try:
-        return data.decode("utf-8").splitlines()
+        return _split_lines(data.decode("utf-8"))
     except UnicodeDecodeError:
         pass
     lines = []
-    for no, raw in enumerate(data.decode("utf-8", errors="surrogateescape").splitlines(), 1):
+    for no, raw in enumerate(_split_lines(data.decode("utf-8", errors="surrogateescape")), 1):
         try:
             raw.encode("utf-8")
         except UnicodeEncodeError:
@@ -179,6 +186,16 @@ def _text_lines(source: str, data: bytes, report: ReadReport) -> list[str]:
             raw = ""
         lines.append(raw)
     return lines
+
+
+def _split_lines(text: str) -> list[str]:
+    """JSONL lines: split at "\n" only (a "\r" before it dropped). str.splitlines would also split
+    at U+2028, U+0085 and other characters a JSON string may hold unescaped (the trace log writes
+    them so), breaking one record into two invalid lines."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def _detect(lines: list[str]) -> str | None:

@@ -193,7 +193,8 @@ def resolve_generation(path: str | os.PathLike) -> Path:
 
 def _remove_abandoned_builds(out: Path) -> None:
     """Staging folders of builds whose process is gone (killed mid-build): never published, removed.
-    A build still running (its process alive) keeps its folder."""
+    A build still running (its process alive) keeps its folder. Liveness is this machine's process
+    table: an index directory shared with builds on another host or PID namespace is not supported."""
     for staging in out.glob(".building-*"):
         try:
             pid = int(staging.name.split("-")[1])

@@ -55,11 +55,13 @@ def _serve(argv: list[str] | None) -> int:
 
         problem = unwritable(settings.trace_dir, directory=True)
         if problem:
+            sock.close()
             log.error("cannot keep the trace log in --trace-dir: %s (--no-trace-log turns it off)", problem)
             return 2
     try:
         engine, note = load_engine(settings)
     except (ModelNotFoundError, ValueError) as e:
+        sock.close()
         log.error("cannot load the model: %s", e)
         return 2
     service = Service(engine, settings, note)
@@ -107,7 +109,9 @@ def _serve(argv: list[str] | None) -> int:
 def bound_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads, so that a port in use or a host that is not
     this machine's is said at once (not after loading), and port 0 names the port it got. uvicorn
-    listens on it once serving starts: until then a client is refused, never left waiting."""
+    listens on it once serving starts: until then a client is refused, never left waiting. With
+    SO_REUSEADDR (a restart need not wait out TIME_WAIT), two servers started at the same moment
+    can both bind; the second then fails when uvicorn listens, after loading."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)

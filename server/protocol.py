@@ -69,7 +69,9 @@ def parse_body(raw: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from e
     if json_depth(body) > MAX_JSON_DEPTH:
         raise _bad(f"the request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", None, "too_deep")
-    if may_hold_lone_surrogate(raw):
+    # json.loads also takes UTF-16 and UTF-32 bodies (a NUL in their first bytes), whose escapes the
+    # byte scan cannot see: those are walked whole
+    if may_hold_lone_surrogate(raw) or b"\x00" in raw[:4]:
         where = lone_surrogate_at(body)
         if where is not None:
             raise _bad(f"'{where}' holds a lone UTF-16 surrogate (an escape from \\ud800 to \\udfff that is not "
@@ -288,7 +290,7 @@ def parse_messages(raw: Any) -> list[dict]:
     return out
 
 
-def check_tool_results(messages: list[dict]) -> None:
+def check_tool_results(messages: list[dict], param: str = "messages") -> None:
     """A 400 for a tool result (normalized messages) that answers no call: each must answer a call of
     the assistant turn right before its run of results (Anthropic: in the next user message), once,
     as OpenAI's and Anthropic's APIs require. Calls left unanswered are accepted (rendered as they
@@ -300,7 +302,7 @@ def check_tool_results(messages: list[dict]) -> None:
             if call_id not in open_ids:
                 raise _bad(f"a tool result for {call_id!r} answers no tool call of the assistant turn right "
                            "before it (each result follows the turn with its call, once, before any other "
-                           "message)", "messages", "invalid_tool_result")
+                           "message)", param, "invalid_tool_result")
             open_ids.remove(call_id)
         else:
             open_ids = [c["id"] for c in m.get("tool_calls", [])] if m["role"] == "assistant" else []

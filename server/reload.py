@@ -6,7 +6,8 @@ and, when it is new and valid, swaps the engine's drafter for one over it; it re
 for people. A broken index, or one built for another tokenizer, is refused with the loader's message
 and the index in service stays. Three triggers call it: POST /admin/reload-index (guarded by
 the API key like /v1/*), SIGHUP, and a watcher thread that checks the index's `current` link every
-`--watch-index` seconds (0: off).
+`--watch-index` seconds (0: off) and does not retry a generation refused once (each build publishes a
+new one). `note` is what the latest reload put in service, whoever triggered it (/health's "drafting").
 
 In-flight requests are never altered: a request's draft session holds the drafter it started with,
 and the swap is one attribute assignment, so new requests see the new index and running ones finish
@@ -59,6 +60,7 @@ class IndexReloader:
         if not self.settings.draft:
             return ReloadResult(ReloadStatus.UNCHANGED, "drafting is off (--no-draft): there is no index to reload")
         with self._lock:
+            generation = None
             try:
                 generation = resolve_generation(self.directory)
                 if generation == self.in_service():
@@ -66,6 +68,7 @@ class IndexReloader:
                 index = load_index(generation, self.fingerprint)
             except IndexLoadError as e:
                 log.warning("index reload refused: %s", e)
+                self._refused = generation
                 return ReloadResult(ReloadStatus.REFUSED, f"refused: {e}; the index in service stays")
             old = self.engine._drafter
             drafter = make_drafter(index, self.settings.drafter, self.engine.tokenizer)
@@ -87,8 +90,7 @@ class IndexReloader:
                 except IndexLoadError:
                     continue
                 if generation != self.in_service() and generation != self._refused:
-                    if self.reload().status is ReloadStatus.REFUSED:
-                        self._refused = generation
+                    self.reload()  # a refusal records the generation it refused
         threading.Thread(target=loop, name="index-watch", daemon=True).start()
 
     def stop(self) -> None:

@@ -101,7 +101,7 @@ class ResponsesRequest:
         _refuse_unknown(body, _KNOWN_FIELDS)
         instructions = _opt(body, "instructions", str, None, "a string")
         messages = parse_input(body.get("input"), instructions)
-        check_tool_results(messages)
+        check_tool_results(messages, param="input")
         tools = parse_function_tools(body.get("tools"))
         tool_choice = parse_tool_choice(_chat_tool_choice(body.get("tool_choice")), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")

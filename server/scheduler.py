@@ -9,7 +9,8 @@ Retry-After); `work(cancelled)` is a synchronous callable returning an iterator 
 and re-raises what it raises. `job.cancel()` (a client disconnected) drops a job still waiting and
 stops a running one at its next step: the worker checks the flag between items and also hands it
 to the engine as its `cancelled` callback; the other jobs never notice. `running` and `waiting`
-count the jobs of each kind.
+count the jobs of each kind. `cancel_all()` (the server is stopping) cancels every job and makes
+`submit` raise `ShuttingDown` from then on.
 """
 from __future__ import annotations
 
@@ -61,12 +62,18 @@ class QueueFull(Exception):
     """More requests wait than the scheduler admits."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: no new request is taken."""
+
+
 class Scheduler:
     def __init__(self, workers: int = 1, max_waiting: int = 64) -> None:
         self.workers, self.max_waiting = max(1, int(workers)), int(max_waiting)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        # Reentrant: cancel_all runs in a signal handler, on the event loop's thread, which may be
+        # inside submit's `with self._lock` when the signal lands.
+        self._lock = threading.RLock()
         self.waiting = 0
         self.running = 0
         self._live: set[Job] = set()  # submitted and not yet ended: what cancel_all stops
@@ -89,6 +96,8 @@ class Scheduler:
     def submit(self, work: Callable[[Callable[[], bool]], Iterator[Any]]) -> Job:
         job = Job(work, asyncio.get_running_loop())
         with self._lock:
+            if self.stopping:
+                raise ShuttingDown("the server is shutting down")
             if self.waiting >= self.max_waiting:
                 raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting}) and "
                                 f"{self.running} running")

@@ -10,8 +10,8 @@ that a streaming response formats
 as chunks and a non-streaming one gathers whole. `chat_events(req, receive, endpoint)` hands out that
 event stream for another wire format (server.anthropic_api, the Messages API), and
 `count_chat_tokens(req)` the length of the prompt a chat request renders to. Every generation runs on
-the scheduler's single worker thread (one request at a time, arrival order) and stops when the client
-disconnects. `load_engine(settings)` builds the engine the CLI serves: model, index and drafter,
+one of the scheduler's workers (as many as the engine's lanes: requests at once, the rest waiting in
+arrival order) and stops when the client disconnects or the server stops (a 503). `load_engine(settings)` builds the engine the CLI serves: model, index and drafter,
 logging what it chose.
 
 Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
@@ -50,7 +50,7 @@ from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              completion, error_body, new_call_id, new_id, usage_body)
 from server.sampling import describe_defaults, sampling_defaults
 from server.reload import IndexReloader, ReloadResult
-from server.scheduler import QueueFull, Scheduler
+from server.scheduler import QueueFull, Scheduler, ShuttingDown
 from server.settings import Settings
 from server.trace_log import TraceLog
 
@@ -364,6 +364,9 @@ class Service:
             self.metrics.record(endpoint, "rejected")
             raise APIError(429, f"the server is busy: {e}; retry later", None, "rate_limit_exceeded",
                            type="rate_limit_error", headers={"Retry-After": str(self.scheduler.retry_after())}) from e
+        except ShuttingDown as e:
+            self.metrics.record(endpoint, "rejected")
+            raise _shutting_down() from e
         return self._events(endpoint, prep, receive, capture, job)
 
     async def _events(self, endpoint: str, prep: _Prepared, receive, capture: ChatCompletionRequest | None,
@@ -447,8 +450,7 @@ class Service:
             queue_s = job.started - job.submitted if job.started is not None else None
             self.metrics.record(endpoint, outcome, stats, time.perf_counter() - t0, ttft, queue_s)
         if outcome == "cancelled" and self.scheduler.stopping:  # Ctrl-C / SIGTERM while it ran
-            raise APIError(503, "the server is shutting down; the generation was stopped", None, "server_shutting_down",
-                           type="server_error")
+            raise _shutting_down()
         if outcome == "cancelled":  # a non-streaming client that went away: nobody reads the answer
             raise APIError(499, "the client disconnected", None, "client_disconnected")
         for event in routed(thinking.finish()) if thinking else []:
@@ -520,6 +522,11 @@ class Service:
                 "context_length": self.engine.max_context, "prefix_cache": self.engine.prefix_summary(),
                 "waiting": self.scheduler.waiting, "running": self.scheduler.running,
                 "parallel": self.scheduler.workers, "batching": self.engine.batch_summary()}
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down: the generation was stopped or not started", None,
+                    "server_shutting_down", type="server_error")
 
 
 def _usage(prep: _Prepared, stats, queue_s: float) -> dict:

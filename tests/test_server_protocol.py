@@ -528,6 +528,8 @@ def test_stopping_the_server_stops_generations_in_flight_with_a_503():
         last = json.loads(got["stream"][-1][len("data:"):])
         assert last["error"]["code"] == "server_shutting_down" and last["error"]["type"] == "server_error"
         assert got["whole"].status_code == 503 and got["whole"].json()["type"] == "error"
+        late = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": HI})  # after the stop
+        assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
 
 
 def test_settings_cli():

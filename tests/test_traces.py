@@ -83,6 +83,13 @@ def test_encodings_utf8_with_a_mark_utf16_and_lines_that_are_not_utf8(tmp_path):
     for name in ("bom.jsonl", "utf16.jsonl"):
         convs, report = read(tmp_path / name)
         assert [c.messages[0]["content"] for c in convs] == ["Voil\u00e0: na\u00efve caf\u00e9"] and not report.skipped
+    # characters str.splitlines breaks at, written unescaped (as the trace log writes them): one record
+    separators = {"messages": [{"role": "user", "content": "a\u2028b\u2029c\x85d\x1ce"},
+                               {"role": "assistant", "content": "ok"}]}
+    g = tmp_path / "separators.jsonl"
+    g.write_text(json.dumps(separators, ensure_ascii=False) + "\r\n" + json.dumps(separators, ensure_ascii=False) + "\n")
+    convs, report = read(g)
+    assert [c.messages[0]["content"] for c in convs] == ["a\u2028b\u2029c\x85d\x1ce"] * 2 and not report.skipped
     plain = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
     f = tmp_path / "latin1.jsonl"
     f.write_bytes(line.encode("latin-1") + (plain + "\n").encode())
