@@ -11,8 +11,9 @@ as chunks and a non-streaming one gathers whole. `chat_events(req, receive, endp
 event stream for another wire format (server.anthropic_api, the Messages API), and
 `count_chat_tokens(req)` the length of the prompt a chat request renders to. Every generation runs on
 one of the scheduler's workers (as many as the engine's lanes: requests at once, the rest waiting in
-arrival order) and stops when the client disconnects or the server stops (a 503). `load_engine(settings)` builds the engine the CLI serves: model, index and drafter,
-logging what it chose.
+arrival order) and stops when the client disconnects or the server stops (a 503).
+`load_engine(settings)` builds the engine the CLI serves: model, index and drafter, logging what it
+chose.
 
 Prompting. Chat messages are rendered by `common.chat_format.ChatFormat`: the model's own chat template
 when it mentions tools, otherwise Sailfish's built-in Gemma 4 format (plain text on any tokenizer,

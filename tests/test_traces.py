@@ -87,7 +87,8 @@ def test_encodings_utf8_with_a_mark_utf16_and_lines_that_are_not_utf8(tmp_path):
     separators = {"messages": [{"role": "user", "content": "a\u2028b\u2029c\x85d\x1ce"},
                                {"role": "assistant", "content": "ok"}]}
     g = tmp_path / "separators.jsonl"
-    g.write_text(json.dumps(separators, ensure_ascii=False) + "\r\n" + json.dumps(separators, ensure_ascii=False) + "\n")
+    record = json.dumps(separators, ensure_ascii=False)
+    g.write_text(record + "\r\n" + record + "\n")
     convs, report = read(g)
     assert [c.messages[0]["content"] for c in convs] == ["a\u2028b\u2029c\x85d\x1ce"] * 2 and not report.skipped
     plain = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
