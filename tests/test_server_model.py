@@ -12,7 +12,9 @@ test_server_protocol.py. Short max_tokens keep the module around a minute on 2 C
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -177,10 +179,33 @@ def test_cli_server_startup_log(tmp_path):
         assert [m.id for m in c.models.list().data] == ["gemma-3-270m"]
         r = c.chat.completions.create(model="gpt-4o", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
         assert r.usage.completion_tokens >= 1
+        # Ctrl-C with a long generation running: it stops at its next step, its client is told, and
+        # the server exits at once, quietly, with status 0
+        last: list = []
+
+        def long_stream():
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+                    "model": "m", "stream": True, "max_tokens": 3000,
+                    "messages": [{"role": "user", "content": "Write a very long story."}]}) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data:"):
+                        last.append(line)
+
+        streaming = threading.Thread(target=long_stream)
+        streaming.start()
+        while len(last) < 3:
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0 and time.monotonic() - stopped < 10
+        streaming.join(timeout=10)
+        assert json.loads(last[-1][len("data:"):])["error"]["code"] == "server_shutting_down"
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(timeout=30)
     text = log_path.read_text()
+    assert "Traceback" not in text and text.rstrip().endswith("stopped")
     assert "model gemma-3-270m: quant none, dtype float32, device cpu" in text
     assert f"index {index_dir}: 1 turns" in text and "verify cost curve" in text and "1:1.00" in text
     # the completed chat request was captured in the default trace directory
