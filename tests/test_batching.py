@@ -176,6 +176,23 @@ def test_concurrent_requests_sharing_a_kept_conversation_equal_fresh_runs(model)
         assert cached[3] <= 1
 
 
+def test_requests_at_once_on_transformers_path_queue_and_equal_solo_runs(model):
+    """transformers' eager path serves one request at a time: several sent at once wait for the
+    engine's one lane (its LanePool) and each output, drafted and sampled with a seed, equals its
+    plain output alone."""
+    engine = engine_for(model, prefix_cache_mb=64)
+    assert engine.parallel == 1
+    prompts = prompts_for(512, [40, 90, 17], seed=71)
+    samplings = [{}, dict(temperature=0.8, seed=3), dict(temperature=1.0, top_k=50, seed=9)]
+    solo = [run(engine, p, max_tokens=16, draft=False, **s)[0] for p, s in zip(prompts, samplings)]
+    engine.set_drafter(_PerRequestDrafter({tuple(p): OracleWithErrors(len(p), ref, 512, 0.3, seed=i)
+                                           for i, (p, ref) in enumerate(zip(prompts, solo))}))
+    got = _concurrently(engine, [(p, dict(max_tokens=16, **s)) for p, s in zip(prompts, samplings)])
+    for i, ((tokens, _, _, stats), reference) in enumerate(zip(got, solo)):
+        assert tokens == reference, (i, first_divergence(tokens, reference))
+        assert stats.accepted_tokens > 0
+
+
 def test_cancelling_one_request_disturbs_no_other(model):
     cpu = CpuGemma.from_hf(model)
     engine = engine_for(model, backend=CpuBackend(cpu, 4096, 0, max_step=17), parallel=4)
