@@ -43,7 +43,7 @@ index: $(SPEEDUPS)
 # Stop with Ctrl-C. The server exits quietly on SIGINT and SIGTERM (make itself reports a SIGTERM sent to it).
 serve: $(SPEEDUPS)
 	@$(PY) -c "from common.paths import default_index_dir as d; import sys; sys.exit(0 if (d()/'current').exists() else 1)" \
-		|| { echo "No index yet: building the default one (once; about 1 min, up to 3 on a busy machine)"; \
+		|| { echo "No index yet: building the default one (once; about 10 s, up to a minute on a busy machine)"; \
 		     $(PY) -m index build; }
 	@$(PY) -m server --port $(PORT)
 

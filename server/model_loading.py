@@ -135,7 +135,8 @@ def _cached_hub_dir(model_id: str) -> Path:
         raise ModelNotFoundError(
             f"model {model_id!r} is neither a local directory, a .gguf file nor in the local Hugging Face "
             f"cache (nothing is downloaded). On a machine with network access run "
-            f"`huggingface-cli download {model_id}` (accept the licence on huggingface.co first), then copy "
+            f"`hf download {model_id}` (`huggingface-cli download` with an older huggingface_hub; accept the "
+            f"licence on huggingface.co first), then copy "
             f"the cache (~/.cache/huggingface/hub) here or pass the downloaded directory."
         ) from exc
 

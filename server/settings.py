@@ -35,7 +35,8 @@ class Settings:
         "help": "n-gram index directory (default: the one `make index` builds)"})
     draft: bool = field(default=True, metadata={"help": "draft and verify (--no-draft: plain greedy decoding)"})
     api_key: str | None = field(default=None, metadata={
-        "help": f"require `Authorization: Bearer KEY` on /v1/* (also from ${API_KEY_ENV})"})
+        "help": "require `Authorization: Bearer KEY` (or, on /v1/messages, `x-api-key: KEY`) on /v1/* and "
+                f"/admin/* (also from ${API_KEY_ENV})"})
     cors_origins: str | None = field(default=None, metadata={
         "help": "browser origins allowed to call the API (CORS): comma-separated, or * for any "
                 "(default: none, no CORS headers)"})
