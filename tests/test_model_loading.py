@@ -54,7 +54,7 @@ def test_gemma4_defaults_to_int4(tmp_path, monkeypatch):
 
 def test_missing_model_id_says_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ModelNotFoundError, match="huggingface-cli download google/gemma-4-E4B-it"):
+    with pytest.raises(ModelNotFoundError, match="hf download google/gemma-4-E4B-it"):
         load_target("google/gemma-4-E4B-it", device="cpu")
 
 
