@@ -116,12 +116,14 @@ GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it r
 # tiling: a one-row gate|up took 16.5 us on it and 20.3 on this one. None: the own tiling always.
 WIDE_FROM_TILES: int | None = 2
 WIDE_TILING = (128, 4)
-# Only linears of at least this many output columns switch (0: every one the tiling fits). The per-shape
-# table suggests 8192 (gate|up and the per-layer model projection: at 64 rows the small linears lose what
-# gate|up gains). Whole steps on an H100 (one round each, docs/bars.md, 12-06): 8192 took 7.55 against
-# 8.02 ms a 64-row step and 4 streams' forwards 5.37 against 5.44-5.60 ms, but 16 streams' 14.77
-# against 9.72-10.08: single samples that disagree, so 0 stays until more rounds call it.
-WIDE_MIN_COLUMNS = 0
+# Only linears of at least this many output columns switch (0: every one the tiling fits): gate|up and
+# the per-layer model projection on E4B. At 64 rows the small linears lose on the wide tiling what gate|up
+# gains (the per-shape table), and on whole forwards (an H100, two sittings of
+# `python -m bench.gpu_concurrency --streams 1,4,16 --turn 64 --rows auto`, docs/bars.md 12-06):
+# 4 streams 2.66x / 2.68x one stream's tokens/s with it against 2.48-2.58x with every linear wide
+# (their forwards 5.28-5.37 against 5.41-5.60 ms, p50 1.45-1.47x solo against 1.51-1.57x), a 64-row
+# step 7.55 against 8.02 ms; 16 streams too noisy to call (2.86x and 1.84x against 2.48-2.54x).
+WIDE_MIN_COLUMNS = 8192
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -284,12 +284,19 @@ def test_argmax_a_forward_attaches_is_what_row_argmax_returns():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("capture", [False, True])
 @pytest.mark.parametrize("lanes_n", [2, 8])
-def test_batched_steps_equal_each_lane_alone_cuda(lanes_n, capture):
+@pytest.mark.parametrize("wide_min_columns", [None, 0])
+def test_batched_steps_equal_each_lane_alone_cuda(lanes_n, capture, wide_min_columns, monkeypatch):
     """On the step kernels a lane's logits in a shared forward (stacked: server/batch_step.py,
     every step padded to the widest one's bucket, one kv_len, captured or not) are its lone
     step's, bit for bit: chains and trees of different sizes in one forward, lanes at different
-    kv_len buckets, 2 and 8 lanes (at most 64 rows a forward: 8 lanes of 16 rows take two)."""
+    kv_len buckets, 2 and 8 lanes (at most 64 rows a forward: 8 lanes of 16 rows take two). With
+    the shipped column threshold of the wide tiling (None: the tiny model's linears keep their own
+    tiling) and with every linear of two row tiles or more on it (0)."""
+    from server import small_m_matmul
     from tests.test_fast_path import cuda_model
+
+    if wide_min_columns is not None:
+        monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", wide_min_columns)
 
     model = cuda_model(torch.bfloat16, quant=True)
     _lanes_equal_alone(model, lanes_n, capture, [7 + 23 * i for i in range(lanes_n)], max_len=512, rounds=2)
