@@ -35,6 +35,7 @@ Gemma 4 on the CPU instead (uncaptured, fp32): it checks the harness, and its ti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -106,7 +107,10 @@ def warm(lane, history: list[int]) -> None:
 
 
 def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int, rows: int | str = 64,
-                histories: list | None = None) -> dict:
+                histories: list | None = None, around=contextlib.nullcontext) -> dict:
+    """One round: every stream at once, after each lane served its history untimed (`histories`).
+    `around()`: a context manager entered around the streams alone (not the histories' prefills):
+    `profiled_round`'s profiler."""
     from bench.concurrency import run_at_once
     from bench.fast_greedy import oracle
 
@@ -130,7 +134,8 @@ def run_streams(lanes, prompts, references, tokens: int, plain: bool, vocab: int
         except BaseException as e:  # reported, not swallowed
             errors.append(e)
 
-    wall = run_at_once([lambda i=i: stream(i) for i in range(S)])
+    with around():
+        wall = run_at_once([lambda i=i: stream(i) for i in range(S)])
     if errors:
         raise errors[0]
     after = lanes[0].batcher.summary() if lanes[0].batcher is not None else None
@@ -211,14 +216,15 @@ def summarize(first: dict, rounds: list[dict]) -> dict:
 
 
 def profiled_round(go) -> dict:
-    """One round of `go` (a run_streams call) under torch.profiler, not timed for the table: its
-    forwards' GPU time by kernel name (bench/kernel_time.py: overlapping launches counted once,
-    gaps between kernels not charged), ms a forward, beside the round's wall ms a forward. Tells
-    where forwards that take longer beside other streams than alone spend it."""
+    """One round of `go` (a run_streams call, given the profiler as its `around`) under
+    torch.profiler, not timed for the table: its forwards' GPU time by kernel name
+    (bench/kernel_time.py: overlapping launches counted once, gaps between kernels not charged), ms
+    a forward, beside the round's wall ms a forward. Tells where forwards that take longer beside
+    other streams than alone spend it. The lanes' untimed history prefills stay outside the profile."""
     from bench.kernel_time import charge, cuda_kernels
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run = go()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    run = go(lambda: prof)
     forwards = run["forwards"] or 1  # (None where the lanes have no batcher)
     charged = charge(cuda_kernels(prof), None)
     return {"streams": run["streams"], "forwards": run["forwards"], "wall_ms": 1e3 * run["wall_s"] / forwards,
@@ -357,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     costs = forward_costs(lanes, prompts, shapes) if lanes[0].batch is not None and not args.no_costs else []
     runs = []
     for S in counts:  # a first, untimed round captures the stacked forwards' graphs (a server's steady state)
-        go = lambda: run_streams(lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab, args.rows,
-                                 histories[:S] if reuse else None)
+        go = lambda around=contextlib.nullcontext: run_streams(
+            lanes[:S], prompts[:S], references[:S], args.tokens, args.plain, vocab, args.rows,
+            histories[:S] if reuse else None, around)
         first = go()
         runs.append(summarize(first, [go() for _ in range(args.rounds)]))
     kernels = profiled_round(go) if args.kernels else None  # (go: the largest count's round)
