@@ -128,13 +128,13 @@ def build_index(
             summary.reused_sources += 1
             summary.conversations += old.get("conversations", 0)
         else:
-            skipped = len(summary.report.skipped)
+            unreadable = len(summary.report.unreadable)
             convs = bfcl_index_conversations(summary.report) if key == BFCL_SOURCE else list(iter_conversations([key], summary.report))
             turns.extend(np.asarray(t, dtype=np.uint32) for t in indexed_turns(fmt, tok, convs, params.anchor_tokens))
             summary.read_sources += 1
             summary.conversations += len(convs)
             old = {"conversations": len(convs)}
-            if any(reason.startswith("unreadable") for _, _, reason in summary.report.skipped[skipped:]):
+            if len(summary.report.unreadable) > unreadable:
                 continue  # it could not be read: not kept as read, so the next build tries it again
         sources[key] = {"signature": signature, "turn_start": start, "turn_end": len(turns),
                         "conversations": old.get("conversations", 0)}

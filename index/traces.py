@@ -72,6 +72,7 @@ class ReadReport:
     conversations: int = 0
     skipped: list[tuple[str, int, str]] = field(default_factory=list)
     by_format: Counter = field(default_factory=Counter)
+    unreadable: list[str] = field(default_factory=list)  # sources that could not be read at all (also in skipped)
 
     def skip(self, source: str, line: int, reason: str) -> None:
         self.skipped.append((source, line, reason))
@@ -145,6 +146,7 @@ def iter_conversations(paths: list[str | Path], report: ReadReport) -> Iterator[
             lines = _text_lines(str(path), path.read_bytes(), report)
         except OSError as e:
             report.skip(str(path), 0, f"unreadable: {e}")
+            report.unreadable.append(str(path))
             continue
         report.lines += len(lines)
         kind = _detect(lines)
