@@ -111,9 +111,11 @@ def test_streaming_equals_non_streaming(servers):
 
 
 def test_concurrent_clients_get_their_solo_output(servers):
+    """Requests sent at once to the drafted server each get the plain server's answer alone."""
     c = _client(servers[0])
     prompts = [f"Count from {k}: {k}, {k + 1}," for k in (3, 40, 700)]
-    solo = [c.completions.create(model="m", prompt=p, max_tokens=16).choices[0].text for p in prompts]
+    plain = _client(servers[1])
+    solo = [plain.completions.create(model="m", prompt=p, max_tokens=16).choices[0].text for p in prompts]
     out: dict[int, str] = {}
 
     def send(i):
