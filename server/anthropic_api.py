@@ -35,8 +35,8 @@ Translation, field by field:
 - `tool_choice`: auto -> "auto", any -> "required", tool -> the named function, none -> "none"
   (enforced as server.serving describes). `disable_parallel_tool_use: true` gets a 400 (it cannot be
   enforced), as `parallel_tool_calls: false` does on the OpenAI route.
-- `max_tokens` is required (count_tokens excepted) and at least 1; `stop_sequences`, `temperature`,
-  `top_p`, `top_k` and `stream` mean what they mean on the OpenAI route, checked by the same
+- `max_tokens` is required (count_tokens excepted) and at least 1; `stop_sequences`, `temperature`
+  (0-1, as Anthropic's), `top_p`, `top_k` (not negative) and `stream` mean what they mean on the OpenAI route, checked by the same
   server.protocol readers (its sampling ranges; a field left out takes the model's defaults).
 - `thinking`: {"type": "disabled"} and {"type": "adaptive"} (the model decides whether to think) are
   accepted; {"type": "enabled"} (a thinking budget) and every other type get a 400, since a budget
@@ -121,6 +121,7 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
             raise _bad(f"{name}: unknown field (Sailfish refuses what it cannot honour)", name, "unknown_parameter")
     _check_no_effect_fields(body)
     _check_thinking(body.get("thinking"))
+    _check_anthropic_ranges(body)
     max_tokens = _max_tokens({"max_tokens": body.get("max_tokens")})
     if max_tokens is None and require_max_tokens:
         raise APIError(400, "max_tokens: Field required", "max_tokens", "missing_required_parameter")
@@ -134,6 +135,16 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
         stop=_stop_sequences(body.get("stop_sequences")), stream=_opt(body, "stream", bool, False, "a boolean"),
         sampling=_sampling({k: body[k] for k in _SAMPLING_FIELDS if k in body}, sampling_defaults),
         tool_choice=parse_tool_choice(_tool_choice(body.get("tool_choice"), tools), tools), tools=tools)
+
+
+def _check_anthropic_ranges(body: dict) -> None:
+    """Where Anthropic's ranges are narrower than the OpenAI route's checks (temperature 0-1, not
+    0-2; top_k not negative, where -1 means "off" on the OpenAI route): refused as Anthropic refuses."""
+    temperature, top_k = body.get("temperature"), body.get("top_k")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 1:
+        raise _bad("temperature: must be between 0 and 1", "temperature")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
+        raise _bad("top_k: must be at least 0", "top_k")
 
 
 def _check_no_effect_fields(body: dict) -> None:
@@ -189,6 +200,8 @@ def _blocks(content: Any, where: str) -> list[dict]:
     for k, block in enumerate(content):
         at = f"{where}.{k}"
         kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, (str, type(None))):
+            raise _bad(f"{at}.type: must be a string", at, "invalid_type")
         if kind in ("image", "document"):
             raise _bad(f"{at}: {kind} blocks are not supported (Sailfish serves a text-only model)", at,
                        "unsupported_value")

@@ -5,7 +5,8 @@ JSON body and return a validated request or raise `APIError` (status, message, t
 whose `body()` is the one error shape every endpoint uses:
 `{"error": {"message", "type", "param", "code"}}`. Fields are listed in the order of the OpenAI
 API reference. Fields with no effect on what Sailfish does (`store`, `metadata`, `user`,
-`service_tier`) are accepted; every sampling field is honoured (server.sampling); `response_format`
+`service_tier`) are accepted, their shapes checked (`store: true` and a service tier other than
+`auto` / `default` ask for what is not done: refused); every sampling field is honoured (server.sampling); `response_format`
 json_object / json_schema and a required or named `tool_choice` are enforced by a grammar
 (server.grammar; `parallel_tool_calls: false` too, where a call is enforced); fields whose meaning
 Sailfish cannot honour (`n` > 1, `logprobs: true`, `logit_bias`, image or audio content, an unknown
@@ -183,13 +184,42 @@ def _refuse_unknown(body: dict, known: set[str]) -> None:
         if name in _UNSUPPORTED:
             if value in (None, False, 0, {}, [], ""):  # the field's "off" value asks for nothing
                 continue
+            if name == "modalities" and value == ["text"]:  # text output: what is served
+                continue
             raise _bad(_UNSUPPORTED[name], name, "unsupported_value")
         raise _bad(f"unknown parameter {name!r}", name, "unknown_parameter")
+    _check_no_effect_fields(body)
+
+
+_SERVICE_TIERS = ("auto", "default")  # one tier here; "flex", "scale", "priority" ask for another
+
+
+def _check_no_effect_fields(body: dict) -> None:
+    """The no-effect fields' shapes, and the settings among them that ask for what Sailfish does not
+    do: `store: true` (nothing is stored for later retrieval), another service tier."""
+    store = _opt(body, "store", bool, None, "a boolean")
+    if store:
+        raise _bad("store=true cannot be honoured: Sailfish keeps no stored completions", "store", "unsupported_value")
+    metadata = _opt(body, "metadata", dict, None, "an object")
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad("'metadata' values must be strings", "metadata", "invalid_type")
+    tier = body.get("service_tier")
+    if tier is not None and tier not in _SERVICE_TIERS:
+        raise _bad(f"service_tier {tier!r} cannot be honoured (one tier here: 'auto' or 'default')", "service_tier",
+                   "unsupported_value")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
     stream = _opt(body, "stream", bool, False, "a boolean")
-    options = _opt(body, "stream_options", dict, {}, "an object")
+    options = _opt(body, "stream_options", dict, None, "an object")
+    if options is not None and not stream:
+        raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    options = options or {}
+    for name, value in options.items():
+        if name == "include_obfuscation" and value is False:
+            continue  # the obfuscation padding off: what is sent anyway
+        if name != "include_usage":
+            raise _bad(f"stream_options.{name} is not supported", "stream_options", "unsupported_value")
     include_usage = _opt(options, "include_usage", bool, False, "a boolean")
     return stream, include_usage
 
@@ -206,6 +236,8 @@ def _text_content(content: Any, where: str) -> str:
             is_text = isinstance(part, dict) and part.get("type") in ("text", "input_text")
             if is_text and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif is_text:
+                raise _bad(f"{where}.content[{k}].text must be a string", f"{where}.content", "invalid_type")
             elif isinstance(part, dict) and "type" in part:
                 raise _bad(f"{where}.content[{k}]: content parts of type {part['type']!r} are not supported "
                            "(text only)", f"{where}.content", "unsupported_value")
@@ -462,7 +494,7 @@ class CompletionRequest:
             raise _bad("echo is not supported", "echo", "unsupported_value")
         if body.get("logprobs") is not None:
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
-        if (body.get("best_of") or 1) != 1:
+        if body.get("best_of") is not None and body.get("best_of") != 1:
             raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
         max_tokens = _max_tokens(body) or 16
         sampling = _sampling(body, sampling_defaults)

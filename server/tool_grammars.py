@@ -108,6 +108,7 @@ def tool_call_json_schema(tools: list[dict], named: str | None = None) -> dict:
     functions = tool_functions(tools, named)
     options = []
     for i, fn in enumerate(functions):
+        refuse_ref_cycles(fn.get("parameters"))
         # a parameters schema's local $refs point into itself: rebase them to where it now sits
         at = "#/properties/arguments" if len(functions) == 1 else f"#/anyOf/{i}/properties/arguments"
         options.append({"type": "object",
@@ -181,6 +182,7 @@ class _ValueSyntaxRules:
     def value(self, schema: Any, root: dict, force_object: bool = False) -> str:
         if schema is True or not isinstance(schema, dict) or not schema:
             return "g_object" if force_object else "g_value"
+        _check_keywords(schema)
         if "$ref" in schema:
             return self._ref(schema["$ref"], root)
         if "allOf" in schema:
@@ -256,7 +258,71 @@ class _ValueSyntaxRules:
         self.rules[name] = ""  # reserved first, so a recursive reference finds it
         self.by_ref[ref] = name
         self.rules[name] = self.value(target, root)
+        if self.rules[name] in self.by_ref.values() and _ref_cycle(ref, root):
+            raise ValueError(f"$ref {ref!r} refers back to itself through $refs alone: no value satisfies it")
         return name
+
+
+_LIST_KEYWORDS = ("enum", "anyOf", "oneOf", "allOf", "required")   # JSON Schema arrays (the first four non-empty)
+_OBJECT_KEYWORDS = ("properties", "$defs", "definitions")
+
+
+def _check_keywords(schema: dict) -> None:
+    """ValueError for a keyword of the wrong JSON type (a client's schema is checked before it
+    becomes grammar text: `"required": 5` would otherwise fail inside the builder) and for an
+    `enum` / `anyOf` / `oneOf` / `allOf` with no members (no value satisfies it; JSON Schema
+    requires them non-empty)."""
+    for key in _LIST_KEYWORDS:
+        if key in schema and not isinstance(schema[key], list):
+            raise ValueError(f"'{key}' must be an array in a JSON schema, not {type(schema[key]).__name__}")
+        if key in schema and key != "required" and not schema[key]:
+            raise ValueError(f"'{key}' is empty: no value satisfies it")
+    for key in _OBJECT_KEYWORDS:
+        if key in schema and not isinstance(schema[key], dict):
+            raise ValueError(f"'{key}' must be an object in a JSON schema, not {type(schema[key]).__name__}")
+    if "required" in schema and not all(isinstance(k, str) for k in schema["required"]):
+        raise ValueError("'required' must list property names (strings)")
+    if "$ref" in schema and not isinstance(schema["$ref"], str):
+        raise ValueError(f"'$ref' must be a string, not {type(schema['$ref']).__name__}")
+    types = schema.get("type")
+    if types is not None and not (isinstance(types, str) or (isinstance(types, list) and types
+                                                              and all(isinstance(t, str) for t in types))):
+        raise ValueError("'type' must be a type name or a non-empty array of them")
+    if "items" in schema and not isinstance(schema["items"], (dict, bool)):
+        raise ValueError("'items' must be a schema (an object or a boolean)")
+    min_items = schema.get("minItems", 0)
+    if isinstance(min_items, bool) or not isinstance(min_items, int) or min_items < 0:
+        raise ValueError("'minItems' must be a non-negative integer")
+
+
+def refuse_ref_cycles(schema: Any, root: Any = None) -> None:
+    """ValueError where a `$ref` anywhere in `schema` leads back to itself through bare `$ref`s
+    (`_ref_cycle`): llguidance compiles such a schema and fails mid-generation."""
+    root = schema if root is None else root
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and _ref_cycle(ref, root):
+            raise ValueError(f"$ref {ref!r} refers back to itself through $refs alone: no value satisfies it")
+        for value in schema.values():
+            refuse_ref_cycles(value, root)
+    elif isinstance(schema, list):
+        for value in schema:
+            refuse_ref_cycles(value, root)
+
+
+def _ref_cycle(ref: str, root: dict) -> bool:
+    """Whether `ref` leads back to itself through schemas that are a bare `$ref` (nothing written
+    between: an endless rule, where llguidance would fail mid-generation rather than refuse it)."""
+    seen = set()
+    while isinstance(ref, str) and ref.startswith("#") and ref not in seen:
+        seen.add(ref)
+        target: Any = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+        if not isinstance(target, dict) or "$ref" not in target:
+            return False
+        ref = target["$ref"]
+    return ref in seen
 
 
 def _key(name: str) -> str:
@@ -270,6 +336,7 @@ def _merge_all_of(schema: dict) -> dict:
     for part in schema["allOf"]:
         if not isinstance(part, dict):
             continue
+        _check_keywords(part)
         for k, v in part.items():
             if k == "properties":
                 merged["properties"] = {**merged.get("properties", {}), **v}

@@ -273,6 +273,19 @@ def test_malformed_bodies_unknown_routes_and_the_server_keeps_serving(server, cl
     assert client.messages.create(model="m", max_tokens=100, messages=HI).content[0].text == HELLO
 
 
+@pytest.mark.parametrize("fields, says", [
+    ({"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]}, "type: must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}, "type: must be a string"),
+    ({"system": [{"type": ["text"], "text": "x"}]}, "type: must be a string"),
+    ({"temperature": 1.5}, "temperature"),   # Anthropic's range is 0-1 (the OpenAI route's 0-2)
+    ({"top_k": -1}, "top_k"),
+])
+def test_what_anthropic_refuses_is_a_400_not_a_500(server, fields, says):
+    body = {"model": "m", "max_tokens": 10, "messages": HI, **fields}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert says in _error_of(httpx.post(server[2] + path, json=body), 400, "invalid_request_error")
+
+
 def test_engine_failure_is_a_generic_error_streamed_or_not(server, client):
     crash = [{"role": "user", "content": "crash please"}]
     with pytest.raises(anthropic.InternalServerError) as e:

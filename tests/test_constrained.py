@@ -273,6 +273,51 @@ def test_what_cannot_be_constrained_is_refused():
             compiler.tool_call(tools, named=named)
 
 
+def _tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+SELF_REFERENCE = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+MALFORMED_PARAMETERS = [  # a client's schema with a keyword of the wrong type (each gave a 500 once)
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+    {"type": "object", "properties": [1]},
+    {"type": "object", "properties": {"a": {"type": "array", "minItems": "x"}}},
+    {"type": "object", "properties": {"a": {"enum": 5}}},
+    {"type": "object", "properties": {"a": {"anyOf": 5}}},
+    {"type": "object", "properties": {"a": {"$ref": 5}}},
+    {"type": "object", "properties": {"a": {"$ref": [1]}}},
+    {"type": "object", "allOf": [{"properties": 5}]},
+    {"type": "object", "properties": {"a": {"type": 5}}},
+    # no value satisfies these: refused, not compiled into a grammar that ends calls at "{"
+    {"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
+    SELF_REFERENCE,
+    {"type": "object", "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}},
+     "properties": {"a": {"$ref": "#/$defs/x"}}},
+]
+
+
+@pytest.mark.parametrize("parameters", MALFORMED_PARAMETERS)
+@pytest.mark.parametrize("markers_as_tokens", [False, True], ids=["text-markers", "token-markers"])
+def test_malformed_or_unsatisfiable_tool_schemas_are_refused(parameters, markers_as_tokens):
+    compiler = byte_compiler(markers_as_tokens)
+    with pytest.raises(ValueError):
+        compiler.tool_call(_tool(parameters))
+
+
+def test_a_self_referencing_schema_is_refused_and_a_recursive_one_is_not():
+    compiler = byte_compiler(False)
+    with pytest.raises(ValueError, match="refers back to itself"):
+        compiler.json_schema(SELF_REFERENCE)
+    with pytest.raises(ValueError, match="refers back to itself"):
+        compiler.tool_call_json(_tool(SELF_REFERENCE))
+    tree = {"$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}},
+            "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}}
+    compiler.json_schema(tree)
+    compiler.tool_call(_tool(tree))
+    compiler.tool_call_json(_tool(tree))
+
+
 # ---------------------------------------------------------------- the engine, tiny Gemma 4
 
 @pytest.fixture(scope="module")

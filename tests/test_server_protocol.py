@@ -241,10 +241,23 @@ def test_limits_stop_and_ignored_fields(client):
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == "Hello "
     r = client.chat.completions.create(model="m", messages=hi, stop=["!"])
     assert r.choices[0].message.content == "Hello there"
-    r = client.chat.completions.create(model="m", messages=hi, stop="How", store=True, metadata={"a": "b"},
+    r = client.chat.completions.create(model="m", messages=hi, stop="How", store=False, metadata={"a": "b"},
                                        parallel_tool_calls=False, logprobs=False, user="u1", seed=3, n=1,
-                                       temperature=0, top_p=1.0, frequency_penalty=0)
+                                       temperature=0, top_p=1.0, frequency_penalty=0, service_tier="auto",
+                                       modalities=["text"])
     assert r.choices[0].message.content == "Hello there! "
+    # The no-effect fields' settings that ask for something not done, and their wrong shapes, are refused.
+    for fields, param in [({"store": True}, "store"), ({"store": "x"}, "store"), ({"metadata": 5}, "metadata"),
+                          ({"metadata": {"a": 5}}, "metadata"), ({"service_tier": "priority"}, "service_tier"),
+                          ({"service_tier": 5}, "service_tier"), ({"modalities": ["text", "audio"]}, "modalities"),
+                          ({"stream_options": {"include_usage": True}}, "stream_options")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=hi, extra_body=fields)
+        assert e.value.body["param"] == param, fields
+    with pytest.raises(openai.BadRequestError) as e:  # an option of the stream not sent
+        list(client.chat.completions.create(model="m", messages=hi, stream=True,
+                                            stream_options={"include_usage": True, "bogus": 1}))
+    assert e.value.body["param"] == "stream_options"
     # A field that cannot be honoured is refused, never ignored (issue: sampled drafting).
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=hi, extra_body={"some_vendor_field": {"x": 1}})
