@@ -28,8 +28,9 @@ Translation, field by field:
 - `system`: a string or text blocks. A block starting `x-anthropic-billing-header:` is Claude Code's
   per-request attribution line, not an instruction; it changes on every request and, at the head of
   the prompt, would defeat the prefix cache, so it is dropped.
-- `tools`: custom tools (`name`, `description`, `input_schema`; `type` "custom" or absent). Server
-  tools (`web_search_...`, `bash_...`, ...), `strict`, `defer_loading`, `input_examples` and
+- `tools`: custom tools (`name`, `description`, `input_schema`; `type` "custom" or absent). `strict`
+  is honoured as on the OpenAI route (calls follow the schema under tool_choice auto too). Server
+  tools (`web_search_...`, `bash_...`, ...), `defer_loading`, `input_examples` and
   `allowed_callers` other than ["direct"] get a 400. `eager_input_streaming` is accepted: a tool's
   input always streams as it is generated, one `input_json_delta` per fragment.
 - `tool_choice`: auto -> "auto", any -> "required", tool -> the named function, none -> "none"
@@ -70,7 +71,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server.protocol import (APIError, ChatCompletionRequest, _bad, _max_tokens, _opt, _sampling, parse_messages,
-                             parse_tool_choice, parse_tools)
+                             parse_tool_choice, parse_tools, strict_calls)
 from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.anthropic")
@@ -86,8 +87,8 @@ _REQUEST_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences"
 _BLOCK_FIELDS = {"text": {"text", "citations"}, "tool_use": {"id", "name", "input"},
                  "tool_result": {"tool_use_id", "content", "is_error"}, "thinking": {"thinking", "signature"},
                  "redacted_thinking": {"data"}}
-_TOOL_FIELDS = {"name", "description", "input_schema", "type", "cache_control", "eager_input_streaming"}
-_TOOL_FIELDS_OFF = {"strict": False, "defer_loading": False, "input_examples": [], "allowed_callers": ["direct"]}
+_TOOL_FIELDS = {"name", "description", "input_schema", "type", "cache_control", "eager_input_streaming", "strict"}
+_TOOL_FIELDS_OFF = {"defer_loading": False, "input_examples": [], "allowed_callers": ["direct"]}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                 529: "overloaded_error"}
@@ -129,12 +130,14 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
         raise APIError(400, "model: Field required", "model", "missing_required_parameter")
     system = _system_text(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.get("messages"))
-    tools = parse_tools(_tools(body.get("tools")))
+    raw_tools = _tools(body.get("tools"))
+    tools = parse_tools(raw_tools)
     return ChatCompletionRequest(
         messages=parse_messages(messages), model=_opt(body, "model", str, "", "a string"), max_tokens=max_tokens,
         stop=_stop_sequences(body.get("stop_sequences")), stream=_opt(body, "stream", bool, False, "a boolean"),
         sampling=_sampling({k: body[k] for k in _SAMPLING_FIELDS if k in body}, sampling_defaults),
-        tool_choice=parse_tool_choice(_tool_choice(body.get("tool_choice"), tools), tools), tools=tools)
+        tool_choice=parse_tool_choice(_tool_choice(body.get("tool_choice"), tools), tools), tools=tools,
+        strict_calls=strict_calls(raw_tools))
 
 
 def _check_anthropic_ranges(body: dict) -> None:
@@ -350,6 +353,8 @@ def _tools(raw: Any) -> list[dict] | None:
             raise _bad(f"{where}.input_schema: Field required (a JSON Schema object)", where,
                        "missing_required_parameter")
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})

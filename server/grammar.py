@@ -18,6 +18,7 @@ compile (an HTTP 400):
     # with the built-in Gemma 4 format (ChatFormat.uses_template is False):
     constraint = compiler.tool_call(tools)               # one or more calls (parallel=False: one)
     constraint = compiler.tool_call(tools, named=N)      # exactly one call of N
+    constraint = compiler.tool_call(tools, optional=True)  # "auto" with strict tools: text, then calls or none
     # with a chat template whose model writes JSON calls, e.g. between <tool_call>\\n and \\n</tool_call>:
     constraint = compiler.tool_call_json(tools, named=None, parallel=True,
                                          open_marker="<tool_call>\\n", close_marker="\\n</tool_call>")
@@ -110,10 +111,12 @@ class GrammarCompiler:
     def lark(self, grammar: str) -> "Constraint":
         return Constraint(self, llguidance.LLMatcher.grammar_from_lark(grammar), "lark")
 
-    def tool_call(self, tools: list[dict], named: str | None = None, parallel: bool = True) -> "Constraint":
+    def tool_call(self, tools: list[dict], named: str | None = None, parallel: bool = True,
+                  optional: bool = False) -> "Constraint":
         """Calls in the built-in Gemma 4 format (server.tool_grammars.tool_call_grammar): one or
-        more with `parallel`, else exactly one; exactly one call of `named` when given."""
-        text = tool_call_grammar(tools, named, parallel and named is None, self.special_tokens)
+        more with `parallel`, else exactly one; exactly one call of `named` when given. `optional`:
+        free text first, then no call or the calls (tool_choice "auto" with strict tools)."""
+        text = tool_call_grammar(tools, named, parallel and named is None, self.special_tokens, optional)
         return self.lark(text)
 
     def tool_call_json(self, tools: list[dict], named: str | None = None, parallel: bool = False,

@@ -368,8 +368,32 @@ def parse_tools(raw: Any) -> list[dict]:
         out = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
         if fn.get("description"):
             out["description"] = fn["description"]
+        _check_strict(fn, out["parameters"], where)
         tools.append({"type": "function", "function": out})
     return tools
+
+
+def strict_calls(tools: Any) -> bool:
+    """Whether any of the (already parsed) request tools is marked `strict`: its calls are then
+    enforced by the grammar under tool_choice "auto" too (server.serving)."""
+    return any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
+               for t in tools or [])
+
+
+def _check_strict(fn: dict, parameters: dict, where: str) -> None:
+    """`strict` is a boolean; a strict tool's schema may use only what the call grammar enforces
+    (server.tool_grammars.unenforced_keywords): the rest is refused, not enforced in part."""
+    from server.tool_grammars import unenforced_keywords
+
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"{where}.function.strict must be a boolean", f"{where}.function.strict", "invalid_type")
+    unenforced = unenforced_keywords(parameters) if strict else []
+    if unenforced:
+        raise _bad(f"{where}.function.parameters: {', '.join(unenforced)} cannot be enforced under strict (calls "
+                   "follow types, properties, required, enum, const, anyOf/oneOf/allOf, items, minItems 1 and local "
+                   "$refs); send strict: false to have them unenforced", f"{where}.function.parameters",
+                   "unsupported_value")
 
 
 def parse_tool_choice(raw: Any, tools: list[dict]) -> str | dict:
@@ -432,6 +456,7 @@ class ChatCompletionRequest:
     user: str | None = None
     response_format: dict | None = None  # None: text; {"type": "json_object"} or {"type": "json_schema", "schema": S}
     parallel_tool_calls: bool = True
+    strict_calls: bool = False           # a tool is `strict`: calls enforced under tool_choice "auto" too
 
     @classmethod
     def parse(cls, body: Any, sampling_defaults: dict | None = None) -> "ChatCompletionRequest":
@@ -448,17 +473,19 @@ class ChatCompletionRequest:
         stop = _stop(body)
         stream, include_usage = _stream(body)
         tools = parse_tools(body.get("tools"))
+        strict = strict_calls(body.get("tools"))
         tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
-        if not parallel and tool_choice == "auto":
-            raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required' or a named function "
-                       "(with 'auto' the model may call several tools)", "parallel_tool_calls", "unsupported_value")
+        if not parallel and tool_choice == "auto" and not strict:
+            raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required', a named function or "
+                       "strict tools (with 'auto' the model may call several tools)", "parallel_tool_calls",
+                       "unsupported_value")
         if response_format is not None and tool_choice not in ("none", "auto"):
             raise _bad("a JSON response_format and a required tool call cannot both be enforced", "response_format",
                        "unsupported_value")
         user = _opt(body, "user", str, None, "a string")
         return cls(messages, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling,
-                   tool_choice, tools, user, response_format, parallel)
+                   tool_choice, tools, user, response_format, parallel, strict)
 
 
 @dataclass

@@ -40,8 +40,9 @@ Field policy (as server.protocol: a field that cannot be honoured is refused, ne
   key), `metadata` (echoed), `service_tier`, `stream_options`, and the `include` values that ask for
   parts of items Sailfish never produces (encrypted reasoning, search, computer, code interpreter,
   images).
-- `strict` on a function tool is accepted and echoed, as chat completions accept it: generated
-  arguments are parsed, not schema-constrained.
+- `strict` on a function tool is honoured as on chat completions (server.serving: its calls follow
+  the schema under tool_choice "auto" too; a schema using what the grammar cannot enforce is refused)
+  and echoed.
 - `temperature` / `top_p` are range-checked as on chat (server.protocol._sampling); the Response
   states the values used, the checkpoint's defaults included.
 """
@@ -103,11 +104,13 @@ class ResponsesRequest:
         messages = parse_input(body.get("input"), instructions)
         check_tool_results(messages, param="input")
         tools = parse_function_tools(body.get("tools"))
+        strict = any(isinstance(t, dict) and t.get("strict") is True for t in body.get("tools") or [])
         tool_choice = parse_tool_choice(_chat_tool_choice(body.get("tool_choice")), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
-        if not parallel and tool_choice != "none":
-            raise _bad("parallel_tool_calls=false cannot be enforced (the model may call several tools)",
-                       "parallel_tool_calls", "unsupported_value")
+        if not parallel and tool_choice == "auto" and not strict:
+            raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required', a named function or "
+                       "strict tools (with 'auto' the model may call several tools)", "parallel_tool_calls",
+                       "unsupported_value")
         max_output_tokens = _opt(body, "max_output_tokens", int, None, "an integer")
         if max_output_tokens is not None and max_output_tokens < 1:
             raise _bad(f"'max_output_tokens' must be at least 1, got {max_output_tokens}", "max_output_tokens")
@@ -119,7 +122,8 @@ class ResponsesRequest:
             _opt(body, name, str, None, "a string")
         chat = ChatCompletionRequest(messages=messages, model=_opt(body, "model", str, "", "a string"),
                                      max_tokens=max_output_tokens, stream=stream, sampling=sampling,
-                                     tool_choice=tool_choice, tools=tools, user=user)
+                                     tool_choice=tool_choice, tools=tools, user=user,
+                                     parallel_tool_calls=parallel, strict_calls=strict)
         echoed = {"instructions": instructions, "metadata": metadata, "parallel_tool_calls": parallel,
                   "temperature": sampling.temperature, "top_p": sampling.top_p,
                   # as OpenAI echoes it: "auto" when the request names none (with no tools it calls none)
@@ -311,7 +315,7 @@ def parse_function_tools(raw: Any) -> list[dict]:
         _refuse_extra_keys(tool, {"type", "name", "description", "parameters", "strict"}, where)
         if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
             raise _bad(f"{where}.strict must be a boolean", f"{where}.strict", "invalid_type")
-        function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+        function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
         nested.append({"type": "function", "function": function})
     try:
         return parse_tools(nested)

@@ -242,24 +242,32 @@ class Service:
     def _constraint(self, req: ChatCompletionRequest, offered: list[dict]):
         """The grammar the reply must follow (server.grammar), or None: a JSON response_format, or a
         required / named tool call in the Gemma 4 call syntax (the built-in format, or a chat template that
-        writes it, as Gemma 4's does). Under another chat template a tool call is requested by the
+        writes it, as Gemma 4's does), or under tool_choice "auto" with a `strict` tool, free text then
+        calls that follow their schemas, or none (the free text is text: no special token, so no
+        thinking channel, before the calls). Under another chat template a tool call is requested by the
         template's instruction only, since its call syntax is the template's own;
         with a tokenizer llguidance cannot read, a call is enforced by its forced first tokens only
         (ChatFormat.forced_call) and a JSON format is refused."""
         enforced_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        if req.response_format is None and not (enforced_call and self.chat_format.writes_gemma_calls):
+        strict = req.strict_calls and req.tool_choice != "none" and req.response_format is None
+        strict_auto = strict and req.tool_choice == "auto"
+        if strict and not self.chat_format.writes_gemma_calls:
+            raise APIError(400, "strict tools cannot be enforced under this model's chat template (its call syntax is "
+                           "its own); send strict: false", "tools", "unsupported_value")
+        if req.response_format is None and not ((enforced_call or strict_auto) and self.chat_format.writes_gemma_calls):
             return None
         compiler = self._grammar_compiler()
         if compiler is None:
-            if req.response_format is not None:
-                raise APIError(400, f"response_format needs constrained decoding, which this model's tokenizer "
-                               f"does not support ({self._compiler_error})", "response_format",
+            if req.response_format is not None or strict:
+                raise APIError(400, f"{'response_format' if req.response_format is not None else 'strict tools'} "
+                               f"need constrained decoding, which this model's tokenizer does not support "
+                               f"({self._compiler_error})", "response_format" if req.response_format else "tools",
                                "unsupported_value")
             return None
         try:
             if req.response_format is None:
                 named = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
-                return compiler.tool_call(offered, named=named, parallel=req.parallel_tool_calls)
+                return compiler.tool_call(offered, named=named, parallel=req.parallel_tool_calls, optional=strict_auto)
             if req.response_format["type"] == "json_object":
                 return compiler.json_object()
             return compiler.json_schema(req.response_format["schema"])

@@ -7,9 +7,9 @@ compiles (its `tool_call` / `tool_call_json` methods call these with the tokeniz
 is a special token is written as that token, `<[id]>` (a special token never matches text), the rest
 of it as text.
 
-- `tool_call_grammar(tools, named=None, parallel=True)`: the built-in Gemma 4 format of
+- `tool_call_grammar(tools, named=None, parallel=True, optional=False)`: the built-in Gemma 4 format of
   common.chat_format, `<|tool_call>call:NAME{ARGS}<tool_call|>`, one call or (parallel) one or more
-  in a row, NAME one of the offered tools (`named`: only that one), ARGS in the format's value syntax
+  in a row (`optional`: after free text, none, or one / one or more: tool_choice "auto" with strict tools), NAME one of the offered tools (`named`: only that one), ARGS in the format's value syntax
   (bare keys, strings `<|"|>text<|"|>`, JSON numbers, true/false/null) following the tool's
   `parameters` schema: `properties` in their declared order (required ones always, optional ones
   optionally; no other keys), `type` (also a list of types), `enum`, `const`, `anyOf`/`oneOf`,
@@ -18,6 +18,7 @@ of it as text.
   string `pattern`/`format`/lengths, numeric bounds, array `maxItems`/`prefixItems`,
   `additionalProperties` (an object with `properties` takes no other keys; one without takes any
   keys). What it accepts, `common.chat_format.parse_generated` parses into the same call.
+  `unenforced_keywords(parameters)` names what a schema asks beyond that (a strict tool's are refused).
 - `tool_call_json_grammar(tools, named=None, parallel=False, open_marker="", close_marker="")`: for
   a chat template whose model writes calls as JSON, `{"name": NAME, "arguments": {...}}` validated
   by llguidance's JSON-schema support (lenient: unsupported keywords are ignored; whitespace as in
@@ -87,7 +88,7 @@ def marker(text: str, special_tokens: Mapping[str, int]) -> str:
 
 
 def tool_call_grammar(tools: list[dict], named: str | None = None, parallel: bool = True,
-                      special_tokens: Mapping[str, int] | None = None) -> str:
+                      special_tokens: Mapping[str, int] | None = None, optional: bool = False) -> str:
     special_tokens = special_tokens or {}
     rules = _ValueSyntaxRules(special_tokens)
     alternatives = []
@@ -98,9 +99,64 @@ def tool_call_grammar(tools: list[dict], named: str | None = None, parallel: boo
         parameters = fn.get("parameters") or {"type": "object"}
         args = rules.value(parameters, parameters, force_object=True)
         alternatives.append(f"{lark_string('call:' + name)} {args}")
-    call = f"{marker(CALL_OPEN, special_tokens)} ({' | '.join(alternatives)}) {marker(CALL_CLOSE, special_tokens)}"
-    head = f"start: call{'+' if parallel else ''}\ncall: {call}\n"
+    body = f"({' | '.join(alternatives)}) {marker(CALL_CLOSE, special_tokens)}"
+    if optional:
+        return _optional_calls_head(body, parallel, special_tokens) + rules.text()
+    head = f"start: call{'+' if parallel else ''}\ncall: {marker(CALL_OPEN, special_tokens)} {body}\n"
     return head + rules.text()
+
+
+def _optional_calls_head(body: str, parallel: bool, special_tokens: Mapping[str, int]) -> str:
+    """`start` of tool_choice "auto" under strict: free text, then no call or calls (one or more with
+    `parallel`, else one), nothing after them. The text never spells the call opener (the parser
+    would take it for a call the grammar did not check). Where the opener is a special token the
+    text simply ends at it; where it is text, a lexer that reads text greedily could not give back
+    the opener's first bytes, so the text before a first call and the opener are one lexeme (LEAD:
+    text ending at its first opener)."""
+    opener = re.escape(CALL_OPEN)
+    text = f"/(?s:.*)/ & ~/(?s:.*){opener}(?s:.*)/"
+    more = "*" if parallel else "?"
+    if CALL_OPEN in special_tokens:
+        return f"start: TEXT? call{more}\nTEXT: {text}\ncall: {marker(CALL_OPEN, special_tokens)} {body}\n"
+    return (f"start: TEXT | LEAD {body}{' call*' if parallel else ''}\nTEXT: {text}\n"
+            f"LEAD: /(?s:.*){opener}/ & ~/(?s:.*){opener}(?s:.+)/\ncall: {lark_string(CALL_OPEN)} {body}\n")
+
+
+# Keywords the value-syntax grammar does not enforce (it allows any value of the type): a tool marked
+# `strict` that uses one is refused rather than enforced in part.
+_UNENFORCED_KEYWORDS = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+                        "exclusiveMaximum", "multipleOf", "maxItems", "prefixItems", "uniqueItems", "contains",
+                        "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties",
+                        "propertyNames", "dependentRequired", "dependentSchemas", "not", "if", "then", "else",
+                        "unevaluatedProperties", "unevaluatedItems")
+
+
+def unenforced_keywords(schema: Any) -> list[str]:
+    """The keywords of a `parameters` schema that `tool_call_grammar` would not enforce, sorted: those
+    above, `minItems` above 1, and `additionalProperties` other than what it does (an object with
+    `properties` takes no other keys; one without takes any)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        if not isinstance(node, dict):
+            return
+        found.update(k for k in _UNENFORCED_KEYWORDS if k in node)
+        if isinstance(node.get("minItems"), int) and node["minItems"] > 1:
+            found.add("minItems")
+        extra, what_is_done = node.get("additionalProperties"), not node.get("properties")
+        if extra is not None and not (isinstance(extra, bool) and extra == what_is_done):
+            found.add("additionalProperties")
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                walk(list(value.values()))
+            elif key in ("items", "anyOf", "oneOf", "allOf"):
+                walk(value)
+
+    walk(schema)
+    return sorted(found)
 
 
 def tool_call_json_schema(tools: list[dict], named: str | None = None) -> dict:

@@ -273,6 +273,52 @@ def test_what_cannot_be_constrained_is_refused():
             compiler.tool_call(tools, named=named)
 
 
+@pytest.mark.parametrize("markers_as_tokens", [False, True], ids=["text-markers", "token-markers"])
+def test_optional_calls_grammar_takes_text_then_checked_calls_or_none(markers_as_tokens):
+    """tool_choice "auto" with strict tools: free text, then none, one (parallel=False) or more calls,
+    each checked as a required call is; nothing after the calls, and the text never spells the call
+    opener (the parser would read a call the grammar did not check)."""
+    compiler = byte_compiler(markers_as_tokens)
+    many, one = compiler.tool_call(TOOLS, optional=True), compiler.tool_call(TOOLS, parallel=False, optional=True)
+    call, other = call_text(*GOOD_CALLS[0]), call_text(*GOOD_CALLS[5])
+
+    def takes(constraint, text: str) -> bool:
+        ids = encode_for(markers_as_tokens, text)
+        matcher = constraint.start([1])
+        if matcher.validate_tokens(ids) < len(ids):
+            return False
+        for token in ids:
+            matcher.consume(token)
+        return matcher.is_accepting()
+
+    for text in ("", "Plain text, no call.", call, "Let me look. " + call, "x" + call + other):
+        assert takes(many, text), text
+        assert parse_generated(text).content == (text.split(CALL_OPEN)[0] if CALL_OPEN in text else text)
+    assert takes(one, "Let me look. " + call) and not takes(one, call + other)
+    for name, args in BAD_CALLS:
+        assert not takes(many, "hi " + call_text(name, args)), (name, args)
+    assert not takes(many, call + "text after the calls")
+    if markers_as_tokens:  # the opener spelled as text, not the token: refused
+        assert not takes(many, "hi " + BYTE_TOKENIZER.decode(BYTE_TOKENIZER.encode_bytes(CALL_OPEN.encode())))
+
+
+def test_strict_tools_refuse_what_the_grammar_cannot_enforce():
+    from server.tool_grammars import unenforced_keywords
+
+    assert unenforced_keywords(STRICT_OK) == []
+    assert unenforced_keywords({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}},
+                                "$defs": {"d": {"type": "integer", "minimum": 0}}}) == ["minimum", "pattern"]
+    assert unenforced_keywords({"type": "object", "properties": {"a": {"type": "string"}},
+                                "additionalProperties": True}) == ["additionalProperties"]
+    assert unenforced_keywords({"type": "object", "additionalProperties": False}) == ["additionalProperties"]
+    assert unenforced_keywords({"type": "array", "items": {"type": "string"}, "minItems": 2}) == ["minItems"]
+
+
+# what the OpenAI Agents SDK sends for a function of one string argument (strict by default)
+STRICT_OK = {"type": "object", "properties": {"order_id": {"title": "Order Id", "type": "string"}},
+             "required": ["order_id"], "title": "get_order_status_args", "additionalProperties": False}
+
+
 def _tool(parameters: dict) -> list[dict]:
     return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
 
@@ -380,7 +426,10 @@ def test_tiny_constrained_outputs_follow_the_grammar_and_finish_with_stop(tiny):
 @tiny_test
 def test_tiny_constrained_drafted_equals_plain(tiny):
     constraints = {"json_object": byte_compiler(False).json_object(),
-                   "tool_call": byte_compiler(True).tool_call(TOOLS)}
+                   "tool_call": byte_compiler(True).tool_call(TOOLS),
+                   # tool_choice "auto" with strict tools: free text, then calls or none
+                   "optional_calls": byte_compiler(True).tool_call(TOOLS, optional=True),
+                   "optional_call_text_markers": byte_compiler(False).tool_call(TOOLS, parallel=False, optional=True)}
     plain_engine = engine_for(tiny, BYTE_TOKENIZER)
     cut = accepted = 0
     for i, prompt in enumerate(prompts_for(512, (6, 40))):

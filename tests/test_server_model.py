@@ -100,6 +100,28 @@ def test_drafted_server_equals_no_draft_server(servers):
     assert "spec_decode_num_accepted_tokens_total 0\n" not in metrics
 
 
+def test_strict_tools_under_auto_drafted_equals_plain(servers):
+    """tool_choice "auto" with a strict tool (what the OpenAI Agents SDK sends): the reply is free
+    text then calls that follow the schema (the grammar of server.tool_grammars, optional calls), the
+    drafted server's the plain server's, token for token."""
+    strict_weather = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True, "parameters": {
+        **WEATHER_TOOL["function"]["parameters"], "additionalProperties": False}}}
+    drafted, plain = _client(servers[0]), _client(servers[1])
+    seen = []
+    for req in CHATS[1:]:
+        req = {**req, "tools": [strict_weather], "parallel_tool_calls": False}  # (one call at most: enforced too)
+        a = drafted.chat.completions.create(model="gemma", max_tokens=48, **req)
+        b = plain.chat.completions.create(model="gemma", max_tokens=48, **req)
+        assert _answer(a) == _answer(b)
+        content, calls, finish = _answer(a)
+        assert "<|tool_call>" not in (content or ""), content
+        assert len(calls) <= 1
+        for name, arguments in calls if finish == "tool_calls" else []:  # (max_tokens may cut a call)
+            assert name == "get_weather" and set(json.loads(arguments)) == {"city"}, calls
+        seen.append(finish)
+    assert "tool_calls" in seen  # (the second conversation calls the tool, as its first turn did)
+
+
 def test_streaming_equals_non_streaming(servers):
     c = _client(servers[0])
     req = dict(model="gemma", max_tokens=MAX_TOKENS, **CHATS[0])

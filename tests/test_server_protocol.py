@@ -268,6 +268,28 @@ def test_limits_stop_and_ignored_fields(client):
     assert e.value.body["param"] == "parallel_tool_calls"
 
 
+def test_strict_tools_are_enforced_or_refused(client):
+    """`strict` asks that calls follow the schema: refused where it cannot be (a schema keyword the
+    call grammar does not enforce; a tokenizer with no grammar compiler, as this scripted engine's),
+    never accepted and ignored."""
+    hi = [{"role": "user", "content": "hi"}]
+
+    def tool(parameters: dict, strict) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": strict}}
+
+    plain = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
+    for tools, param, says in [
+            ([tool({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, True)],
+             "tools[0].function.parameters", "pattern cannot be enforced under strict"),
+            ([tool(plain, "yes")], "tools[0].function.strict", "must be a boolean"),
+            ([tool(plain, True)], "tools", "strict tools need constrained decoding")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=hi, tools=tools)
+        assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
+    r = client.chat.completions.create(model="m", messages=hi, tools=[tool(plain, False)])
+    assert r.choices[0].message.content == "Hello there! How can I help you today?"
+
+
 def test_completions_endpoint(client):
     r = client.completions.create(model="m", prompt="Say hello", max_tokens=4)
     assert r.object == "text_completion" and r.choices[0].text == "Hello there!"
