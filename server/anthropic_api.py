@@ -34,8 +34,9 @@ Translation, field by field:
   `allowed_callers` other than ["direct"] get a 400. `eager_input_streaming` is accepted: a tool's
   input always streams as it is generated, one `input_json_delta` per fragment.
 - `tool_choice`: auto -> "auto", any -> "required", tool -> the named function, none -> "none"
-  (enforced as server.serving describes). `disable_parallel_tool_use: true` gets a 400 (it cannot be
-  enforced), as `parallel_tool_calls: false` does on the OpenAI route.
+  (enforced as server.serving describes). `disable_parallel_tool_use: true` is enforced (one call at
+  most) with any, tool, or auto with strict tools, and gets a 400 with plain auto (it cannot be
+  enforced there), as `parallel_tool_calls: false` on the OpenAI route.
 - `max_tokens` is required (count_tokens excepted) and at least 1; `stop_sequences`, `temperature`
   (0-1, as Anthropic's), `top_p`, `top_k` (not negative) and `stream` mean what they mean on the OpenAI route, checked by the same
   server.protocol readers (its sampling ranges; a field left out takes the model's defaults).
@@ -131,13 +132,13 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
     system = _system_text(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.get("messages"))
     raw_tools = _tools(body.get("tools"))
-    tools = parse_tools(raw_tools)
+    tools, strict, choice = parse_tools(raw_tools), strict_calls(raw_tools), body.get("tool_choice")
     return ChatCompletionRequest(
         messages=parse_messages(messages), model=_opt(body, "model", str, "", "a string"), max_tokens=max_tokens,
         stop=_stop_sequences(body.get("stop_sequences")), stream=_opt(body, "stream", bool, False, "a boolean"),
         sampling=_sampling({k: body[k] for k in _SAMPLING_FIELDS if k in body}, sampling_defaults),
-        tool_choice=parse_tool_choice(_tool_choice(body.get("tool_choice"), tools), tools), tools=tools,
-        strict_calls=strict_calls(raw_tools))
+        tool_choice=parse_tool_choice(_tool_choice(choice, tools, strict), tools), tools=tools,
+        strict_calls=strict, parallel_tool_calls=not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use")))
 
 
 def _check_anthropic_ranges(body: dict) -> None:
@@ -361,7 +362,7 @@ def _tools(raw: Any) -> list[dict] | None:
     return out
 
 
-def _tool_choice(raw: Any, tools: list[dict]) -> str | dict | None:
+def _tool_choice(raw: Any, tools: list[dict], strict: bool = False) -> str | dict | None:
     """Anthropic's tool_choice as the OpenAI one (server.protocol.parse_tool_choice checks the name)."""
     if raw is None:
         return None
@@ -371,9 +372,9 @@ def _tool_choice(raw: Any, tools: list[dict]) -> str | dict | None:
     extra = set(raw) - {"type", "name", "disable_parallel_tool_use"}
     if extra:
         raise _bad(f"tool_choice.{sorted(extra)[0]}: unknown field", "tool_choice", "unknown_parameter")
-    if _opt(raw, "disable_parallel_tool_use", bool, False, "a boolean") and kind != "none":
-        raise _bad("tool_choice.disable_parallel_tool_use: cannot be enforced (the model may call several tools)",
-                   "tool_choice", "unsupported_value")
+    if _opt(raw, "disable_parallel_tool_use", bool, False, "a boolean") and kind == "auto" and not strict:
+        raise _bad("tool_choice.disable_parallel_tool_use: enforced only with type 'any', 'tool' or strict tools "
+                   "(with 'auto' the model may call several tools)", "tool_choice", "unsupported_value")
     if kind in ("any", "tool") and not tools:
         raise _bad(f"tool_choice: type {kind!r} needs at least one tool in 'tools'", "tool_choice")
     if kind == "tool":

@@ -258,11 +258,12 @@ class Service:
             return None
         compiler = self._grammar_compiler()
         if compiler is None:
-            if req.response_format is not None or strict:
-                raise APIError(400, f"{'response_format' if req.response_format is not None else 'strict tools'} "
-                               f"need constrained decoding, which this model's tokenizer does not support "
-                               f"({self._compiler_error})", "response_format" if req.response_format else "tools",
-                               "unsupported_value")
+            if req.response_format is not None or strict or (enforced_call and not req.parallel_tool_calls):
+                wanted = ("response_format" if req.response_format is not None else "strict tools" if strict
+                          else "one call at most (parallel_tool_calls: false)")
+                raise APIError(400, f"{wanted} cannot be enforced: it needs constrained decoding, which this "
+                               f"model's tokenizer does not support ({self._compiler_error})",
+                               "response_format" if req.response_format else "tools", "unsupported_value")
             return None
         try:
             if req.response_format is None:

@@ -217,6 +217,23 @@ def _error_of(r: httpx.Response, status: int, kind: str) -> str:
     return body["error"]["message"]
 
 
+def test_what_needs_a_grammar_is_refused_where_none_can_run(server):
+    """disable_parallel_tool_use with any / tool (one call at most, as parallel_tool_calls: false on
+    the OpenAI route) and strict tools are enforced by a grammar (the 270M server tests run them);
+    this scripted engine's tokenizer cannot run one, so they are refused, not ignored. With plain
+    auto, disable_parallel_tool_use is refused anywhere (above)."""
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},
+                   {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}):
+        message = _error_of(httpx.post(server[2] + "/v1/messages", json={
+            "model": "m", "max_tokens": 50, "messages": WEATHER, "tools": [WEATHER_TOOL], "tool_choice": choice}),
+            400, "invalid_request_error")
+        assert "one call at most (parallel_tool_calls: false) cannot be enforced" in message
+    strict = {**WEATHER_TOOL, "strict": True}
+    message = _error_of(httpx.post(server[2] + "/v1/messages", json={
+        "model": "m", "max_tokens": 50, "messages": WEATHER, "tools": [strict]}), 400, "invalid_request_error")
+    assert "strict tools cannot be enforced" in message
+
+
 @pytest.mark.parametrize("body, says", [
     ({"messages": HI}, "max_tokens"),
     ({"max_tokens": 0, "messages": HI}, "max_tokens"),

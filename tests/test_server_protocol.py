@@ -282,7 +282,7 @@ def test_strict_tools_are_enforced_or_refused(client):
             ([tool({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, True)],
              "tools[0].function.parameters", "pattern cannot be enforced under strict"),
             ([tool(plain, "yes")], "tools[0].function.strict", "must be a boolean"),
-            ([tool(plain, True)], "tools", "strict tools need constrained decoding")]:
+            ([tool(plain, True)], "tools", "strict tools cannot be enforced")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="m", messages=hi, tools=tools)
         assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
