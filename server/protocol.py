@@ -340,6 +340,10 @@ def check_tool_results(messages: list[dict], param: str = "messages") -> None:
             open_ids = [c["id"] for c in m.get("tool_calls", [])] if m["role"] == "assistant" else []
 
 
+_TOOL_KEYS = {"type", "function", "cache_control"}  # cache_control: what proxies add; no effect here
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
 def parse_tools(raw: Any) -> list[dict]:
     if raw is None:
         return []
@@ -351,6 +355,10 @@ def parse_tools(raw: Any) -> list[dict]:
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict):
             raise _bad(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where, "invalid_type")
+        for keys, known, at in ((t, _TOOL_KEYS, where), (fn, _FUNCTION_KEYS, f"{where}.function")):
+            unknown = sorted(set(keys) - known)
+            if unknown:
+                raise _bad(f"{at}.{unknown[0]}: unknown field", f"{at}.{unknown[0]}", "unknown_parameter")
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
             raise _bad(f"{where}.function.name must be 1-128 letters, digits, _ . : or -", f"{where}.function.name")
