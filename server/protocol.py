@@ -473,7 +473,7 @@ class ChatCompletionRequest:
         _refuse_unknown(body, _CHAT_FIELDS)
         messages = parse_messages(body.get("messages"))
         model = _opt(body, "model", str, "", "a string")
-        if body.get("logprobs"):
+        if _opt(body, "logprobs", bool, False, "a boolean"):
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         max_tokens = _max_tokens(body)
         response_format = _response_format(body)
