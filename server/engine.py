@@ -43,7 +43,8 @@ logits, the tokens before it and (seed, position) as without drafting, so drafti
 
 Counters: `drafts` = non-empty drafts proposed (after the grammar's cut), `verify_steps` = forwards
 that verified a draft, `plain_steps` = one-token forwards, `drafted_tokens` / `accepted_tokens` =
-drafted tokens verified / accepted, `completion_tokens` = generated tokens including a final stop
+drafted tokens verified / accepted (those accepted past the request's end, a stop token, a stop string,
+a complete grammar or max_tokens, not counted: at most `completion_tokens`), `completion_tokens` = generated tokens including a final stop
 token (which is never emitted), `cached_tokens` = prompt tokens reused from the prefix cache,
 `grammar_cut_tokens` = drafted tokens the grammar rejected before verification, `grammar_s` = time
 in the grammar (masks, advancing, draft checks; inside `forward_s` and `draft_s`).
@@ -482,6 +483,8 @@ class Engine:
                             finish = "stop"
                             req.uncommit(first + len(emitted))
                             break
+                    if finish is not None:  # drafted tokens accepted past the request's end were never output
+                        stats.accepted_tokens -= max(0, req.step_accepted - (req.length - first))
                     stats.decode_s = time.perf_counter() - t_decode
                     if req.grammar is not None:
                         stats.grammar_s = req.grammar.seconds
@@ -564,6 +567,7 @@ class Engine:
         else:
             new = [_choose(sampler, req.grammar, row_of(launched.logits, 0), stats.completion_tokens)]
             stats.plain_steps += 1
+        req.step_accepted = accepted if n > 0 else 0  # (the first of `new`, all drafted)
         if n > 0:
             stats.verify_steps += 1
             stats.probes += launched.probe
@@ -587,6 +591,7 @@ class _Request:
         self.context[:len(prompt_ids)] = prompt_ids
         self.length = len(prompt_ids)
         self.tracker = AcceptanceTracker()
+        self.step_accepted = 0  # drafted tokens the last step accepted (the first of its new tokens)
 
     def commit(self, new: list[int]) -> str | None:
         """Commit `new` token by token until one ends the request: a stop token ("stop", counted,
