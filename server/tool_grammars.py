@@ -36,7 +36,9 @@ from typing import Any, Mapping
 from common.chat_format import CALL_CLOSE, CALL_OPEN, QUOTE, format_value
 
 # JSON whitespace: at most this much at each place JSON allows it. Unbounded whitespace lets a small
-# model loop on newlines until max_tokens (outlines bounds it for the same reason).
+# model loop on newlines until max_tokens (outlines bounds it for the same reason). Numbers in calls are
+# bounded alike (20 digits before and after the point, 3 in the exponent: past what a 64-bit integer or a
+# double holds): a small model wrote digits until max_tokens.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,32}"
 _NAME_OK = re.compile(r"[^{}<>\s]+")          # what common.chat_format's call parser takes as a name
 _KEY_BAD = set("{}[],<>:")                     # what it cannot take inside a bare key
@@ -47,8 +49,8 @@ g_object: "{" (g_member ("," g_member)*)? "}"
 g_member: G_KEY ":" g_value
 g_array: "[" (g_value ("," g_value)*)? "]"
 G_KEY: /[A-Za-z_][A-Za-z0-9_.\-]*/
-NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
-INTEGER: /-?(0|[1-9][0-9]*)/
+NUMBER: /-?(0|[1-9][0-9]{0,19})(\.[0-9]{1,20})?([eE][+-]?[0-9]{1,3})?/
+INTEGER: /-?(0|[1-9][0-9]{0,19})/
 """
 
 

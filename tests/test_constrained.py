@@ -302,6 +302,15 @@ def test_optional_calls_grammar_takes_text_then_checked_calls_or_none(markers_as
         assert not takes(many, "hi " + BYTE_TOKENIZER.decode(BYTE_TOKENIZER.encode_bytes(CALL_OPEN.encode())))
 
 
+def test_numbers_in_calls_are_bounded():
+    """A call's numbers take at most 20 digits before and after the point (a small model once wrote
+    digits until max_tokens); 64-bit integers and doubles fit."""
+    constraint = byte_compiler(True).tool_call(TOOLS, named="get_weather")
+    for days, ok in ((2**63 - 1, True), (-(10**19), True), (10**20, False), (10**25, False)):
+        ids = encode_for(True, call_text("get_weather", {"city": "Ulm", "days": days}))
+        assert (constraint.start([1]).validate_tokens(ids) == len(ids)) == ok, days
+
+
 def test_strict_tools_refuse_what_the_grammar_cannot_enforce():
     from server.tool_grammars import unenforced_keywords
 
