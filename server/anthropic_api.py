@@ -64,6 +64,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -132,13 +133,26 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
     system = _system_text(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.get("messages"))
     raw_tools = _tools(body.get("tools"))
-    tools, strict, choice = parse_tools(raw_tools), strict_calls(raw_tools), body.get("tool_choice")
+    tools, choice = _anthropic_names(parse_tools, raw_tools), body.get("tool_choice")
+    strict = strict_calls(tools)
     return ChatCompletionRequest(
         messages=parse_messages(messages), model=_opt(body, "model", str, "", "a string"), max_tokens=max_tokens,
         stop=_stop_sequences(body.get("stop_sequences")), stream=_opt(body, "stream", bool, False, "a boolean"),
         sampling=_sampling({k: body[k] for k in _SAMPLING_FIELDS if k in body}, sampling_defaults),
         tool_choice=parse_tool_choice(_tool_choice(choice, tools, strict), tools), tools=tools,
         strict_calls=strict, parallel_tool_calls=not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use")))
+
+
+def _anthropic_names(parse, raw):
+    """`parse(raw)` with its errors naming the Messages API's fields: tools[0].function.parameters ->
+    tools.0.input_schema, tools[0].function.strict -> tools.0.strict (and .name, .description)."""
+    try:
+        return parse(raw)
+    except APIError as e:
+        def rename(text):
+            text = re.sub(r"tools\[(\d+)\]", r"tools.\1", text)
+            return text.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+        raise APIError(e.status, rename(e.message), rename(e.param) if e.param else None, e.code) from None
 
 
 def _check_anthropic_ranges(body: dict) -> None:

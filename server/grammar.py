@@ -58,7 +58,7 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
-from server.tool_grammars import JSON_WHITESPACE, refuse_ref_cycles, tool_call_grammar, tool_call_json_grammar
+from server.tool_grammars import JSON_WHITESPACE, refuse_unsatisfiable, tool_call_grammar, tool_call_json_grammar
 
 
 
@@ -93,7 +93,7 @@ class GrammarCompiler:
         schema = json.loads(schema) if isinstance(schema, str) else schema
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
-        refuse_ref_cycles(schema)
+        refuse_unsatisfiable(schema)
         own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
         defaults: dict[str, Any] = {"lenient": lenient}
         if "whitespace_pattern" not in own and "whitespace_flexible" not in own:  # else the pattern would win

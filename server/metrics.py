@@ -42,7 +42,8 @@ class Histogram:
 COUNTERS = (
     ("spec_decode_num_drafts_total", "Verify steps that checked a drafted sequence."),
     ("spec_decode_num_draft_tokens_total", "Drafted tokens verified by the target."),
-    ("spec_decode_num_accepted_tokens_total", "Drafted tokens the target accepted."),
+    ("spec_decode_num_accepted_tokens_total", "Drafted tokens the target accepted and the request output "
+     "(not those past its end)."),
     ("sailfish_prompt_tokens_total", "Prompt tokens prefilled."),
     ("sailfish_generation_tokens_total", "Tokens generated (completion tokens)."),
     ("sailfish_verify_steps_total", "Target forwards that verified a draft."),

@@ -7,8 +7,8 @@ whose `body()` is the one error shape every endpoint uses:
 API reference. Fields with no effect on what Sailfish does (`store`, `metadata`, `user`,
 `service_tier`) are accepted, their shapes checked (`store: true` and a service tier other than
 `auto` / `default` ask for what is not done: refused); every sampling field is honoured (server.sampling); `response_format`
-json_object / json_schema and a required or named `tool_choice` are enforced by a grammar
-(server.grammar; `parallel_tool_calls: false` too, where a call is enforced); fields whose meaning
+json_object / json_schema, a required or named `tool_choice` and `strict` tools (under "auto" too)
+are enforced by a grammar (server.grammar; `parallel_tool_calls: false` too, where a call is enforced); fields whose meaning
 Sailfish cannot honour (`n` > 1, `logprobs: true`, `logit_bias`, image or audio content, an unknown
 field) are refused with a 400 rather than silently ignored. The response builders at the end
 return plain dicts shaped like OpenAI's responses and stream chunks.
@@ -203,13 +203,14 @@ def _check_no_effect_fields(body: dict) -> None:
     metadata = _opt(body, "metadata", dict, None, "an object")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise _bad("'metadata' values must be strings", "metadata", "invalid_type")
-    tier = body.get("service_tier")
+    tier = _opt(body, "service_tier", str, None, "a string")
     if tier is not None and tier not in _SERVICE_TIERS:
         raise _bad(f"service_tier {tier!r} cannot be honoured (one tier here: 'auto' or 'default')", "service_tier",
                    "unsupported_value")
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict, usage: bool = True) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage); `usage`: the API has that option (Responses has not)."""
     stream = _opt(body, "stream", bool, False, "a boolean")
     options = _opt(body, "stream_options", dict, None, "an object")
     if options is not None and not stream:
@@ -218,7 +219,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     for name, value in options.items():
         if name == "include_obfuscation" and value is False:
             continue  # the obfuscation padding off: what is sent anyway
-        if name != "include_usage":
+        if name != "include_usage" or not usage:
             raise _bad(f"stream_options.{name} is not supported", "stream_options", "unsupported_value")
     include_usage = _opt(options, "include_usage", bool, False, "a boolean")
     return stream, include_usage
@@ -376,21 +377,22 @@ def parse_tools(raw: Any) -> list[dict]:
         out = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
         if fn.get("description"):
             out["description"] = fn["description"]
-        _check_strict(fn, out["parameters"], where)
+        if _check_strict(fn, out["parameters"], where):
+            out["strict"] = True  # (only when set: the built-in format renders name, description and parameters)
         tools.append({"type": "function", "function": out})
     return tools
 
 
-def strict_calls(tools: Any) -> bool:
-    """Whether any of the (already parsed) request tools is marked `strict`: its calls are then
-    enforced by the grammar under tool_choice "auto" too (server.serving)."""
+def strict_calls(tools: list[dict]) -> bool:
+    """Whether any of the request's tools (as `parse_tools` gives them) is marked `strict`: its calls
+    are then enforced by the grammar under tool_choice "auto" too (server.serving)."""
     return any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
                for t in tools or [])
 
 
-def _check_strict(fn: dict, parameters: dict, where: str) -> None:
-    """`strict` is a boolean; a strict tool's schema may use only what the call grammar enforces
-    (server.tool_grammars.unenforced_keywords): the rest is refused, not enforced in part."""
+def _check_strict(fn: dict, parameters: dict, where: str) -> bool:
+    """Whether the tool is `strict` (a boolean); a strict tool's schema may use only what the call
+    grammar enforces (server.tool_grammars.unenforced_keywords): the rest is refused, not enforced in part."""
     from server.tool_grammars import unenforced_keywords
 
     strict = fn.get("strict")
@@ -402,6 +404,7 @@ def _check_strict(fn: dict, parameters: dict, where: str) -> None:
                    "follow types, properties, required, enum, const, anyOf/oneOf/allOf, items, minItems 1 and local "
                    "$refs); send strict: false to have them unenforced", f"{where}.function.parameters",
                    "unsupported_value")
+    return bool(strict)
 
 
 def parse_tool_choice(raw: Any, tools: list[dict]) -> str | dict:
@@ -481,7 +484,7 @@ class ChatCompletionRequest:
         stop = _stop(body)
         stream, include_usage = _stream(body)
         tools = parse_tools(body.get("tools"))
-        strict = strict_calls(body.get("tools"))
+        strict = strict_calls(tools)
         tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
         if not parallel and tool_choice == "auto" and not strict:

@@ -37,7 +37,8 @@ Field policy (as server.protocol: a field that cannot be honoured is refused, ne
   `context_management`, `prompt_cache_retention`/`prompt_cache_options`, non-function tools, input
   items other than the three above (and reasoning), and non-text content parts.
 - Accepted with no effect: `user`, `safety_identifier`, `prompt_cache_key` (the prefix cache needs no
-  key), `metadata` (echoed), `service_tier`, `stream_options`, and the `include` values that ask for
+  key), `metadata` (echoed), `service_tier`, `stream_options` (`include_obfuscation: false`, with
+  `stream`), and the `include` values that ask for
   parts of items Sailfish never produces (encrypted reasoning, search, computer, code interpreter,
   images).
 - `strict` on a function tool is honoured as on chat completions (server.serving: its calls follow
@@ -56,7 +57,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from server.protocol import (_TOOL_NAME, APIError, ChatCompletionRequest, _bad, _opt, _refuse_unknown, _sampling,
-                             check_tool_results, error_body, json_arguments, parse_tool_choice, parse_tools)
+                             _stream, check_tool_results, error_body, json_arguments, parse_tool_choice, parse_tools,
+                             strict_calls)
 from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.responses")
@@ -104,7 +106,7 @@ class ResponsesRequest:
         messages = parse_input(body.get("input"), instructions)
         check_tool_results(messages, param="input")
         tools = parse_function_tools(body.get("tools"))
-        strict = any(isinstance(t, dict) and t.get("strict") is True for t in body.get("tools") or [])
+        strict = strict_calls(tools)
         tool_choice = parse_tool_choice(_chat_tool_choice(body.get("tool_choice")), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
         if not parallel and tool_choice == "auto" and not strict:
@@ -115,7 +117,7 @@ class ResponsesRequest:
         if max_output_tokens is not None and max_output_tokens < 1:
             raise _bad(f"'max_output_tokens' must be at least 1, got {max_output_tokens}", "max_output_tokens")
         sampling = _sampling(body, sampling_defaults)
-        stream = _opt(body, "stream", bool, False, "a boolean")
+        stream, _ = _stream(body, usage=False)
         user = _opt(body, "user", str, None, "a string")
         metadata = _opt(body, "metadata", dict, {}, "an object")
         for name in ("safety_identifier", "prompt_cache_key"):
@@ -313,8 +315,6 @@ def parse_function_tools(raw: Any) -> list[dict]:
             raise _bad(f"{where}: tools of type {tool.get('type')!r} are not supported (function tools only)",
                        f"{where}.type", "unsupported_value")
         _refuse_extra_keys(tool, {"type", "name", "description", "parameters", "strict"}, where)
-        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
-            raise _bad(f"{where}.strict must be a boolean", f"{where}.strict", "invalid_type")
         function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
         nested.append({"type": "function", "function": function})
     try:

@@ -26,8 +26,11 @@ arguments follow as JSON fragments whose concatenation is the answer's `argument
 alike, its arguments the unfinished JSON converted so far (not valid JSON, so no client can mistake it
 for a finished call), with finish_reason "length" when max_tokens cut it.
 tool_choice: "none" renders no tools and parses no calls; "auto" renders them; "required" and a named
-function are enforced by a forced call prefix (built-in format) or only requested (chat template), as
-common.chat_format describes.
+function are enforced by a grammar (`_constraint`, where the format writes Gemma 4 calls and llguidance
+reads the tokenizer; else by a forced call prefix, or only requested under another chat template, as
+common.chat_format describes). A `strict` tool puts "auto" under a grammar too (free text, then calls
+that follow the strict tools' schemas, or none), and `parallel_tool_calls: false` with a required,
+named or strict call allows one call at most; where no grammar can run, those are refused.
 Sampling (server.sampling): every OpenAI/vLLM sampling field is honoured and sampled requests are
 drafted too; for the same `seed` the output is the same with or without drafting. Fields a request
 omits take the checkpoint's generation_config defaults (`--no-generation-defaults`: greedy).
@@ -251,14 +254,16 @@ class Service:
         enforced_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
         strict = req.strict_calls and req.tool_choice != "none" and req.response_format is None
         strict_auto = strict and req.tool_choice == "auto"
-        if strict and not self.chat_format.writes_gemma_calls:
-            raise APIError(400, "strict tools cannot be enforced under this model's chat template (its call syntax is "
-                           "its own); send strict: false", "tools", "unsupported_value")
+        one_call = enforced_call and not req.parallel_tool_calls and req.response_format is None
+        if (strict or one_call) and not self.chat_format.writes_gemma_calls:
+            wanted = "strict tools" if strict else "one call at most (parallel_tool_calls: false)"
+            raise APIError(400, f"{wanted} cannot be enforced under this model's chat template (its call syntax is "
+                           "its own)", "tools", "unsupported_value")
         if req.response_format is None and not ((enforced_call or strict_auto) and self.chat_format.writes_gemma_calls):
             return None
         compiler = self._grammar_compiler()
         if compiler is None:
-            if req.response_format is not None or strict or (enforced_call and not req.parallel_tool_calls):
+            if req.response_format is not None or strict or one_call:
                 wanted = ("response_format" if req.response_format is not None else "strict tools" if strict
                           else "one call at most (parallel_tool_calls: false)")
                 raise APIError(400, f"{wanted} cannot be enforced: it needs constrained decoding, which this "

@@ -99,7 +99,11 @@ def tool_call_grammar(tools: list[dict], named: str | None = None, parallel: boo
         if not _NAME_OK.fullmatch(name) or "call:" in name:
             raise ValueError(f"tool name {name!r} cannot be written in the Gemma 4 call syntax")
         parameters = fn.get("parameters") or {"type": "object"}
-        args = rules.value(parameters, parameters, force_object=True)
+        if optional and not fn.get("strict"):
+            args = "g_object"  # "auto" with strict tools: only the strict ones' arguments are checked
+        else:
+            args = rules.value(parameters, parameters, force_object=True)
+            refuse_unsatisfiable(parameters)
         alternatives.append(f"{lark_string('call:' + name)} {args}")
     body = f"({' | '.join(alternatives)}) {marker(CALL_CLOSE, special_tokens)}"
     if optional:
@@ -133,10 +137,16 @@ _UNENFORCED_KEYWORDS = ("pattern", "format", "minLength", "maxLength", "minimum"
                         "unevaluatedProperties", "unevaluatedItems")
 
 
+# Keywords that `$ref`, `anyOf` and `oneOf` take precedence over in the grammar (a sibling is not checked).
+_STRUCTURE_KEYWORDS = ("type", "properties", "required", "items", "enum", "const", "additionalProperties")
+
+
 def unenforced_keywords(schema: Any) -> list[str]:
     """The keywords of a `parameters` schema that `tool_call_grammar` would not enforce, sorted: those
-    above, `minItems` above 1, and `additionalProperties` other than what it does (an object with
-    `properties` takes no other keys; one without takes any)."""
+    above; `minItems` above 1; `additionalProperties` other than what it does (an object with
+    `properties` takes no other keys; one without takes any, or none where it is false); `oneOf`
+    (checked as `anyOf`: one member or more, not exactly one) and `allOf` (merged shallowly); a tuple's
+    `items` (a list); and a structural keyword beside `$ref`, `anyOf` or `oneOf` (named as that one)."""
     found: set[str] = set()
 
     def walk(node: Any) -> None:
@@ -145,12 +155,17 @@ def unenforced_keywords(schema: Any) -> list[str]:
                 walk(item)
         if not isinstance(node, dict):
             return
-        found.update(k for k in _UNENFORCED_KEYWORDS if k in node)
+        found.update(k for k in _UNENFORCED_KEYWORDS + ("oneOf", "allOf") if k in node)
         if isinstance(node.get("minItems"), int) and node["minItems"] > 1:
             found.add("minItems")
-        extra, what_is_done = node.get("additionalProperties"), not node.get("properties")
-        if extra is not None and not (isinstance(extra, bool) and extra == what_is_done):
+        if isinstance(node.get("items"), list):
+            found.add("items")
+        extra = node.get("additionalProperties")
+        if extra is not None and not (extra is False or (extra is True and not node.get("properties"))):
             found.add("additionalProperties")
+        for wins in ("$ref", "anyOf", "oneOf"):
+            if wins in node and any(k in node for k in _STRUCTURE_KEYWORDS):
+                found.add(wins)
         for key, value in node.items():
             if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
                 walk(list(value.values()))
@@ -166,7 +181,7 @@ def tool_call_json_schema(tools: list[dict], named: str | None = None) -> dict:
     functions = tool_functions(tools, named)
     options = []
     for i, fn in enumerate(functions):
-        refuse_ref_cycles(fn.get("parameters"))
+        refuse_unsatisfiable(fn.get("parameters"))
         # a parameters schema's local $refs point into itself: rebase them to where it now sits
         at = "#/properties/arguments" if len(functions) == 1 else f"#/anyOf/{i}/properties/arguments"
         options.append({"type": "object",
@@ -273,7 +288,8 @@ class _ValueSyntaxRules:
         if kind == "null":
             return self._rule('"null"')
         if kind == "array":
-            item = self.value(schema.get("items", True), root)
+            items = schema.get("items", True)
+            item = self.value(True if isinstance(items, list) else items, root)  # a tuple's items: any value
             if schema.get("minItems", 0) >= 1:
                 return self._rule(f'"[" {item} ("," {item})* "]"')
             return self._rule(f'"[" ({item} ("," {item})*)? "]"')
@@ -284,7 +300,8 @@ class _ValueSyntaxRules:
     def _object(self, schema: dict, root: dict) -> str:
         properties = schema.get("properties") or {}
         if not properties:
-            return "g_object"
+            # no declared keys: any keys, or none where additionalProperties is false (a tool of no arguments)
+            return self._rule('"{" "}"') if schema.get("additionalProperties") is False else "g_object"
         required = set(schema.get("required") or ())
         members = [(f"{lark_string(_key(k) + ':')} {self.value(s, root)}", k in required)
                    for k, s in properties.items()]
@@ -316,8 +333,6 @@ class _ValueSyntaxRules:
         self.rules[name] = ""  # reserved first, so a recursive reference finds it
         self.by_ref[ref] = name
         self.rules[name] = self.value(target, root)
-        if self.rules[name] in self.by_ref.values() and _ref_cycle(ref, root):
-            raise ValueError(f"$ref {ref!r} refers back to itself through $refs alone: no value satisfies it")
         return name
 
 
@@ -346,41 +361,80 @@ def _check_keywords(schema: dict) -> None:
     if types is not None and not (isinstance(types, str) or (isinstance(types, list) and types
                                                               and all(isinstance(t, str) for t in types))):
         raise ValueError("'type' must be a type name or a non-empty array of them")
-    if "items" in schema and not isinstance(schema["items"], (dict, bool)):
-        raise ValueError("'items' must be a schema (an object or a boolean)")
+    if "items" in schema and not isinstance(schema["items"], (dict, bool, list)):
+        raise ValueError("'items' must be a schema (an object or a boolean), or a list of them (a tuple)")
     min_items = schema.get("minItems", 0)
     if isinstance(min_items, bool) or not isinstance(min_items, int) or min_items < 0:
         raise ValueError("'minItems' must be a non-negative integer")
 
 
-def refuse_ref_cycles(schema: Any, root: Any = None) -> None:
-    """ValueError where a `$ref` anywhere in `schema` leads back to itself through bare `$ref`s
-    (`_ref_cycle`): llguidance compiles such a schema and fails mid-generation."""
-    root = schema if root is None else root
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and _ref_cycle(ref, root):
-            raise ValueError(f"$ref {ref!r} refers back to itself through $refs alone: no value satisfies it")
-        for value in schema.values():
-            refuse_ref_cycles(value, root)
-    elif isinstance(schema, list):
-        for value in schema:
-            refuse_ref_cycles(value, root)
+def refuse_unsatisfiable(schema: Any) -> None:
+    """ValueError where no finite value satisfies `schema` or one of the `$ref`s it uses (resolved
+    within it): a `$ref` that leads back to itself without anything written between (directly, or
+    through `allOf` / `anyOf` / `oneOf` members or required properties), which llguidance would
+    compile and then fail on mid-generation once a value began there, optional or not; or an `enum` /
+    `anyOf` with nothing satisfiable in it. The check is the least fixpoint of "some finite value
+    satisfies it" over the schema's `$ref` targets."""
+    if not isinstance(schema, dict):
+        return
+    refs = sorted(_refs_in(schema))
+    productive: set[str] = set()
+    while True:
+        grown = {ref for ref in refs if ref not in productive and _satisfiable(_resolve(ref, schema), productive)}
+        if not grown:
+            break
+        productive |= grown
+    dead = [ref for ref in refs if ref not in productive]
+    if dead:  # even where optional: a grammar that lets a value begin there could not end it
+        raise ValueError(f"no finite value satisfies $ref {dead[0]!r} (it refers back to itself with nothing "
+                         "written between)")
+    if not _satisfiable(schema, productive):
+        raise ValueError("no finite value satisfies this schema")
 
 
-def _ref_cycle(ref: str, root: dict) -> bool:
-    """Whether `ref` leads back to itself through schemas that are a bare `$ref` (nothing written
-    between: an endless rule, where llguidance would fail mid-generation rather than refuse it)."""
-    seen = set()
-    while isinstance(ref, str) and ref.startswith("#") and ref not in seen:
-        seen.add(ref)
-        target: Any = root
-        for part in [p for p in ref[1:].split("/") if p]:
-            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
-        if not isinstance(target, dict) or "$ref" not in target:
+def _refs_in(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["$ref"]} if isinstance(node.get("$ref"), str) else set()
+        return found.union(*(_refs_in(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs_in(v) for v in node))
+    return set()
+
+
+def _resolve(ref: str, root: dict) -> Any:
+    target: Any = root
+    if not ref.startswith("#"):
+        return True  # (a remote $ref is refused where a grammar is built; here it is not a cycle)
+    for part in [p for p in ref[1:].split("/") if p]:
+        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+    return True if target is None else target
+
+
+def _satisfiable(node: Any, productive: set[str]) -> bool:
+    """Whether some finite value satisfies `node`, taking the `$ref`s in `productive` to be so
+    (and no other: the fixpoint grows the set). Keywords that only narrow values (bounds, patterns)
+    are not looked at: this is about grammars that can never end."""
+    if node is False:
+        return False
+    if not isinstance(node, dict):
+        return True
+    if isinstance(node.get("$ref"), str) and node["$ref"] not in productive:
+        return False
+    if isinstance(node.get("enum"), list) and not node["enum"]:
+        return False
+    if isinstance(node.get("allOf"), list) and not all(_satisfiable(m, productive) for m in node["allOf"]):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and not any(_satisfiable(m, productive) for m in node[key]):
             return False
-        ref = target["$ref"]
-    return ref in seen
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if not all(_satisfiable(properties[k], productive) for k in required if isinstance(k, str) and k in properties):
+        return False
+    min_items = node.get("minItems")
+    if isinstance(min_items, int) and min_items >= 1 and isinstance(node.get("items"), (dict, bool)):
+        return _satisfiable(node["items"], productive)
+    return True
 
 
 def _key(name: str) -> str:

@@ -261,6 +261,11 @@ def test_what_needs_a_grammar_is_refused_where_none_can_run(server):
     ({"max_tokens": 10, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "server tools"),
     ({"max_tokens": 10, "messages": HI, "tools": [{"name": "f"}]}, "input_schema"),
+    ({"max_tokens": 10, "messages": HI, "tools": [{"name": "f", "strict": True, "input_schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}]},
+     "tools.0.input_schema: pattern cannot be enforced under strict"),
+    ({"max_tokens": 10, "messages": HI, "tools": [{"name": "f", "strict": "yes", "input_schema": {"type": "object"}}]},
+     "tools.0.strict must be a boolean"),
     ({"max_tokens": 10, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "MAX_THINKING_TOKENS"),
     ({"max_tokens": 10, "messages": HI, "temperature": 7}, "temperature"),
     ({"max_tokens": 10, "messages": HI, "stop_sequences": "!"}, "stop_sequences"),

@@ -279,7 +279,8 @@ def test_optional_calls_grammar_takes_text_then_checked_calls_or_none(markers_as
     each checked as a required call is; nothing after the calls, and the text never spells the call
     opener (the parser would read a call the grammar did not check)."""
     compiler = byte_compiler(markers_as_tokens)
-    many, one = compiler.tool_call(TOOLS, optional=True), compiler.tool_call(TOOLS, parallel=False, optional=True)
+    many, one = compiler.tool_call(STRICT_TOOLS, optional=True), compiler.tool_call(STRICT_TOOLS, parallel=False,
+                                                                                  optional=True)
     call, other = call_text(*GOOD_CALLS[0]), call_text(*GOOD_CALLS[5])
 
     def takes(constraint, text: str) -> bool:
@@ -298,6 +299,9 @@ def test_optional_calls_grammar_takes_text_then_checked_calls_or_none(markers_as
     for name, args in BAD_CALLS:
         assert not takes(many, "hi " + call_text(name, args)), (name, args)
     assert not takes(many, call + "text after the calls")
+    # only the strict tools' arguments are checked: a tool not marked strict takes any object
+    loose = compiler.tool_call([STRICT_TOOLS[0], *TOOLS[1:]], optional=True)
+    assert takes(loose, call_text("search", {"anything": 1})) and not takes(many, call_text("search", {"anything": 1}))
     if markers_as_tokens:  # the opener spelled as text, not the token: refused
         assert not takes(many, "hi " + BYTE_TOKENIZER.decode(BYTE_TOKENIZER.encode_bytes(CALL_OPEN.encode())))
 
@@ -319,10 +323,21 @@ def test_strict_tools_refuse_what_the_grammar_cannot_enforce():
                                 "$defs": {"d": {"type": "integer", "minimum": 0}}}) == ["minimum", "pattern"]
     assert unenforced_keywords({"type": "object", "properties": {"a": {"type": "string"}},
                                 "additionalProperties": True}) == ["additionalProperties"]
-    assert unenforced_keywords({"type": "object", "additionalProperties": False}) == ["additionalProperties"]
+    assert unenforced_keywords(NO_ARGUMENTS) == []
     assert unenforced_keywords({"type": "array", "items": {"type": "string"}, "minItems": 2}) == ["minItems"]
+    assert unenforced_keywords({"type": "array", "items": [{"type": "string"}]}) == ["items"]  # a tuple
+    assert unenforced_keywords({"oneOf": [{"type": "string"}], "allOf": [{}]}) == ["allOf", "oneOf"]
+    assert unenforced_keywords({"anyOf": [{"type": "string"}], "type": "integer"}) == ["anyOf"]
+    assert unenforced_keywords({"$ref": "#/$defs/x", "description": "an annotation"}) == []
+    # a strict tool of no arguments (the Agents SDK's schema): "{}" and nothing else
+    constraint = byte_compiler(True).tool_call(_tool(NO_ARGUMENTS))
+    for args, ok in (({}, True), ({"a": 1}, False)):
+        ids = encode_for(True, call_text("f", args))
+        assert (constraint.start([1]).validate_tokens(ids) == len(ids)) == ok, args
 
 
+STRICT_TOOLS = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+NO_ARGUMENTS = {"type": "object", "properties": {}, "required": [], "additionalProperties": False}
 # what the OpenAI Agents SDK sends for a function of one string argument (strict by default)
 STRICT_OK = {"type": "object", "properties": {"order_id": {"title": "Order Id", "type": "string"}},
              "required": ["order_id"], "title": "get_order_status_args", "additionalProperties": False}
@@ -349,6 +364,14 @@ MALFORMED_PARAMETERS = [  # a client's schema with a keyword of the wrong type (
     SELF_REFERENCE,
     {"type": "object", "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}},
      "properties": {"a": {"$ref": "#/$defs/x"}}},
+    # cycles through a wrapper, and a required property that is the object itself: never complete
+    {"type": "object", "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "properties": {"x": {"$ref": "#/$defs/a"}},
+     "required": ["x"]},
+    {"type": "object", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "properties": {"x": {"$ref": "#/$defs/a"}},
+     "required": ["x"]},
+    {"type": "object", "$defs": {"n": {"type": "object", "properties": {"child": {"$ref": "#/$defs/n"}},
+                                       "required": ["child"]}},
+     "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]},
 ]
 
 
@@ -362,10 +385,13 @@ def test_malformed_or_unsatisfiable_tool_schemas_are_refused(parameters, markers
 
 def test_a_self_referencing_schema_is_refused_and_a_recursive_one_is_not():
     compiler = byte_compiler(False)
-    with pytest.raises(ValueError, match="refers back to itself"):
-        compiler.json_schema(SELF_REFERENCE)
-    with pytest.raises(ValueError, match="refers back to itself"):
-        compiler.tool_call_json(_tool(SELF_REFERENCE))
+    for schema in (SELF_REFERENCE, *MALFORMED_PARAMETERS[-3:]):
+        with pytest.raises(ValueError, match="no finite value satisfies"):
+            compiler.json_schema(schema)
+        with pytest.raises(ValueError, match="no finite value satisfies"):
+            compiler.tool_call_json(_tool(schema))
+    tuple_items = {"type": "object", "properties": {"pair": {"type": "array", "items": [{"type": "string"}]}}}
+    compiler.tool_call(_tool(tuple_items))  # a tuple's items (draft 7): any value, as before
     tree = {"$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}},
             "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}}
     compiler.json_schema(tree)
@@ -437,8 +463,9 @@ def test_tiny_constrained_drafted_equals_plain(tiny):
     constraints = {"json_object": byte_compiler(False).json_object(),
                    "tool_call": byte_compiler(True).tool_call(TOOLS),
                    # tool_choice "auto" with strict tools: free text, then calls or none
-                   "optional_calls": byte_compiler(True).tool_call(TOOLS, optional=True),
-                   "optional_call_text_markers": byte_compiler(False).tool_call(TOOLS, parallel=False, optional=True)}
+                   "optional_calls": byte_compiler(True).tool_call(STRICT_TOOLS, optional=True),
+                   "optional_call_text_markers": byte_compiler(False).tool_call(STRICT_TOOLS, parallel=False,
+                                                                                optional=True)}
     plain_engine = engine_for(tiny, BYTE_TOKENIZER)
     cut = accepted = 0
     for i, prompt in enumerate(prompts_for(512, (6, 40))):

@@ -122,6 +122,28 @@ def test_strict_tools_under_auto_drafted_equals_plain(servers):
     assert "tool_calls" in seen  # (the second conversation calls the tool, as its first turn did)
 
 
+def test_strict_tools_put_auto_under_the_grammar(target):
+    """On the bundled model's tokenizer a strict tool under tool_choice "auto" gets the optional-calls
+    grammar: text, or a call that follows the schema; a call breaking it is cut where it breaks."""
+    from server.protocol import ChatCompletionRequest
+
+    service = Service(Engine(target, None, EngineConfig()), Settings(trace_log=False, draft=False))
+    strict = {**WEATHER_TOOL["function"], "strict": True}
+    req = ChatCompletionRequest.parse({"messages": CHATS[1]["messages"], "tools": [{"type": "function",
+                                                                                    "function": strict}]})
+    constraint = service._constraint(req, req.tools)
+    loose = ChatCompletionRequest.parse({"messages": CHATS[1]["messages"], "tools": [WEATHER_TOOL]})
+    assert constraint is not None and service._constraint(loose, loose.tools) is None
+    tok = target.tokenizer
+
+    def taken(text: str) -> bool:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return constraint.start([tok.eos_token_id]).validate_tokens(ids) == len(ids)
+
+    assert taken("It is sunny.") and taken('<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>')
+    assert not taken("<|tool_call>call:get_weather{town:") and not taken("<|tool_call>call:get_time{")
+
+
 def test_streaming_equals_non_streaming(servers):
     c = _client(servers[0])
     req = dict(model="gemma", max_tokens=MAX_TOKENS, **CHATS[0])
