@@ -49,6 +49,7 @@ from common.progress import phase
 from common.chat_format import (CONTENT, REASONING, ArgumentsDelta, CallEnded, CallStarted, ChatFormat,
                                 ThinkingStreamParser, ToolCallStreamer)
 from server.engine import GenerationParams
+from server.grammar import GrammarError
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_completion,
                              completion, error_body, new_call_id, new_id, usage_body)
@@ -455,6 +456,11 @@ class Service:
             outcome = "ok" if finish is not None or not job.cancelled else "cancelled"
         except ValueError as e:  # the engine's refusal of a request (e.g. it does not fit the context)
             raise APIError(400, str(e), None, "invalid_request") from e
+        except GrammarError as e:  # a format the checks passed that llguidance cannot continue: the request's
+            log.warning("constrained generation stopped: %s", e)
+            raise APIError(400, f"the requested format cannot be followed here: {e}", "response_format"
+                           if prep.params.constraint is not None and prep.params.constraint.kind == "json_schema"
+                           else "tools", "invalid_value") from e
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise

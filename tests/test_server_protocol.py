@@ -64,6 +64,9 @@ def default_script(prompt: str) -> str:
         return "Let me check. " + PARIS_CALL + "<|tool_response>"
     if "crash" in last_user:
         raise RuntimeError("scripted engine failure with a secret stack frame")
+    if "dead end" in last_user:  # a grammar that compiled and then allows nothing (server.grammar)
+        from server.grammar import GrammarError
+        raise GrammarError("the grammar allows no token here and is not complete")
     return "Hello there! How can I help you today?<turn|>"
 
 
@@ -355,6 +358,15 @@ def test_engine_failure_is_a_generic_500(server, client):
     assert "secret" not in json.dumps(e.value.body) and "Traceback" not in json.dumps(e.value.body)
     assert e.value.body["type"] == "server_error"
     # the server keeps serving
+    assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+
+
+def test_a_grammar_that_dead_ends_is_a_400_not_a_500(server, client):
+    """A format that passed the checks but that llguidance cannot continue mid-generation (none is
+    known: server.tool_grammars refuses the unsatisfiable schemas it can see) is the request's: a 400."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a dead end please"}])
+    assert "cannot be followed" in e.value.body["message"] and e.value.body["code"] == "invalid_value"
     assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
 
 
