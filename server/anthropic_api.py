@@ -133,7 +133,7 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
     system = _system_text(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.get("messages"))
     raw_tools = _tools(body.get("tools"))
-    tools, choice = _anthropic_names(parse_tools, raw_tools), body.get("tool_choice")
+    tools, choice = _parse_tools_named(raw_tools), body.get("tool_choice")
     strict = strict_calls(tools)
     return ChatCompletionRequest(
         messages=parse_messages(messages), model=_opt(body, "model", str, "", "a string"), max_tokens=max_tokens,
@@ -143,11 +143,12 @@ def parse_request(body: Any, sampling_defaults: dict | None = None,
         strict_calls=strict, parallel_tool_calls=not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use")))
 
 
-def _anthropic_names(parse, raw):
-    """`parse(raw)` with its errors naming the Messages API's fields: tools[0].function.parameters ->
-    tools.0.input_schema, tools[0].function.strict -> tools.0.strict (and .name, .description)."""
+def _parse_tools_named(raw: list[dict] | None) -> list[dict]:
+    """server.protocol.parse_tools, its errors naming the Messages API's fields:
+    tools[0].function.parameters -> tools.0.input_schema, tools[0].function.strict -> tools.0.strict
+    (and .name, .description)."""
     try:
-        return parse(raw)
+        return parse_tools(raw)
     except APIError as e:
         def rename(text):
             text = re.sub(r"tools\[(\d+)\]", r"tools.\1", text)

@@ -386,8 +386,16 @@ def parse_tools(raw: Any) -> list[dict]:
 def strict_calls(tools: list[dict]) -> bool:
     """Whether any of the request's tools (as `parse_tools` gives them) is marked `strict`: its calls
     are then enforced by the grammar under tool_choice "auto" too (server.serving)."""
-    return any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
-               for t in tools or [])
+    return any(t["function"].get("strict") for t in tools)
+
+
+def check_one_call(parallel: bool, tool_choice: str | dict, strict: bool) -> None:
+    """`parallel_tool_calls: false` (one call at most) is refused where nothing enforces it: with
+    tool_choice "auto" and no strict tool (server.serving's grammar enforces it otherwise)."""
+    if not parallel and tool_choice == "auto" and not strict:
+        raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required', a named function or "
+                   "strict tools (with 'auto' the model may call several tools)", "parallel_tool_calls",
+                   "unsupported_value")
 
 
 def _check_strict(fn: dict, parameters: dict, where: str) -> bool:
@@ -487,10 +495,7 @@ class ChatCompletionRequest:
         strict = strict_calls(tools)
         tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
-        if not parallel and tool_choice == "auto" and not strict:
-            raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required', a named function or "
-                       "strict tools (with 'auto' the model may call several tools)", "parallel_tool_calls",
-                       "unsupported_value")
+        check_one_call(parallel, tool_choice, strict)
         if response_format is not None and tool_choice not in ("none", "auto"):
             raise _bad("a JSON response_format and a required tool call cannot both be enforced", "response_format",
                        "unsupported_value")

@@ -57,8 +57,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from server.protocol import (_TOOL_NAME, APIError, ChatCompletionRequest, _bad, _opt, _refuse_unknown, _sampling,
-                             _stream, check_tool_results, error_body, json_arguments, parse_tool_choice, parse_tools,
-                             strict_calls)
+                             _stream, check_one_call, check_tool_results, error_body, json_arguments,
+                             parse_tool_choice, parse_tools, strict_calls)
 from server.serving import Finish, Reasoning, Service, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 log = logging.getLogger("sailfish.responses")
@@ -109,10 +109,7 @@ class ResponsesRequest:
         strict = strict_calls(tools)
         tool_choice = parse_tool_choice(_chat_tool_choice(body.get("tool_choice")), tools)
         parallel = _opt(body, "parallel_tool_calls", bool, True, "a boolean")
-        if not parallel and tool_choice == "auto" and not strict:
-            raise _bad("parallel_tool_calls=false is enforced only with tool_choice 'required', a named function or "
-                       "strict tools (with 'auto' the model may call several tools)", "parallel_tool_calls",
-                       "unsupported_value")
+        check_one_call(parallel, tool_choice, strict)
         max_output_tokens = _opt(body, "max_output_tokens", int, None, "an integer")
         if max_output_tokens is not None and max_output_tokens < 1:
             raise _bad(f"'max_output_tokens' must be at least 1, got {max_output_tokens}", "max_output_tokens")

@@ -256,20 +256,21 @@ class Service:
         strict = req.strict_calls and req.tool_choice != "none" and req.response_format is None
         strict_auto = strict and req.tool_choice == "auto"
         one_call = enforced_call and not req.parallel_tool_calls and req.response_format is None
+        # what only a grammar can honour (refused where none can run), and the field that asked for it
+        wanted = ("response_format" if req.response_format is not None else "strict tools" if strict
+                  else "one call at most (parallel_tool_calls: false)" if one_call else None)
+        param = "response_format" if req.response_format is not None else "tools"
         if (strict or one_call) and not self.chat_format.writes_gemma_calls:
-            wanted = "strict tools" if strict else "one call at most (parallel_tool_calls: false)"
             raise APIError(400, f"{wanted} cannot be enforced under this model's chat template (its call syntax is "
-                           "its own)", "tools", "unsupported_value")
+                           "its own)", param, "unsupported_value")
         if req.response_format is None and not ((enforced_call or strict_auto) and self.chat_format.writes_gemma_calls):
             return None
         compiler = self._grammar_compiler()
         if compiler is None:
-            if req.response_format is not None or strict or one_call:
-                wanted = ("response_format" if req.response_format is not None else "strict tools" if strict
-                          else "one call at most (parallel_tool_calls: false)")
+            if wanted is not None:
                 raise APIError(400, f"{wanted} cannot be enforced: it needs constrained decoding, which this "
-                               f"model's tokenizer does not support ({self._compiler_error})",
-                               "response_format" if req.response_format else "tools", "unsupported_value")
+                               f"model's tokenizer does not support ({self._compiler_error})", param,
+                               "unsupported_value")
             return None
         try:
             if req.response_format is None:
@@ -279,8 +280,7 @@ class Service:
                 return compiler.json_object()
             return compiler.json_schema(req.response_format["schema"])
         except ValueError as e:
-            raise APIError(400, f"cannot enforce this request's format: {e}",
-                           "response_format" if req.response_format else "tools", "invalid_value") from None
+            raise APIError(400, f"cannot enforce this request's format: {e}", param, "invalid_value") from None
 
     def _grammar_compiler(self):
         """The tokenizer's grammar compiler, built on the first constrained request (a few seconds);

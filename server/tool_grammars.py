@@ -9,7 +9,8 @@ of it as text.
 
 - `tool_call_grammar(tools, named=None, parallel=True, optional=False)`: the built-in Gemma 4 format of
   common.chat_format, `<|tool_call>call:NAME{ARGS}<tool_call|>`, one call or (parallel) one or more
-  in a row (`optional`: after free text, none, or one / one or more: tool_choice "auto" with strict tools), NAME one of the offered tools (`named`: only that one), ARGS in the format's value syntax
+  in a row (`optional`: after free text, none, or one / one or more: tool_choice "auto" with strict
+  tools), NAME one of the offered tools (`named`: only that one), ARGS in the format's value syntax
   (bare keys, strings `<|"|>text<|"|>`, JSON numbers, true/false/null) following the tool's
   `parameters` schema: `properties` in their declared order (required ones always, optional ones
   optionally; no other keys), `type` (also a list of types), `enum`, `const`, `anyOf`/`oneOf`,
@@ -321,14 +322,11 @@ class _ValueSyntaxRules:
     def _ref(self, ref: str, root: dict) -> str:
         if ref in self.by_ref:
             return self.by_ref[ref]
-        target: Any = root
         if not ref.startswith("#"):
             raise ValueError(f"only local $refs are supported, not {ref!r}")
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
-                raise ValueError(f"$ref {ref!r} does not resolve")
-            target = target[part]
+        target = _pointer(ref, root)
+        if target is _UNRESOLVED:
+            raise ValueError(f"$ref {ref!r} does not resolve")
         name = f"v{len(self.rules)}"
         self.rules[name] = ""  # reserved first, so a recursive reference finds it
         self.by_ref[ref] = name
@@ -401,13 +399,27 @@ def _refs_in(node: Any) -> set[str]:
     return set()
 
 
-def _resolve(ref: str, root: dict) -> Any:
+_UNRESOLVED = object()
+
+
+def _pointer(ref: str, root: dict) -> Any:
+    """What a local `$ref` ("#/$defs/a", JSON-pointer escapes undone) points at in `root`, else
+    _UNRESOLVED (a remote one too)."""
     target: Any = root
     if not ref.startswith("#"):
-        return True  # (a remote $ref is refused where a grammar is built; here it is not a cycle)
+        return _UNRESOLVED
     for part in [p for p in ref[1:].split("/") if p]:
-        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
-    return True if target is None else target
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return _UNRESOLVED
+        target = target[part]
+    return target
+
+
+def _resolve(ref: str, root: dict) -> Any:
+    """`_pointer`'s target; one that does not resolve (refused where a grammar is built) is no cycle here."""
+    target = _pointer(ref, root)
+    return True if target is _UNRESOLVED else target
 
 
 def _satisfiable(node: Any, productive: set[str]) -> bool:
