@@ -278,3 +278,42 @@ def test_prefill_dequantization_kernel_equals_the_layout(n, k):
     scratch = torch.full((n * k + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert torch.equal(lin.dequantize_t(scratch), want)
     assert torch.equal(lin.dequantize_t(), want)
+
+
+def _shipped_launches() -> list:
+    """(shape, Launch) for every distinct launch of the shipped table (server/step_tilings.json), any GPU's."""
+    import json
+
+    from server import step_tilings
+    table = step_tilings.parse_table(json.loads(step_tilings.TABLE.read_text()))
+    out = {(shape, launch) for shapes in table.values() for shape, by_rows in shapes.items()
+           for launch in by_rows.values()}
+    return sorted(out)
+
+
+@pytest.mark.parametrize("shape,launch", _shipped_launches())
+def test_tuned_launches_give_the_rules_bits(shape, launch, monkeypatch):
+    """Every configuration in the shipped table of measured launches (server/step_tilings.py), on its
+    shape, at every row count: the bits of the rules' launch (TUNED off), as plain outputs, split-K
+    slices and, on gate|up's shape, gelu pairs. The table chooses speed, never values."""
+    from server import small_m_matmul
+
+    n, k = map(int, shape.split("x"))
+    lin = int4_linear(n, k, seed=n + k + 5)
+    if launch.kernel == "gluon" and not lin.gluon:
+        pytest.skip("Gluon does not run here")
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).cuda()
+    pairs = lin.gelu_pairs() if n == 20480 else None
+    monkeypatch.setattr(small_m_matmul, "TUNED", False)
+    ref = {m: (lin(x[:m]), lin.slices(x[:m]).clone(), pairs and pairs(x[:m])) for m in ROW_COUNTS}
+    monkeypatch.setattr(small_m_matmul, "TUNED", True)
+    lin.tuned = {MAX_ROWS: launch}
+    if pairs is not None:
+        pairs.tuned = lin.tuned
+    for m in ROW_COUNTS:
+        assert lin.launch(m) == launch
+        y, parts, gelus = ref[m]
+        assert torch.equal(lin(x[:m]), y), f"{shape} {launch}: {m} rows"
+        assert torch.equal(lin.slices(x[:m]), parts), f"{shape} {launch}: {m} rows, slices"
+        if pairs is not None:
+            assert torch.equal(pairs(x[:m]), gelus), f"{shape} {launch}: {m} rows, gelu pairs"
