@@ -76,8 +76,6 @@ from __future__ import annotations
 
 import torch
 
-from server.step_tilings import Launch, launch_for
-
 MAX_ROWS = 64       # rows one call takes: up to 4 tiles of TILE_M
 TILE_M = 16         # rows per tensor-core tile, whatever the row count (see the module docstring)
 BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's default)
@@ -126,10 +124,6 @@ WIDE_TILING = (128, 4)
 # (their forwards 5.28-5.37 against 5.41-5.60 ms, p50 1.45-1.47x solo against 1.51-1.57x), a 64-row
 # step 7.55 against 8.02 ms; 16 streams too noisy to call (2.86x and 1.84x against 2.48-2.54x).
 WIDE_MIN_COLUMNS = 8192
-# Where server/step_tilings.json has measured this GPU model and a linear's shape, its launches take the
-# table's configuration for their row count (kernel, column tile, warps, stages: the same K slices, so
-# the same bits) instead of the rules above. False: the rules everywhere (A/B runs).
-TUNED = True
 
 
 def pdl_launch(device: torch.device) -> dict:
@@ -212,7 +206,7 @@ class SmallMLinear:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
                  n: int, k: int, block_n: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
                  target_programs: int = TARGET_PROGRAMS, magic: bool = True, split: int | None = None,
-                 gluon_stages: int | None = None, tuned: bool = True):
+                 gluon_stages: int | None = None):
         block_n = block_n or _block_n(n)
         if k % BLOCK_K or not block_n or n % block_n:
             raise ValueError(f"shape N={n}, K={k} does not tile by ({block_n}, {BLOCK_K})")
@@ -238,12 +232,6 @@ class SmallMLinear:
         self.gluon = (GLUON and self.magic and (block_n, num_warps) in gluon_matmul.TILINGS
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
-        # server/step_tilings.py's measured launches for this GPU model and shape ({rows: Launch}), or
-        # None (not measured, not int4, or `tuned` False: a bench timing the configuration it built)
-        self.tuned = None
-        if tuned and self.magic and weight.device.type == "cuda":
-            from server.step_tilings import tuned_launches
-            self.tuned = tuned_launches(torch.cuda.get_device_name(weight.device), n, k)
         self.epilogue = PLAIN
         # False: a call's split-K slices store their partials and end, the output unwritten (what
         # bench.small_m_bench --chain-tails times); never set when serving (`slices` is the way)
@@ -262,8 +250,8 @@ class SmallMLinear:
             raise ValueError("gelu_pairs of a linear that already has an epilogue")
         fused = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,
                              num_warps=self.num_warps, num_stages=self.num_stages, magic=self.magic, split=self.split,
-                             gluon_stages=self.gluon_stages, tuned=False)
-        fused.epilogue, fused.partial, fused.tuned = GELU_PAIRS, self.partial, self.tuned
+                             gluon_stages=self.gluon_stages)
+        fused.epilogue, fused.partial = GELU_PAIRS, self.partial
         return fused
 
     @classmethod
@@ -325,50 +313,26 @@ class SmallMLinear:
         if self.partial is None:
             self.partial = torch.empty((max(1, self.partial_numel()),), dtype=torch.float32, device=self.weight.device)
         tiles = max(1, -(-m // TILE_M))
-        launch = self.launch(m)
-        if launch.kernel == "gluon":
+        if self.gluon:
             from server import gluon_matmul
             from server.gluon_matmul import int4_step_matmul, x_rows
-            int4_step_matmul[(self.n // launch.block_n, self.split)](
+            block_n, warps = self._gluon_tiling(tiles)
+            int4_step_matmul[(self.n // block_n, self.split)](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
-                ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=launch.block_n, STAGES=launch.stages,
+                ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=block_n, STAGES=self.gluon_stages,
                 EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), REDUCE=reduce,
-                num_warps=launch.warps, **self._launch)
+                num_warps=warps, **self._launch)
             return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
-        _small_m_kernel[(self.n // launch.block_n, self.split)](
+        _small_m_kernel[(self.n // self.block_n, self.split)](
             x2, self.weight, self.scale if self.scale is not None else self.weight,
             self.offset if self.int4 else self.weight,
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split, times,
             times.stride(0), INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles,
-            ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=launch.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
-            REDUCE=reduce, num_warps=launch.warps, num_stages=launch.stages, **self._launch)
+            ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
+            REDUCE=reduce, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
-
-    def launch(self, m: int) -> Launch:
-        """How a call of m rows is launched (server/step_tilings.py `Launch`): the measured table's entry
-        for this GPU model, shape and row count where there is one this linear can run (TUNED), else
-        the Gluon kernel on `_gluon_tiling` where it runs, else `_small_m_kernel` as built. Every
-        answer has this linear's K slices: the same bits (the module docstring)."""
-        from server.step_tilings import Launch, launch_for
-        if TUNED and self.tuned:
-            chosen = launch_for(self.tuned, m)
-            if chosen is not None and self._can_run(chosen):
-                return chosen
-        if self.gluon:
-            return Launch("gluon", *self._gluon_tiling(max(1, -(-m // TILE_M))), self.gluon_stages)
-        return Launch("triton", self.block_n, self.num_warps, self.num_stages)
-
-    def _can_run(self, launch) -> bool:
-        """Whether `launch` fits this linear: its column tile divides N and is no narrower than the
-        linear's own (the split-K counters are one per own tile), and its kernel runs here with it."""
-        if self.n % launch.block_n or launch.block_n < self.block_n:
-            return False
-        if launch.kernel == "gluon":
-            from server import gluon_matmul
-            return self.gluon and (launch.block_n, launch.warps) in gluon_matmul.TILINGS
-        return launch.block_n == self.block_n
 
     def _gluon_tiling(self, tiles: int) -> tuple[int, int]:
         """(columns a program, warps) of a Gluon launch of `tiles` row tiles: WIDE_TILING from

@@ -2,7 +2,6 @@
 The kernels themselves run in tests/test_fast_path.py's CUDA tests and bench/small_m_bench.py."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from server.fast_linears import DenseLinear
@@ -210,44 +209,3 @@ def test_wide_tiling_rule(monkeypatch):
     monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", 0)
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", None)
     assert wide._gluon_tiling(4) == (64, 4)
-
-
-def test_tuned_launch_table(monkeypatch):
-    """server/step_tilings.py: the shipped table parses, a malformed entry is refused by name, a call
-    of m rows takes the smallest measured row count at or above m, and SmallMLinear.launch follows the
-    table only where the entry can run on the linear (else the rules), and not with TUNED off."""
-    import json
-
-    from server import small_m_matmul, step_tilings
-    from server.step_tilings import Launch, launch_for, parse_table
-
-    shipped = parse_table(json.loads(step_tilings.TABLE.read_text()))
-    assert shipped, "the shipped table measures at least one GPU"
-    for device, shapes in shipped.items():
-        for shape, by_rows in shapes.items():
-            n, k = map(int, shape.split("x"))
-            assert max(by_rows) >= 64 and all(launch.block_n in (32, 64, 128) for launch in by_rows.values()), shape
-    for bad in ({"gpu": {"12x": {"1": ["gluon", 64, 4, 2]}}}, {"gpu": {"64x128": {"1": ["cuda", 64, 4, 2]}}},
-                {"gpu": {"64x128": {"1": ["gluon", 64, 4]}}}, {"gpu": {"64x128": {"1": ["gluon", 0, 4, 2]}}}):
-        with pytest.raises(ValueError, match="gpu"):
-            parse_table(bad)
-
-    table = parse_table({"gpu": {"128x256": {"1": ["triton", 64, 4, 3], "16": ["gluon", 128, 4, 3],
-                                             "64": ["triton", 128, 4, 3]}}})["gpu"]["128x256"]
-    assert [launch_for(table, m) for m in (1, 2, 16, 17, 65)] == [
-        Launch("triton", 64, 4, 3), Launch("gluon", 128, 4, 3), Launch("gluon", 128, 4, 3),
-        Launch("triton", 128, 4, 3), None]
-
-    k = 2 * BLOCK_K
-    lin = SmallMLinear(pack_codes(torch.zeros(128, k, dtype=torch.int32)), torch.ones(2, 128, dtype=torch.bfloat16),
-                       torch.zeros(2, 128, dtype=torch.bfloat16), 128, k)
-    assert lin.tuned is None                   # measured on CUDA GPUs only
-    rules = lin.launch(1)
-    assert rules == Launch("triton", 64, 4, small_m_matmul.NUM_STAGES)   # no Gluon off CUDA
-    lin.tuned = table
-    assert lin.launch(1) == Launch("triton", 64, 4, 3)    # the table's
-    assert lin.launch(16) == rules                         # Gluon does not run here: the rules
-    assert lin.launch(33) == rules                         # a Triton tile unlike the linear's own: the rules
-    monkeypatch.setattr(small_m_matmul, "TUNED", False)
-    lin.tuned = {64: Launch("triton", 64, 4, 2)}
-    assert lin.launch(1) == rules
