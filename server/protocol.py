@@ -298,6 +298,7 @@ def parse_messages(raw: Any) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role {role!r} is not one of {', '.join(ROLES)}", f"{where}.role")
+        _check_message_keys(m, role, where)
         msg: dict = {"role": "system" if role == "developer" else role,
                      "content": _text_content(m.get("content"), where)}
         if role == "assistant":
@@ -311,6 +312,11 @@ def parse_messages(raw: Any) -> list[dict]:
                 raise _bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content", "invalid_type")
             if reasoning:  # rendered back as the chat format decides (common.chat_format, "Thinking")
                 msg["reasoning_content"] = reasoning
+            refusal = m.get("refusal")
+            if refusal is not None and not isinstance(refusal, str):
+                raise _bad(f"{where}.refusal must be a string", f"{where}.refusal", "invalid_type")
+            if refusal:  # what the assistant said in refusing: its text in the conversation
+                msg["content"] = f"{msg['content']}\n{refusal}" if msg["content"] else refusal
         elif role == "tool":
             if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
                 raise APIError(400, f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id",
@@ -321,6 +327,28 @@ def parse_messages(raw: Any) -> list[dict]:
         out.append(msg)
     check_tool_results(out)
     return out
+
+
+# A message's keys by role. Beside the ones rendered (an assistant's `refusal` is its text), an
+# assistant message may carry what a client echoes from a response (annotations, audio,
+# function_call) while it holds nothing: null, empty. Anything else is refused by name, as OpenAI
+# refuses it (a `prefix` asking for continuation, a deprecated `function_call` that was made, `audio`
+# to play back: none can be honoured here).
+_MESSAGE_KEYS = {"role", "content", "name"}
+_ROLE_KEYS = {"assistant": {"tool_calls", "reasoning_content", "reasoning", "refusal"}, "tool": {"tool_call_id"}}
+_ECHOED_WHEN_EMPTY = {"assistant": {"annotations", "audio", "function_call"}}
+
+
+def _check_message_keys(m: dict, role: str, where: str) -> None:
+    allowed = _MESSAGE_KEYS | _ROLE_KEYS.get(role, set())
+    for key, value in m.items():
+        if key in allowed:
+            continue
+        if key in _ECHOED_WHEN_EMPTY.get(role, ()) and value in (None, "", [], {}):
+            continue
+        what = (f"{where}.{key} must be empty here: Sailfish cannot honour it" if key in _ECHOED_WHEN_EMPTY.get(role, ())
+                else f"{where}.{key} is not a field of a {role} message")
+        raise _bad(what, f"{where}.{key}", "unsupported_value" if key in _ECHOED_WHEN_EMPTY.get(role, ()) else "unknown_parameter")
 
 
 def check_tool_results(messages: list[dict], param: str = "messages") -> None:

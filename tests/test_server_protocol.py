@@ -836,3 +836,27 @@ def test_a_tool_result_must_answer_a_call_of_the_turn_before_it(server, messages
     assert r.status_code == status, r.text
     if status == 400:
         assert r.json()["error"]["code"] == "invalid_tool_result" and r.json()["error"]["param"] == "messages"
+
+
+def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
+    """A chat message's keys: what a client echoes from a response (an assistant's null refusal,
+    empty annotations, null audio and function_call) is accepted; a refusal's text is the assistant's
+    text; a key no message of that role has, or an echoed one that holds something, is a 400 naming it."""
+    from server.protocol import APIError, ChatCompletionRequest
+
+    echoed = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None}
+    parsed = ChatCompletionRequest.parse({"messages": [*HI, echoed, *HI]}).messages
+    assert parsed[1] == {"role": "assistant", "content": "ok"}
+    refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    assert ChatCompletionRequest.parse({"messages": [*HI, refused, *HI]}).messages[1]["content"] == refused["refusal"]
+    for bad, param in (({"role": "assistant", "content": "par", "prefix": True}, "messages[1].prefix"),
+                       ({"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
+                        "messages[1].function_call"),
+                       ({"role": "assistant", "content": "", "audio": {"id": "a1"}}, "messages[1].audio"),
+                       ({"role": "assistant", "content": "", "refusal": 5}, "messages[1].refusal"),
+                       ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[1].tool_call_id"),
+                       ({"role": "user", "content": "x", "weight": 1}, "messages[1].weight")):
+        with pytest.raises(APIError) as e:
+            ChatCompletionRequest.parse({"messages": [*HI, bad]})
+        assert e.value.status == 400 and e.value.body()["error"]["param"] == param, bad
