@@ -334,7 +334,7 @@ def parse_messages(raw: Any) -> list[dict]:
 # function_call) while it holds nothing: null, empty. Anything else is refused by name, as OpenAI
 # refuses it (a `prefix` asking for continuation, a deprecated `function_call` that was made, `audio`
 # to play back: none can be honoured here).
-_MESSAGE_KEYS = {"role", "content", "name"}
+_MESSAGE_KEYS = {"role", "content", "name", "cache_control"}  # cache_control: proxies add it; the prefix cache is automatic
 _ROLE_KEYS = {"assistant": {"tool_calls", "reasoning_content", "reasoning", "refusal"}, "tool": {"tool_call_id"}}
 _ECHOED_WHEN_EMPTY = {"assistant": {"annotations", "audio", "function_call"}}
 

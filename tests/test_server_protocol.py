@@ -844,7 +844,7 @@ def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
     text; a key no message of that role has, or an echoed one that holds something, is a 400 naming it."""
     from server.protocol import APIError, ChatCompletionRequest
 
-    echoed = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [], "audio": None,
+    echoed = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [], "audio": None, "cache_control": {"type": "ephemeral"},
               "function_call": None}
     parsed = ChatCompletionRequest.parse({"messages": [*HI, echoed, *HI]}).messages
     assert parsed[1] == {"role": "assistant", "content": "ok"}
