@@ -205,7 +205,7 @@ class SmallMLinear:
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
                  n: int, k: int, block_n: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                 target_programs: int = TARGET_PROGRAMS, magic: bool = True, split: int | None = None,
+                 target_programs: int | None = None, magic: bool = True, split: int | None = None,
                  gluon_stages: int | None = None):
         block_n = block_n or _block_n(n)
         if k % BLOCK_K or not block_n or n % block_n:
@@ -218,7 +218,7 @@ class SmallMLinear:
         self.num_stages = num_stages
         # K slices: planned for the GPU's programs, or given (a bench's other column tiles with the same
         # K slices, hence the same sums and bits)
-        self.split = split or _plan(n, k, block_n, target_programs)
+        self.split = split or _plan(n, k, block_n, target_programs or TARGET_PROGRAMS)
         if (k // BLOCK_K) % self.split:
             raise ValueError(f"{self.split} K slices do not divide {k // BLOCK_K} groups")
         # The split-K scratch: one buffer shared by a model's linears (`share_partials`), else this
