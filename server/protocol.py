@@ -307,9 +307,7 @@ def parse_messages(raw: Any) -> list[dict]:
                 raise _bad(f"{where}.tool_calls must be an array", f"{where}.tool_calls", "invalid_type")
             if calls:
                 msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
-            reasoning = m.get("reasoning_content") or m.get("reasoning")  # vLLM accepts either name
-            if reasoning is not None and not isinstance(reasoning, str):
-                raise _bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content", "invalid_type")
+            reasoning = _reasoning(m, where)
             if reasoning:  # rendered back as the chat format decides (common.chat_format, "Thinking")
                 msg["reasoning_content"] = reasoning
             refusal = m.get("refusal")
@@ -329,26 +327,57 @@ def parse_messages(raw: Any) -> list[dict]:
     return out
 
 
-# A message's keys by role. Beside the ones rendered (an assistant's `refusal` is its text), an
-# assistant message may carry what a client echoes from a response (annotations, audio,
-# function_call) while it holds nothing: null, empty. Anything else is refused by name, as OpenAI
-# refuses it (a `prefix` asking for continuation, a deprecated `function_call` that was made, `audio`
-# to play back: none can be honoured here).
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking", "reasoning_details", "thinking_blocks")
+
+
+# A message's keys by role. Beside the ones rendered, a message may carry what holds nothing to
+# honour: a null (a client's dump of unset optional fields, as the Responses route takes it), an
+# assistant's `prefix` that is off, and what clients keep beside a response's text: `parsed` (the
+# openai SDK's parse of the content), `annotations` (citations of the content), LiteLLM's
+# `provider_specific_fields`. Anything else is refused by name, as OpenAI refuses it: a `prefix`
+# asking to continue the message, a `function_call` or `audio` that was made, a user's tool_call_id.
 _MESSAGE_KEYS = {"role", "content", "name", "cache_control"}  # cache_control: proxies add it; the prefix cache is automatic
-_ROLE_KEYS = {"assistant": {"tool_calls", "reasoning_content", "reasoning", "refusal"}, "tool": {"tool_call_id"}}
-_ECHOED_WHEN_EMPTY = {"assistant": {"annotations", "audio", "function_call"}}
+_ROLE_KEYS = {"assistant": {"tool_calls", "refusal", *_REASONING_KEYS}, "tool": {"tool_call_id"}}
+_ASSISTANT_KEPT_BESIDE = {"parsed", "annotations", "provider_specific_fields"}
 
 
 def _check_message_keys(m: dict, role: str, where: str) -> None:
     allowed = _MESSAGE_KEYS | _ROLE_KEYS.get(role, set())
     for key, value in m.items():
-        if key in allowed:
+        if key in allowed or value is None:
             continue
-        if key in _ECHOED_WHEN_EMPTY.get(role, ()) and value in (None, "", [], {}):
+        if role == "assistant" and (key in _ASSISTANT_KEPT_BESIDE or (key == "prefix" and value is False)):
             continue
-        what = (f"{where}.{key} must be empty here: Sailfish cannot honour it" if key in _ECHOED_WHEN_EMPTY.get(role, ())
-                else f"{where}.{key} is not a field of a {role} message")
-        raise _bad(what, f"{where}.{key}", "unsupported_value" if key in _ECHOED_WHEN_EMPTY.get(role, ()) else "unknown_parameter")
+        if role == "assistant" and key in ("prefix", "function_call", "audio"):
+            raise _bad(f"{where}.{key} cannot be honoured: Sailfish does not continue an assistant message, and "
+                       "takes tool calls as tool_calls and text as content", f"{where}.{key}", "unsupported_value")
+        raise _bad(f"{where}.{key} is not a field of {'an' if role[0] in 'aeiou' else 'a'} {role} message",
+                   f"{where}.{key}", "unknown_parameter")
+
+
+def _reasoning(m: dict, where: str) -> str:
+    """An assistant message's earlier reasoning, under the names clients give it: `reasoning_content`
+    or `reasoning` (vLLM, a string), `thinking` (a string), `reasoning_details` (OpenRouter: parts with
+    `text` or `summary`), `thinking_blocks` (LiteLLM: parts with `thinking`); the chat format renders
+    it back as it renders its own (common.chat_format). Another shape is a 400 naming the key."""
+    texts = []
+    for key in _REASONING_KEYS:
+        value = m.get(key)
+        if value is None or value == "" or value == []:
+            continue
+        if isinstance(value, str) and key in ("reasoning_content", "reasoning", "thinking"):
+            texts.append(value)
+            continue
+        field = {"reasoning_details": ("text", "summary"), "thinking_blocks": ("thinking",)}.get(key)
+        parts = value if isinstance(value, list) and field else None
+        if parts is None or not all(isinstance(p, dict) for p in parts):
+            raise _bad(f"{where}.{key} must be " + ("a string" if field is None else "an array of objects"),
+                       f"{where}.{key}", "invalid_type")
+        for part in parts:   # parts without text (encrypted or redacted reasoning) carry nothing to render
+            text = next((part[f] for f in field if isinstance(part.get(f), str)), "")
+            if text:
+                texts.append(text)
+    return "\n".join(dict.fromkeys(texts))   # one text sent under two names is rendered once
 
 
 def check_tool_results(messages: list[dict], param: str = "messages") -> None:

@@ -839,23 +839,37 @@ def test_a_tool_result_must_answer_a_call_of_the_turn_before_it(server, messages
 
 
 def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
-    """A chat message's keys: what a client echoes from a response (an assistant's null refusal,
-    empty annotations, null audio and function_call) is accepted; a refusal's text is the assistant's
-    text; a key no message of that role has, or an echoed one that holds something, is a 400 naming it."""
+    """A chat message's keys: what a client keeps beside a response's text (the openai SDK's `parsed`,
+    annotations, LiteLLM's provider fields), nulls of any key, a `prefix` that is off and proxies'
+    cache_control are accepted; a refusal's text is the assistant's text; earlier reasoning under the
+    names clients give it is the message's reasoning; a key no message of that role has, or one asking
+    for what Sailfish cannot do (continue a message, a made function_call or audio), is a 400 naming it."""
     from server.protocol import APIError, ChatCompletionRequest
 
-    echoed = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [], "audio": None, "cache_control": {"type": "ephemeral"},
-              "function_call": None}
-    parsed = ChatCompletionRequest.parse({"messages": [*HI, echoed, *HI]}).messages
-    assert parsed[1] == {"role": "assistant", "content": "ok"}
+    echoed = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [{"type": "url_citation"}],
+              "audio": None, "function_call": None, "parsed": {"city": "Paris"}, "provider_specific_fields": {},
+              "prefix": False, "tool_call_id": None, "cache_control": {"type": "ephemeral"}}
+    user = {"role": "user", "content": "hi", "tool_calls": None, "tool_call_id": None}
+    parsed = ChatCompletionRequest.parse({"messages": [user, echoed, *HI]}).messages
+    assert parsed[:2] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
     assert ChatCompletionRequest.parse({"messages": [*HI, refused, *HI]}).messages[1]["content"] == refused["refusal"]
+    for key, value in (("reasoning_content", "r"), ("reasoning", "r"), ("thinking", "r"),
+                       ("reasoning_details", [{"type": "reasoning.text", "text": "r"}, {"type": "reasoning.encrypted"}]),
+                       ("thinking_blocks", [{"type": "thinking", "thinking": "r", "signature": "s"}])):
+        said = {"role": "assistant", "content": "ok", key: value}
+        assert ChatCompletionRequest.parse({"messages": [*HI, said, *HI]}).messages[1]["reasoning_content"] == "r", key
+    both = {"role": "assistant", "content": "ok", "reasoning_content": "r", "reasoning": "r"}
+    assert ChatCompletionRequest.parse({"messages": [*HI, both, *HI]}).messages[1]["reasoning_content"] == "r"
     for bad, param in (({"role": "assistant", "content": "par", "prefix": True}, "messages[1].prefix"),
                        ({"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
                         "messages[1].function_call"),
                        ({"role": "assistant", "content": "", "audio": {"id": "a1"}}, "messages[1].audio"),
                        ({"role": "assistant", "content": "", "refusal": 5}, "messages[1].refusal"),
+                       ({"role": "assistant", "content": "", "reasoning_details": "r"}, "messages[1].reasoning_details"),
+                       ({"role": "assistant", "content": "", "thinking": ["r"]}, "messages[1].thinking"),
                        ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[1].tool_call_id"),
+                       ({"role": "user", "content": "x", "parsed": {}}, "messages[1].parsed"),
                        ({"role": "user", "content": "x", "weight": 1}, "messages[1].weight")):
         with pytest.raises(APIError) as e:
             ChatCompletionRequest.parse({"messages": [*HI, bad]})
