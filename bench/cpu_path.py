@@ -132,7 +132,9 @@ ABOUT = """On the CPU, Gemma 3 and Gemma 4 text models run on Sailfish's own for
 `--no-cpu-int8` for transformers' fp32): every weight as int8 with a scale per 32 inputs (Q8_0's
 layout; the bundled GGUF's Q8_0 embedding / LM head comes back exactly, its Q4_K/Q5_0/Q6_K tensors
 are re-quantized from their dequantized values), activations quantized the same way, exact int32 dot
-products per block (AVX-512 VNNI, AVX-VNNI or AVX2, picked at run time), a static KV cache, and no
+products per block (AVX-512 VNNI, AVX-VNNI or AVX2, picked at run time; elsewhere, an ARM Mac
+among them, portable C with the same bits, built and checked here as such a compiler sees it:
+tests/test_portable_build.py, not timed), a static KV cache, and no
 transformers in the loop. Each row's arithmetic is one fixed sequence whatever the rows beside it or
 the thread count, so a verify's logits equal one-token steps' bit for bit and drafted output equals
 plain output (tests/test_cpu_model.py, tests/test_cpu_kernels.py). llama.cpp's drafted output
