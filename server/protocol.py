@@ -344,40 +344,41 @@ _ASSISTANT_KEPT_BESIDE = {"parsed", "annotations", "provider_specific_fields"}
 def _check_message_keys(m: dict, role: str, where: str) -> None:
     allowed = _MESSAGE_KEYS | _ROLE_KEYS.get(role, set())
     for key, value in m.items():
-        if key in allowed or value is None:
+        if key in allowed or value is None or value in ("", [], {}):   # nothing asked for
             continue
         if role == "assistant" and (key in _ASSISTANT_KEPT_BESIDE or (key == "prefix" and value is False)):
             continue
         if role == "assistant" and key in ("prefix", "function_call", "audio"):
             raise _bad(f"{where}.{key} cannot be honoured: Sailfish does not continue an assistant message, and "
                        "takes tool calls as tool_calls and text as content", f"{where}.{key}", "unsupported_value")
-        raise _bad(f"{where}.{key} is not a field of {'an' if role[0] in 'aeiou' else 'a'} {role} message",
+        raise _bad(f"{where}.{key} is not a field of {'an' if role == 'assistant' else 'a'} {role} message",
                    f"{where}.{key}", "unknown_parameter")
 
 
 def _reasoning(m: dict, where: str) -> str:
-    """An assistant message's earlier reasoning, under the names clients give it: `reasoning_content`
-    or `reasoning` (vLLM, a string), `thinking` (a string), `reasoning_details` (OpenRouter: parts with
-    `text` or `summary`), `thinking_blocks` (LiteLLM: parts with `thinking`); the chat format renders
-    it back as it renders its own (common.chat_format). Another shape is a 400 naming the key."""
-    texts = []
-    for key in _REASONING_KEYS:
+    """An assistant message's earlier reasoning, under the names clients give it: the first non-empty
+    of `reasoning_content`, `reasoning` (vLLM) and `thinking` (strings), else the parts of
+    `reasoning_details` (OpenRouter: `text` or `summary`) or `thinking_blocks` (LiteLLM: `thinking`),
+    joined as the Anthropic route joins thinking blocks. Clients that send one text under two names
+    (OpenRouter's `reasoning` beside its `reasoning_details`) give it once. The chat format renders it
+    back as it renders its own (common.chat_format). A non-empty value of another shape is a 400."""
+    for key in ("reasoning_content", "reasoning", "thinking"):
         value = m.get(key)
-        if value is None or value == "" or value == []:
+        if value in (None, "", []):
             continue
-        if isinstance(value, str) and key in ("reasoning_content", "reasoning", "thinking"):
-            texts.append(value)
+        if not isinstance(value, str):
+            raise _bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_type")
+        return value
+    for key, fields in (("reasoning_details", ("text", "summary")), ("thinking_blocks", ("thinking",))):
+        parts = m.get(key)
+        if parts in (None, "", []):
             continue
-        field = {"reasoning_details": ("text", "summary"), "thinking_blocks": ("thinking",)}.get(key)
-        parts = value if isinstance(value, list) and field else None
-        if parts is None or not all(isinstance(p, dict) for p in parts):
-            raise _bad(f"{where}.{key} must be " + ("a string" if field is None else "an array of objects"),
-                       f"{where}.{key}", "invalid_type")
-        for part in parts:   # parts without text (encrypted or redacted reasoning) carry nothing to render
-            text = next((part[f] for f in field if isinstance(part.get(f), str)), "")
-            if text:
-                texts.append(text)
-    return "\n".join(dict.fromkeys(texts))   # one text sent under two names is rendered once
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise _bad(f"{where}.{key} must be an array of objects", f"{where}.{key}", "invalid_type")
+        # parts without text (encrypted or redacted reasoning) carry nothing to render
+        texts = [next((p[f] for f in fields if isinstance(p.get(f), str)), "") for p in parts]
+        return "\n\n".join(t for t in texts if t)
+    return ""
 
 
 def check_tool_results(messages: list[dict], param: str = "messages") -> None:

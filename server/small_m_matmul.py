@@ -81,7 +81,7 @@ TILE_M = 16         # rows per tensor-core tile, whatever the row count (see the
 BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's default)
 # ~2 programs per SM on an H100/H200 and a 3-stage pipeline: fastest per forward on cold weights of
 # the E4B shapes (bench/small_m_bench.py --cold; more K slices add partials to write and sum).
-TARGET_PROGRAMS = 264
+TARGET_PROGRAMS = 264   # read as each linear is built (a run may set it first: bench.step_ab --base-set)
 NUM_STAGES = 3
 
 

@@ -849,7 +849,7 @@ def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
     echoed = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [{"type": "url_citation"}],
               "audio": None, "function_call": None, "parsed": {"city": "Paris"}, "provider_specific_fields": {},
               "prefix": False, "tool_call_id": None, "cache_control": {"type": "ephemeral"}}
-    user = {"role": "user", "content": "hi", "tool_calls": None, "tool_call_id": None}
+    user = {"role": "user", "content": "hi", "tool_calls": [], "tool_call_id": None, "reasoning_content": ""}
     parsed = ChatCompletionRequest.parse({"messages": [user, echoed, *HI]}).messages
     assert parsed[:2] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
@@ -859,8 +859,11 @@ def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
                        ("thinking_blocks", [{"type": "thinking", "thinking": "r", "signature": "s"}])):
         said = {"role": "assistant", "content": "ok", key: value}
         assert ChatCompletionRequest.parse({"messages": [*HI, said, *HI]}).messages[1]["reasoning_content"] == "r", key
-    both = {"role": "assistant", "content": "ok", "reasoning_content": "r", "reasoning": "r"}
-    assert ChatCompletionRequest.parse({"messages": [*HI, both, *HI]}).messages[1]["reasoning_content"] == "r"
+    both = {"role": "assistant", "content": "ok", "reasoning": "AB",   # OpenRouter: one text under two names
+            "reasoning_details": [{"type": "reasoning.text", "text": "A"}, {"type": "reasoning.text", "text": "B"}]}
+    assert ChatCompletionRequest.parse({"messages": [*HI, both, *HI]}).messages[1]["reasoning_content"] == "AB"
+    del both["reasoning"]
+    assert ChatCompletionRequest.parse({"messages": [*HI, both, *HI]}).messages[1]["reasoning_content"] == "A\n\nB"
     for bad, param in (({"role": "assistant", "content": "par", "prefix": True}, "messages[1].prefix"),
                        ({"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
                         "messages[1].function_call"),
@@ -869,7 +872,7 @@ def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
                        ({"role": "assistant", "content": "", "reasoning_details": "r"}, "messages[1].reasoning_details"),
                        ({"role": "assistant", "content": "", "thinking": ["r"]}, "messages[1].thinking"),
                        ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[1].tool_call_id"),
-                       ({"role": "user", "content": "x", "parsed": {}}, "messages[1].parsed"),
+                       ({"role": "user", "content": "x", "parsed": {"a": 1}}, "messages[1].parsed"),
                        ({"role": "user", "content": "x", "weight": 1}, "messages[1].weight")):
         with pytest.raises(APIError) as e:
             ChatCompletionRequest.parse({"messages": [*HI, bad]})
