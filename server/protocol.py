@@ -320,8 +320,11 @@ def parse_messages(raw: Any) -> list[dict]:
                 raise APIError(400, f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id",
                                "missing_required_parameter")
             msg["tool_call_id"] = m["tool_call_id"]
-        if isinstance(m.get("name"), str) and m["name"]:
-            msg["name"] = m["name"]
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{where}.name must be a string", f"{where}.name", "invalid_type")
+        if name:
+            msg["name"] = name
         out.append(msg)
     check_tool_results(out)
     return out

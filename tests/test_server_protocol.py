@@ -873,7 +873,8 @@ def test_message_keys_that_cannot_be_honoured_are_refused_by_name():
                        ({"role": "assistant", "content": "", "thinking": ["r"]}, "messages[1].thinking"),
                        ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[1].tool_call_id"),
                        ({"role": "user", "content": "x", "parsed": {"a": 1}}, "messages[1].parsed"),
-                       ({"role": "user", "content": "x", "weight": 1}, "messages[1].weight")):
+                       ({"role": "user", "content": "x", "weight": 1}, "messages[1].weight"),
+                       ({"role": "user", "content": "x", "name": 5}, "messages[1].name")):
         with pytest.raises(APIError) as e:
             ChatCompletionRequest.parse({"messages": [*HI, bad]})
         assert e.value.status == 400 and e.value.body()["error"]["param"] == param, bad
