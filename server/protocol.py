@@ -108,7 +108,7 @@ def _opt(body: dict, name: str, kind: type | tuple, default: Any = None, what: s
 def _max_tokens(body: dict) -> int | None:
     """The completion limit: `max_completion_tokens` (OpenAI's current name) or `max_tokens` (its older
     one, vLLM's), each an integer of at least 1; both may be sent if they agree, and two different
-    values get a 400 naming max_completion_tokens."""
+    values get a 400 naming max_completion_tokens. (`_max_tokens_field` names the one sent.)"""
     values = {}
     for name in ("max_completion_tokens", "max_tokens"):
         value = _opt(body, name, int, what="an integer")
@@ -121,6 +121,11 @@ def _max_tokens(body: dict) -> int | None:
                    f"({values['max_tokens']}) disagree: send one of them, or the same value",
                    "max_completion_tokens")
     return next(iter(values.values()), None)
+
+
+def _max_tokens_field(body: dict) -> str:
+    """The name the completion limit came under, for errors about its value."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -537,6 +542,7 @@ class ChatCompletionRequest:
     response_format: dict | None = None  # None: text; {"type": "json_object"} or {"type": "json_schema", "schema": S}
     parallel_tool_calls: bool = True
     strict_calls: bool = False           # a tool is `strict`: calls enforced under tool_choice "auto" too
+    max_tokens_field: str = "max_tokens"  # the limit's name in the request (errors name it)
 
     @classmethod
     def parse(cls, body: Any, sampling_defaults: dict | None = None) -> "ChatCompletionRequest":
@@ -562,7 +568,7 @@ class ChatCompletionRequest:
                        "unsupported_value")
         user = _opt(body, "user", str, None, "a string")
         return cls(messages, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling,
-                   tool_choice, tools, user, response_format, parallel, strict)
+                   tool_choice, tools, user, response_format, parallel, strict, _max_tokens_field(body))
 
 
 @dataclass
@@ -576,6 +582,7 @@ class CompletionRequest:
     include_usage: bool = False
     sampling: SamplingParams = SamplingParams()
     user: str | None = None
+    max_tokens_field: str = "max_tokens"
 
     @classmethod
     def parse(cls, body: Any, sampling_defaults: dict | None = None) -> "CompletionRequest":
@@ -605,7 +612,8 @@ class CompletionRequest:
         stop = _stop(body)
         stream, include_usage = _stream(body)
         user = _opt(body, "user", str, None, "a string")
-        return cls(prompt, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling, user)
+        return cls(prompt, model, max_tokens, sampling.seed, stop, stream, include_usage, sampling, user,
+                   _max_tokens_field(body))
 
 
 # ---------------------------------------------------------------- responses

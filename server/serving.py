@@ -237,7 +237,7 @@ class Service:
         self._check_characters(len(text), "messages")
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
-        self._check_context(len(prompt_ids), "messages", req.max_tokens)
+        self._check_context(len(prompt_ids), "messages", req.max_tokens, req.max_tokens_field)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
                                   sampling=req.sampling, constraint=constraint)
@@ -348,7 +348,7 @@ class Service:
         if isinstance(req.prompt, list) and vocab is not None and max(prompt_ids) >= vocab:
             raise APIError(400, f"token id {max(prompt_ids)} in 'prompt' is outside the vocabulary (0..{vocab - 1})",
                            "prompt", "invalid_value")
-        self._check_context(len(prompt_ids), "prompt", req.max_tokens)
+        self._check_context(len(prompt_ids), "prompt", req.max_tokens, req.max_tokens_field)
         params = GenerationParams(max_tokens=req.max_tokens, stop_token_ids=frozenset(), stop_strings=req.stop,
                                   draft=True, sampling=req.sampling)
         rid, created = new_id("cmpl"), int(time.time())
@@ -513,16 +513,18 @@ class Service:
                                 f"{n_chars} characters, more than {limit} tokens can hold. Shorten the {param}.",
                            param, "context_length_exceeded")
 
-    def _check_context(self, n_prompt: int, param: str, max_tokens: int | None = None) -> None:
+    def _check_context(self, n_prompt: int, param: str, max_tokens: int | None = None,
+                       max_tokens_field: str = "max_tokens") -> None:
         """A prompt must leave room for one generated token; a max_tokens beyond the whole context can
-        never be honoured (up to it, generation stops at the context's end with finish_reason length)."""
+        never be honoured (up to it, generation stops at the context's end with finish_reason length).
+        The 400 names the limit as the request did (`max_tokens_field`)."""
         limit = self.engine.max_context
         if n_prompt >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                                 f"{n_prompt} tokens. Shorten the {param}.", param, "context_length_exceeded")
         if max_tokens is not None and max_tokens > limit:
-            raise APIError(400, f"max_tokens is {max_tokens}, more than this model's context of {limit} tokens.",
-                           "max_tokens", "invalid_value")
+            raise APIError(400, f"{max_tokens_field} is {max_tokens}, more than this model's context of {limit} "
+                                "tokens.", max_tokens_field, "invalid_value")
 
     def _capture(self, req: ChatCompletionRequest, prep: _Prepared, message: dict) -> None:
         if self.trace_log is None:

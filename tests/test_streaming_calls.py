@@ -382,6 +382,9 @@ def test_max_tokens_and_max_completion_tokens(server, path, body):
     assert "max_tokens" in r.json()["error"]["message"] and r.json()["error"]["code"] == "invalid_value"
     r = post(max_completion_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    for name in ("max_tokens", "max_completion_tokens"):   # past the whole context: the 400 names the field sent
+        r = post(**{name: server[0].max_context + 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name and name in r.json()["error"]["message"]
 
 
 def test_models_report_the_context_length(server):
