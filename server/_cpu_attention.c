@@ -111,16 +111,6 @@ static void attend_scalar(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, float *s
 /* 8 float16 values as floats. */
 AVX2H static inline __m256 load8h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* dot16's two 8-lane halves for query row q against key row k (D % 16 == 0): returns l[0..7] + l[8..15]. */
-AVX2H static inline __m256 dot16_halves(const float *q, const uint16_t *k, Py_ssize_t D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (Py_ssize_t d = 0; d < D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8h(k + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8h(k + d + 8), a1);
-    }
-    return _mm256_add_ps(a0, a1);
-}
-
 /* softmax_weights for 4 heads at once, scores laid out [p][head] (4 * n floats): each head's max,
    then exp_sf(s - max) in place, and each head's sum in position order (lane j of the sums adds
    head j's weights p = 0, 1, ... in turn), as softmax_weights(s + j, n, 4) gives for head j. */
@@ -147,13 +137,34 @@ AVX2 static void softmax4_weights_avx2(float *s, Py_ssize_t n, float sum[4]) {
 }
 
 /* The scores of 4 query heads q[0..3] against key row kp, times scale, into out[0..3] (dot16 each:
-   its two 8-lane halves added, then tree8 through the hadds, as in tile4_avx2). */
-AVX2H static inline void score4(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
-    __m256 u0 = dot16_halves(q[0], kp, D), u1 = dot16_halves(q[1], kp, D);
-    __m256 u2 = dot16_halves(q[2], kp, D), u3 = dot16_halves(q[3], kp, D);
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+   its two 8-lane halves added, then tree8 through the hadds, as in tile4_avx2).
+   Per head, two 8-lane fma chains over d = 0, 16, 32, ... (lanes d..d+7) and d + 8 (lanes d+8..d+15),
+   added: dot16's halves. The key's 16 values of each step are converted once for the 4 heads (a chain
+   pair per head converting its own copy took 4 conversions where 1 does: on AVX2 cores without AVX-512
+   the conversions set the pace); the chains are the same FMAs in the same order, so the same bits. */
+#define SCORE4_AVX2(LOAD_KEY)                                                                             \
+    __m256 a[8];                                                                                          \
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();                                               \
+    for (Py_ssize_t d = 0; d < D; d += 16) {                                                              \
+        const __m256 k0 = LOAD_KEY(kp + d), k1 = LOAD_KEY(kp + d + 8);                                    \
+        for (int j = 0; j < 4; j++) {                                                                     \
+            a[2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d), k0, a[2 * j]);                          \
+            a[2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d + 8), k1, a[2 * j + 1]);              \
+        }                                                                                                 \
+    }                                                                                                     \
+    __m256 u0 = _mm256_add_ps(a[0], a[1]), u1 = _mm256_add_ps(a[2], a[3]);                                \
+    __m256 u2 = _mm256_add_ps(a[4], a[5]), u3 = _mm256_add_ps(a[6], a[7]);                                \
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));                            \
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));                        \
     _mm_storeu_ps(out, _mm_mul_ps(r, scale));
+
+AVX2H static inline void score4(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
+    SCORE4_AVX2(load8h)
+}
+
+/* score4 against a key already converted to floats (the same values: the conversion is exact). */
+AVX2H static inline void score4_f32(const float *const q[4], const float *kp, Py_ssize_t D, __m128 scale, float *out) {
+    SCORE4_AVX2(_mm256_loadu_ps)
 }
 
 /* One key's step of 4 heads' output chains over 16 values: a[2j], a[2j + 1] = fma(e[j], v[0..15], .). */
@@ -198,6 +209,9 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
 #define LONG_ROW_KEYS 1024  /* a single row over at least this many keys is split by keys and values */
 #define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
 #define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
+#ifndef AVX2_SPLIT_ROWS
+#define AVX2_SPLIT_ROWS 3
+#endif
 
 #if HAVE_X86
 
@@ -277,6 +291,63 @@ AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float 
             float *out = c->out + ((m + r) * H + j) * D;
             const __m256 vs = _mm256_set1_ps(sum[r][j]);
             for (Py_ssize_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(ar + d), vs));
+        }
+}
+
+/* attend_rows_avx2's two phases over part of the work, as rows_scores_512 / rows_values_512 (below)
+   cut AVX-512's: the scores of keys klo..khi, each block of keys converted to floats once (kb) for
+   all the rows; the values d = dlo..dhi-1 (multiples of 16) of every row's heads, each output
+   element's fma chain in position order, paused at block ends exactly as attend_rows_avx2 pauses
+   it. So every score and output element is attend_rows_avx2's (and attend4_avx2's) bit for bit,
+   whichever thread computes it (attend_split_rows). */
+AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R, Py_ssize_t klo, Py_ssize_t khi,
+                                   float *kb) {
+    const Py_ssize_t D = c->D;
+    const __m128 scale = _mm_set1_ps(c->scale);
+    for (Py_ssize_t b = klo; b <= khi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < khi ? b + ATTN_BLOCK - 1 : khi;
+        for (Py_ssize_t i = 0; i < (bend - b + 1) * D; i += 8) _mm256_storeu_ps(kb + i, load8h(c->k + b * D + i));
+        for (int r = 0; r < R; r++) {
+            const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
+            for (Py_ssize_t p = pa; p <= pb; p++)
+                score4_f32(cr->q[r], kb + (p - b) * D, D, scale, cr->s[r] + 4 * (p - cr->first[r]));
+        }
+    }
+}
+
+AVX2H static void rows_values_avx2(const AttnCtx *c, const ChainRows *cr, Py_ssize_t m, int R,
+                                   const float (*sum)[4], Py_ssize_t dlo, Py_ssize_t dhi, float *acc) {
+    const Py_ssize_t D = c->D, H = c->H;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            for (Py_ssize_t d = dlo; d < dhi; d++) acc[(r * 4 + j) * D + d] = 0.0f;
+    for (Py_ssize_t b = cr->lo; b <= cr->hi; b += ATTN_BLOCK) {
+        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < cr->hi ? b + ATTN_BLOCK - 1 : cr->hi;
+        for (int r = 0; r < R; r++) {
+            const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
+            if (pa > pb) continue;
+            float *ar = acc + r * 4 * D;
+            const float *sr = cr->s[r] + 4 * (pa - cr->first[r]);
+            for (Py_ssize_t d = dlo; d < dhi; d += 16) {
+                __m256 a[8];
+                for (int j = 0; j < 4; j++) {
+                    a[2 * j] = _mm256_loadu_ps(ar + j * D + d);
+                    a[2 * j + 1] = _mm256_loadu_ps(ar + j * D + d + 8);
+                }
+                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4(a, sr + 4 * (p - pa), c->v + p * D + d);
+                for (int j = 0; j < 4; j++) {
+                    _mm256_storeu_ps(ar + j * D + d, a[2 * j]);
+                    _mm256_storeu_ps(ar + j * D + d + 8, a[2 * j + 1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < H; j++) {
+            const float *ar = acc + (r * 4 + j) * D;
+            float *out = c->out + ((m + r) * H + j) * D;
+            const __m256 vs = _mm256_set1_ps(sum[r][j]);
+            for (Py_ssize_t d = dlo; d < dhi; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(ar + d), vs));
         }
 }
 #endif
@@ -505,11 +576,14 @@ typedef struct {
     float *acc, *kb, sum[ROWS_512][4];
 } SplitRows;
 
-AVX512H static void split_rows_scores(void *ctx, int part, int nparts) {
+static void split_rows_scores(void *ctx, int part, int nparts) {
     SplitRows *L = ctx;
     Py_ssize_t lo, hi;
     part_range(L->cr.hi - L->cr.lo + 1, ATTN_BLOCK, part, nparts, &lo, &hi);
-    if (lo < hi) rows_scores_512(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, L->kb + part * ATTN_BLOCK * L->c->D);
+    if (lo >= hi) return;
+    float *kb = L->kb + part * ATTN_BLOCK * L->c->D;
+    if (L->c->simd == 2) rows_scores_512(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, kb);
+    else rows_scores_avx2(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, kb);
 }
 
 static void split_rows_softmax(void *ctx, int part, int nparts) {
@@ -519,14 +593,16 @@ static void split_rows_softmax(void *ctx, int part, int nparts) {
     for (Py_ssize_t r = lo; r < hi; r++) softmax4_weights_avx2(L->cr.s[r], L->cr.last[r] - L->cr.first[r] + 1, L->sum[r]);
 }
 
-AVX512H static void split_rows_values(void *ctx, int part, int nparts) {
+static void split_rows_values(void *ctx, int part, int nparts) {
     SplitRows *L = ctx;
     Py_ssize_t lo, hi;
-    part_range(L->c->D, 32, part, nparts, &lo, &hi);
-    if (lo < hi) rows_values_512(L->c, &L->cr, L->m, L->R, (const float (*)[4])L->sum, lo, hi, L->acc);
+    part_range(L->c->D, 32, part, nparts, &lo, &hi);   /* AVX2 takes 16 at a time: D % 16 == 0 on both */
+    if (lo >= hi) return;
+    if (L->c->simd == 2) rows_values_512(L->c, &L->cr, L->m, L->R, (const float (*)[4])L->sum, lo, hi, L->acc);
+    else rows_values_avx2(L->c, &L->cr, L->m, L->R, (const float (*)[4])L->sum, lo, hi, L->acc);
 }
 
-/* Rows m..m+R-1 (R <= ROWS_512) of c (a chain, H <= 4, AVX-512) split over `threads`; scratch as
+/* Rows m..m+R-1 (R <= ROWS_512) of c (a chain, H <= 4, AVX-512 or AVX2) split over `threads`; scratch as
    attend_rows_512's plus ATTN_BLOCK * D floats a thread. */
 static void attend_split_rows(const AttnCtx *c, Py_ssize_t m, int R, int threads, float *scratch) {
     SplitRows L = {.c = c, .m = m, .R = R};
@@ -606,7 +682,11 @@ static void attn_part(void *ctx, int part, int nparts) {
     const AttnCtx *c = ctx;
     float *scratch = c->scratch + part * c->scratch_per_part;
     Py_ssize_t lo, hi;
-    part_range(c->M * c->H, 1, part, nparts, &lo, &hi);
+    /* whole rows a part where the rows code below runs and each part gets two rows or more: a part
+       that began or ended inside a row would read the whole cache again for that row's other heads
+       (5 rows over 2 threads: 2.5 rows a part, the middle row's heads split, the cache read 4 times) */
+    const int whole_rows = c->simd && c->H <= 4 && c->ancestors == NULL && c->M >= 2 * nparts;
+    part_range(c->M * c->H, whole_rows ? c->H : 1, part, nparts, &lo, &hi);
     for (Py_ssize_t i = lo; i < hi;) {
         Py_ssize_t m = i / c->H, h = i % c->H;
 #if HAVE_X86
@@ -710,9 +790,9 @@ static int attn_plan(AttnJob *job, int threads) {
     job->threads = threads;
     job->nparts = parts_for(M * H, threads);
     /* a chain over long runs of keys, several threads: split by keys and values, not by rows (one
-       row: attend_long_row, on both SIMD paths; several: attend_split_rows, on AVX-512) */
+       row: attend_long_row; several: attend_split_rows; on both SIMD paths) */
     job->long_keys = simd && H <= 4 && c->ancestors == NULL && threads > 1 && S >= LONG_ROW_KEYS;
-    job->split_rows = job->long_keys && M > 1 && simd == 2;
+    job->split_rows = job->long_keys && M > 1 && (simd == 2 || M <= AVX2_SPLIT_ROWS);
     /* attend_rows_avx2: 4 rows' scores and sums; attend_rows_512: ROWS_512 rows' */
     c->scratch_per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * S + 16 * D : S + D;
     /* attend_split_rows: one part's scores and accumulators, and a block of keys a thread */

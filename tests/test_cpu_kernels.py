@@ -289,8 +289,10 @@ def test_attention_is_causal_softmax_attention(window):
 
 
 # D % 16 != 0 runs the scalar code throughout; D % 32 != 0 the AVX2 code where AVX-512 would run.
-# t = 1300: one row over 1,024 keys or more is split between threads by keys and by values.
-@pytest.mark.parametrize("h,d,t", [(4, 256, 300), (3, 48, 300), (2, 20, 300), (4, 256, 1300), (2, 16, 1300)])
+# t = 1300: rows over 1,024 keys or more are split between threads by keys and by values (D = 48: the
+# values in a 32-wide and a 16-wide part).
+@pytest.mark.parametrize("h,d,t", [(4, 256, 300), (3, 48, 300), (2, 20, 300), (4, 256, 1300), (2, 16, 1300),
+                                   (4, 48, 1300)])
 def test_attention_rows_are_the_same_for_any_batch_thread_count_and_path(h, d, t):
     rng = np.random.default_rng(5)
     q, k, v = _cache(rng, h=h, d=d, t=t)
