@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
     r = {**run_header(),
-         "command": "python -m bench.cpu_step" + (" " + " ".join(argv) if argv else ""),
+         "command": " ".join(["python -m bench.cpu_step", *(sys.argv[1:] if argv is None else argv)]),
          "context": args.context, "rounds": args.rounds, **measure(args.context, sorted(args.rows), args.rounds)}
     md = markdown(r)
     write_results(args.out, "cpu_step", r, md)
