@@ -209,9 +209,11 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
 #define LONG_ROW_KEYS 1024  /* a single row over at least this many keys is split by keys and values */
 #define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
 #define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
-#ifndef AVX2_SPLIT_ROWS
+/* On AVX2, attend_split_rows for up to this many rows over a long run of keys; more rows take whole
+   rows a thread (attn_part), faster there (2 threads of an AVX2-only Zen 2, 32k keys: 8 rows 10.8
+   against 17.5 ms split, 16 rows 19.5 against 30.7; 2 and 3 rows 4.2 and 5.0 split against 9.1 and
+   18 split by (row, head)) */
 #define AVX2_SPLIT_ROWS 3
-#endif
 
 #if HAVE_X86
 
@@ -240,77 +242,22 @@ static void chain_rows(const AttnCtx *c, Py_ssize_t m, int R, float *scratch, Ch
 }
 
 
-/* Rows m..m+R-1 (R <= 4) of a chain (no tree), all H <= 4 heads of each: for every (row, head) the
-   very arithmetic of attend4_avx2 (the same dot16 and score code, softmax4_weights_avx2, and per
-   output element the same fma chain over the row's keys in position order from +0; a chain is only
-   paused at block ends, its accumulator stored and reloaded exactly). Keys are taken in blocks of
-   ATTN_BLOCK, and every row works through a block before the next block is read: a verify's rows
-   share nearly all their keys, so the cache is read from memory once for R rows instead of R
-   times. scratch: 16 * S floats of scores and 16 * D of accumulators. */
-AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
-    const Py_ssize_t D = c->D, H = c->H;
-    ChainRows cr;
-    chain_rows(c, m, R, scratch, &cr);
-    const Py_ssize_t *first = cr.first, *last = cr.last, lo = cr.lo, hi = cr.hi;
-    const float *(*q)[4] = cr.q;
-    float **s = cr.s, *acc = scratch + 16 * c->S;  /* acc[(r * 4 + j) * D + d] */
-    const __m128 scale = _mm_set1_ps(c->scale);
-    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
-        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
-        for (int r = 0; r < R; r++) {
-            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
-            for (Py_ssize_t p = pa; p <= pb; p++) score4(q[r], c->k + p * D, D, scale, s[r] + 4 * (p - first[r]));
-        }
-    }
-    float sum[4][4];
-    for (int r = 0; r < R; r++) softmax4_weights_avx2(s[r], last[r] - first[r] + 1, sum[r]);
-    for (Py_ssize_t i = 0; i < 16 * D; i++) acc[i] = 0.0f;
-    for (Py_ssize_t b = lo; b <= hi; b += ATTN_BLOCK) {
-        const Py_ssize_t bend = b + ATTN_BLOCK - 1 < hi ? b + ATTN_BLOCK - 1 : hi;
-        for (int r = 0; r < R; r++) {
-            const Py_ssize_t pa = b > first[r] ? b : first[r], pb = bend < last[r] ? bend : last[r];
-            if (pa > pb) continue;
-            float *ar = acc + r * 4 * D;
-            for (Py_ssize_t d = 0; d < D; d += 16) {
-                __m256 a[8];
-                for (int j = 0; j < 4; j++) {
-                    a[2 * j] = _mm256_loadu_ps(ar + j * D + d);
-                    a[2 * j + 1] = _mm256_loadu_ps(ar + j * D + d + 8);
-                }
-                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4(a, s[r] + 4 * (p - first[r]), c->v + p * D + d);
-                for (int j = 0; j < 4; j++) {
-                    _mm256_storeu_ps(ar + j * D + d, a[2 * j]);
-                    _mm256_storeu_ps(ar + j * D + d + 8, a[2 * j + 1]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < H; j++) {
-            const float *ar = acc + (r * 4 + j) * D;
-            float *out = c->out + ((m + r) * H + j) * D;
-            const __m256 vs = _mm256_set1_ps(sum[r][j]);
-            for (Py_ssize_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(ar + d), vs));
-        }
-}
-
-/* attend_rows_avx2's two phases over part of the work, as rows_scores_512 / rows_values_512 (below)
-   cut AVX-512's: the scores of keys klo..khi, each block of keys converted to floats once (kb) for
-   all the rows; the values d = dlo..dhi-1 (multiples of 16) of every row's heads, each output
-   element's fma chain in position order, paused at block ends exactly as attend_rows_avx2 pauses
-   it. So every score and output element is attend_rows_avx2's (and attend4_avx2's) bit for bit,
-   whichever thread computes it (attend_split_rows). */
-AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R, Py_ssize_t klo, Py_ssize_t khi,
-                                   float *kb) {
+/* The two phases of attend_rows_avx2 (below), each over part of the work, as rows_scores_512 /
+   rows_values_512 cut AVX-512's: the scores of keys klo..khi (of the rows' span lo..hi), a block of
+   ATTN_BLOCK keys at a time for all the rows (each row converting the float16 keys itself: a
+   converted block, as AVX-512 keeps, was slower here); the values d = dlo..dhi-1 (multiples of 16) of every row's heads over all its keys, each output
+   element's fma chain in position order from +0, paused at block ends with its accumulator (acc:
+   4 * R * D floats, acc[(r * 4 + j) * D + d]) stored and reloaded exactly, then divided by the
+   head's sum. So a score or an output element is attend4_avx2's bit for bit, whichever part or
+   thread computes it (attend_split_rows splits both phases between threads). */
+AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R, Py_ssize_t klo, Py_ssize_t khi) {
     const Py_ssize_t D = c->D;
     const __m128 scale = _mm_set1_ps(c->scale);
     for (Py_ssize_t b = klo; b <= khi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < khi ? b + ATTN_BLOCK - 1 : khi;
-        for (Py_ssize_t i = 0; i < (bend - b + 1) * D; i += 8) _mm256_storeu_ps(kb + i, load8h(c->k + b * D + i));
         for (int r = 0; r < R; r++) {
             const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
-            for (Py_ssize_t p = pa; p <= pb; p++)
-                score4_f32(cr->q[r], kb + (p - b) * D, D, scale, cr->s[r] + 4 * (p - cr->first[r]));
+            for (Py_ssize_t p = pa; p <= pb; p++) score4(cr->q[r], c->k + p * D, D, scale, cr->s[r] + 4 * (p - cr->first[r]));
         }
     }
 }
@@ -349,6 +296,20 @@ AVX2H static void rows_values_avx2(const AttnCtx *c, const ChainRows *cr, Py_ssi
             const __m256 vs = _mm256_set1_ps(sum[r][j]);
             for (Py_ssize_t d = dlo; d < dhi; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(ar + d), vs));
         }
+}
+
+/* Rows m..m+R-1 (R <= 4) of a chain (no tree), all H <= 4 heads of each, on one thread: for every
+   (row, head) the very arithmetic of attend4_avx2 (the phases above). Every row works through a
+   block of keys before the next block is read: a verify's rows share nearly all their keys, so the
+   cache is read from memory once for R rows instead of R times. scratch: 16 * S floats of scores
+   and 16 * D of accumulators. */
+AVX2H static void attend_rows_avx2(const AttnCtx *c, Py_ssize_t m, int R, float *scratch) {
+    ChainRows cr;
+    chain_rows(c, m, R, scratch, &cr);
+    rows_scores_avx2(c, &cr, R, cr.lo, cr.hi);
+    float sum[4][4];
+    for (int r = 0; r < R; r++) softmax4_weights_avx2(cr.s[r], cr.last[r] - cr.first[r] + 1, sum[r]);
+    rows_values_avx2(c, &cr, m, R, (const float (*)[4])sum, 0, c->D, scratch + 16 * c->S);
 }
 #endif
 
@@ -583,7 +544,7 @@ static void split_rows_scores(void *ctx, int part, int nparts) {
     if (lo >= hi) return;
     float *kb = L->kb + part * ATTN_BLOCK * L->c->D;
     if (L->c->simd == 2) rows_scores_512(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, kb);
-    else rows_scores_avx2(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, kb);
+    else rows_scores_avx2(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1);
 }
 
 static void split_rows_softmax(void *ctx, int part, int nparts) {
@@ -794,7 +755,7 @@ static int attn_plan(AttnJob *job, int threads) {
     job->long_keys = simd && H <= 4 && c->ancestors == NULL && threads > 1 && S >= LONG_ROW_KEYS;
     job->split_rows = job->long_keys && M > 1 && (simd == 2 || M <= AVX2_SPLIT_ROWS);
     /* attend_rows_avx2: 4 rows' scores and sums; attend_rows_512: ROWS_512 rows' */
-    c->scratch_per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * S + 16 * D : S + D;
+    c->scratch_per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * (S + D) : S + D;
     /* attend_split_rows: one part's scores and accumulators, and a block of keys a thread */
     const Py_ssize_t total = job->split_rows ? 4 * ROWS_512 * (S + D) + (Py_ssize_t)threads * ATTN_BLOCK * D
                                              : c->scratch_per_part * job->nparts;
