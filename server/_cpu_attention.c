@@ -542,9 +542,10 @@ static void split_rows_scores(void *ctx, int part, int nparts) {
     Py_ssize_t lo, hi;
     part_range(L->cr.hi - L->cr.lo + 1, ATTN_BLOCK, part, nparts, &lo, &hi);
     if (lo >= hi) return;
-    float *kb = L->kb + part * ATTN_BLOCK * L->c->D;
-    if (L->c->simd == 2) rows_scores_512(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, kb);
-    else rows_scores_avx2(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1);
+    if (L->c->simd == 2)  /* each thread converts its blocks of keys into its own kb */
+        rows_scores_512(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1, L->kb + part * ATTN_BLOCK * L->c->D);
+    else
+        rows_scores_avx2(L->c, &L->cr, L->R, L->cr.lo + lo, L->cr.lo + hi - 1);
 }
 
 static void split_rows_softmax(void *ctx, int part, int nparts) {

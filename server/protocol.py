@@ -335,7 +335,10 @@ def parse_messages(raw: Any) -> list[dict]:
     return out
 
 
-_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking", "reasoning_details", "thinking_blocks")
+# An assistant's earlier reasoning, under the names clients give it (`_reasoning`): a string, or a list
+# of parts with the text under one of these keys
+_REASONING_TEXT_KEYS = ("reasoning_content", "reasoning", "thinking")
+_REASONING_PART_KEYS = {"reasoning_details": ("text", "summary"), "thinking_blocks": ("thinking",)}
 
 
 # A message's keys by role. Beside the ones rendered, a message may carry what holds nothing to
@@ -345,14 +348,15 @@ _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking", "reasoning_deta
 # `provider_specific_fields`. Anything else is refused by name, as OpenAI refuses it: a `prefix`
 # asking to continue the message, a `function_call` or `audio` that was made, a user's tool_call_id.
 _MESSAGE_KEYS = {"role", "content", "name", "cache_control"}  # cache_control: proxies add it; the prefix cache is automatic
-_ROLE_KEYS = {"assistant": {"tool_calls", "refusal", *_REASONING_KEYS}, "tool": {"tool_call_id"}}
+_ROLE_KEYS = {"assistant": {"tool_calls", "refusal", *_REASONING_TEXT_KEYS, *_REASONING_PART_KEYS},
+              "tool": {"tool_call_id"}}
 _ASSISTANT_KEPT_BESIDE = {"parsed", "annotations", "provider_specific_fields"}
 
 
 def _check_message_keys(m: dict, role: str, where: str) -> None:
     allowed = _MESSAGE_KEYS | _ROLE_KEYS.get(role, set())
     for key, value in m.items():
-        if key in allowed or value is None or value in ("", [], {}):   # nothing asked for
+        if key in allowed or value in (None, "", [], {}):   # nothing asked for
             continue
         if role == "assistant" and (key in _ASSISTANT_KEPT_BESIDE or (key == "prefix" and value is False)):
             continue
@@ -370,14 +374,14 @@ def _reasoning(m: dict, where: str) -> str:
     joined as the Anthropic route joins thinking blocks. Clients that send one text under two names
     (OpenRouter's `reasoning` beside its `reasoning_details`) give it once. The chat format renders it
     back as it renders its own (common.chat_format). A non-empty value of another shape is a 400."""
-    for key in ("reasoning_content", "reasoning", "thinking"):
+    for key in _REASONING_TEXT_KEYS:
         value = m.get(key)
         if value in (None, "", []):
             continue
         if not isinstance(value, str):
             raise _bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_type")
         return value
-    for key, fields in (("reasoning_details", ("text", "summary")), ("thinking_blocks", ("thinking",))):
+    for key, fields in _REASONING_PART_KEYS.items():
         parts = m.get(key)
         if parts in (None, "", []):
             continue
