@@ -17,7 +17,9 @@ CUDA graphs, a 1,000-token prompt, then
   - the kernels one captured one-token step launches (torch.profiler, CUDA activity);
   - plain greedy decode of 256 tokens at 1k context (tokens/s of the 255 one-token steps after the
     prefill's token, timed from that token on the host; after an untimed first decode, which
-    captures the graphs of positions past 1,024) and drafted
+    captures the graphs of positions past 1,024), the same decode with each step launched from the
+    argmax the step before left on the device (`step_after_argmax`, as the engine runs plain
+    greedy requests; where the version has it: the same tokens, checked), and drafted
     decode with oracle drafts (20% of tokens wrong): drafted equals plain, token for token.
 `--rows N [N ...]`: steps of N tokens more (up to 64: the buckets of several lanes' drafts in one
 forward, server/fast_batch.py), timed as the verify is, each version's N-token logits hashed: the
@@ -123,11 +125,29 @@ def measure(tiny: bool, reps: int, rows: tuple[int, ...] = ()) -> dict:
         plain.append(row_argmax(fast.step([plain[-1]]))[0])
     sync()
     decode_s = time.perf_counter() - decode_t0
+    # The same decode as the engine runs plain greedy requests where the code has it: each step
+    # launched from the argmax the step before left on the device, before the host reads it
+    # (server/fast_path.py step_after_argmax); timed to the last token read, the step launched after
+    # it rolled back.
+    chained_s = None
+    if getattr(fast, "chains_steps", False):
+        chained = [int(fast.start(prompt).logits.argmax())]
+        chained_t0 = time.perf_counter()
+        logits = fast.step(chained[-1:])
+        while len(chained) < GEN:
+            token, logits = fast.step_after_argmax(logits)
+            chained.append(token)
+        chained_s = time.perf_counter() - chained_t0
+        sync()
+        fast.rollback(1)
+        if chained != plain:
+            raise AssertionError("chained plain decoding left the step-by-step tokens")
     drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
     return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
             **{f"step{n}_ms": statistics.median(v) for n, v in step_more.items()}, "rows_logits_sha": logits_sha,
             "kernels_per_step": kernels, "kernel_names": kernel_names, "timeline": timeline,
             "plain_tps_1k": (GEN - 1) / decode_s,  # the tokens of the steps after the prefill's
+            "chained_tps_1k": (GEN - 1) / chained_s if chained_s else None,
             "drafted_equals_plain": drafted == plain, "drafted_steps": steps}
 
 
@@ -268,8 +288,9 @@ def export(rev: str, into: Path) -> str:
 def summarize(samples: list[dict]) -> dict:
     out = {}
     rows = samples[0].get("rows_logits_sha", {})   # --rows: a step{n}_ms figure each
-    for key in ("step1_ms", "step16_ms", *(f"step{n}_ms" for n in rows), "plain_tps_1k", "kernels_per_step"):
-        vals = [s[key] for s in samples if s[key] is not None]
+    for key in ("step1_ms", "step16_ms", *(f"step{n}_ms" for n in rows), "plain_tps_1k", "chained_tps_1k",
+                "kernels_per_step"):
+        vals = [s[key] for s in samples if s.get(key) is not None]
         if vals:
             out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     out["rows_logits_sha"] = {n: sorted({s["rows_logits_sha"][n] for s in samples}) for n in rows}
@@ -302,6 +323,8 @@ def markdown(r: dict) -> str:
         f"{ratio('kernels_per_step')} |",
         f"| plain decode at 1k, tokens/s | {f(b, 'plain_tps_1k', 1)} | {f(h, 'plain_tps_1k', 1)} | "
         f"{ratio('plain_tps_1k')} |",
+        f"| plain decode at 1k, steps chained on the device (the engine's), tokens/s | {f(b, 'chained_tps_1k', 1)} | "
+        f"{f(h, 'chained_tps_1k', 1)} | {ratio('chained_tps_1k')} |",
         f"| drafted equals plain ({GEN} tokens) | {b['drafted_equals_plain']} | {h['drafted_equals_plain']} | |",
         "",
     ]

@@ -25,7 +25,10 @@ before their forward has run (`async_steps`: the GPU fast path's graph replays) 
 as soon as the tokens before it are committed as tokens, before their text is decoded, stop strings
 checked and the chunk handed out (`EngineConfig.launch_early`), so that host work overlaps the
 forward; a stop string found then takes back the tokens after it, and the launched step is rolled
-back with them. A token tree (where the backend takes trees and no grammar applies) feeds the
+back with them. Plain greedy requests (no drafts, no grammar, the raw argmax choosing) go one step
+further where the backend chains steps on the device (`chains_steps`: the fast path's graphs): each
+step is launched from the argmax the step before left on the GPU before the host reads that token
+(`step_after_argmax`), so the GPU never waits for the host between them. A token tree (where the backend takes trees and no grammar applies) feeds the
 pending token, its main chain's first n tokens and the branches the cost model keeps; each row's
 token is chosen as plain decoding would choose it after that row's path, the child drafting it is
 followed, and the backend keeps that root path. When the request ends (finished, cancelled or
@@ -451,6 +454,10 @@ class Engine:
             session = drafter.session() if self.parallel == 1 else _LockedSession(drafter.session(), self._draft_lock)
         req = _Request(backend, prompt_ids, max_tokens, stop_ids, Sampler(params.sampling, prompt_ids),
                        params.constraint.start(stop_ids) if params.constraint is not None else None, session, stats)
+        # Plain greedy steps chain on the device where the backend can (`_complete`): no drafts, no
+        # grammar, the raw argmax chooses, so the next step's input is known on the device.
+        req.chain = (session is None and req.grammar is None and req.sampler.params.plain_argmax
+                     and bool(getattr(backend, "chains_steps", False)))
         # Launch each step before the text of the tokens before it is decoded and handed out, where
         # the backend's steps run while the host goes on (the GPU fast path's graphs): the text, the
         # stop strings and the consumer of the chunk then overlap the forward instead of delaying it.
@@ -512,6 +519,9 @@ class Engine:
         """The next step, drafted and handed to the backend: on the GPU fast path its forward runs
         while the host goes on; `_complete` reads its logits."""
         stats, backend, grammar = req.stats, req.backend, req.grammar
+        if req.chained is not None:  # launched by `_complete` on the device, its input the token now pending
+            launched, req.chained = req.chained, None
+            return launched
         pending = int(req.context[req.length - 1])
         n, draft, probe, cut = 0, None, 0, 0
         share = shared_room(backend)  # GPU lanes: the forward's rows are shared
@@ -564,6 +574,16 @@ class Engine:
             backend.rollback(n - accepted)
             new = proposal[:accepted] + [token]
             on_chain = accepted
+        elif req.chain and stats.completion_tokens + 1 < req.max_tokens:
+            # The argmax chosen on the device and the next one-token step launched from it before the
+            # host reads it (server/fast_path.py step_after_argmax): the same token, and the step the
+            # next `_launch` would make, with no wait for the host between them. A request that ends
+            # at this token rolls that step back as it does an early launch.
+            token, logits = backend.step_after_argmax(launched.logits)
+            req.chained = _Launched(False, 0, 0, 0)
+            req.chained.logits = logits
+            new = [token]
+            stats.plain_steps += 1
         else:
             new = [_choose(sampler, req.grammar, row_of(launched.logits, 0), stats.completion_tokens)]
             stats.plain_steps += 1
@@ -592,6 +612,8 @@ class _Request:
         self.length = len(prompt_ids)
         self.tracker = AcceptanceTracker()
         self.step_accepted = 0  # drafted tokens the last step accepted (the first of its new tokens)
+        self.chain = False      # plain greedy steps chained on the device (Engine._complete)
+        self.chained: _Launched | None = None  # the step so launched, for the next Engine._launch
 
     def commit(self, new: list[int]) -> str | None:
         """Commit `new` token by token until one ends the request: a stop token ("stop", counted,

@@ -11,6 +11,8 @@ with the same meaning as `server/engine.py`'s functions:
   at the slot of position + j); `position` advances by len(ids) either way;
 - `keep_path(path)` right after a tree step keeps the rows of one root path: their K/V move to
   consecutive slots, and the cache is what a chain step of those tokens and a rollback would leave;
+- `step_after_argmax(logits) -> (token, logits)`: plain greedy decoding's next step, launched from
+  the argmax of `logits` on the device before the host reads it (`chains_steps`: captured graphs);
 - `rollback(n)` forgets the last n positions: the cache keeps every slot, masks hide positions past
   the current one, so rolling back only moves `pos`.
 
@@ -74,6 +76,7 @@ from server.fast_linears import DenseLinear, Int4Linear, ReleasedLinear, as_line
 from server.fast_ops import _EAGER_OPS, _attention, _compiled_ops
 from server.fast_prefill import _eps, _w, prefill_layers
 from server.host_rows import HostRowTable
+from server.sampling import row_argmax
 from server.small_m_matmul import MAX_ROWS, triton_available
 from server.step_attention import chain_ancestors, chain_paths
 
@@ -107,6 +110,11 @@ PLE_GELU_FUSED_ROWS = 16
 # test_host_rows.py, test_int8_head.py, test_early_launch.py and test_prefix_cache.py, have not run
 # with it on yet). False: the matmuls sum their own slices (A/B runs).
 SUMMED_SLICES = True
+# Plain greedy steps chained on the device (`step_after_argmax`): each launched from the argmax the
+# step before left on the GPU, before the host reads that token, so the GPU does not idle between
+# steps while the host syncs, stages and replays (0.2-0.5 ms of CPU a replay). False: the token read
+# back before the next step is staged (A/B runs).
+CHAINED_STEPS = True
 
 
 def step_buckets(max_draft: int) -> tuple[int, ...]:
@@ -541,6 +549,12 @@ class FastTarget:
         pin = dev.type == "cuda"
         self._host_in = torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin)
         self._host_np = self._host_in.numpy()
+        # step_after_argmax's: two pinned copies of the host rows and two of a chosen token (a chained
+        # step's are copied without blocking, so the next one writes the other), each read's event
+        self._chain_host = [torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._chain_token = [torch.zeros(1, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._chain_read = [torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else []
+        self._chain_slot = 0
         self._in_buf = torch.zeros(3, self.max_bucket, dtype=torch.long, device=dev)
         self.ids_buf, self.pos_buf, self.anc_buf = self._in_buf.unbind(0)
         self._chain_anc = torch.tensor(chain_ancestors(self.max_bucket), dtype=torch.long)
@@ -880,6 +894,51 @@ class FastTarget:
             logits = self._forward(self.ids_buf[:T], self.pos_buf[:T], kv_len, step=True)
         self._after_step(ids, parents, T)
         return logits[:n]
+
+    @property
+    def chains_steps(self) -> bool:
+        """Whether `step_after_argmax` chains steps on the device here (what the engine asks)."""
+        return self._chains_on_device()
+
+    def _chains_on_device(self) -> bool:
+        """A lone target's captured graphs whose tables the GPU reads in place (a staged table's rows
+        need the token on the host)."""
+        return CHAINED_STEPS and self.async_steps and not self.ple_staged and not self.embed_staged
+
+    @torch.no_grad()
+    def step_after_argmax(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Plain greedy decoding without a round trip: `logits` [1, vocab] (or [vocab]) are the last
+        step's (or the prefill's) logits of the pending token; the token they choose (the argmax,
+        `row_argmax`'s) is read back and returned with the logits [1, vocab] of a one-token step of
+        it, launched before the host waited for it. The step's input is that argmax on the device,
+        so the GPU runs the next step while the host reads the token, hands out its text and stages
+        the step after: as `token = row_argmax(logits)[0]; next = step([token])`, the same token and
+        logits, without the GPU idling for the host between steps (where `chains_steps`; elsewhere
+        that plain sequence). If the caller stops at the returned token, the step launched after it
+        is rolled back like any other (`rollback(1)`: the token is pending again)."""
+        if not self._chains_on_device():
+            token = row_argmax(logits)[0]
+            return token, self.step([token])
+        chosen = logits.reshape(-1, logits.shape[-1])[0].argmax().reshape(1)   # on the device, queued after the step
+        slot = self._chain_slot = (self._chain_slot + 1) % 2
+        self._chain_token[slot].copy_(chosen, non_blocking=True)
+        read = self._chain_read[slot]
+        read.record()
+        T = self._bucket(1)
+        _, kv_len = self._stage_host([0], None, T)
+        # The host rows into a pinned buffer of this slot (two: the one copied two chained steps ago
+        # has been read, since the host waited for a later token), copied without blocking; then the
+        # token on the device over row 0's placeholder id.
+        host = self._chain_host[slot]
+        host.copy_(self._host_in)
+        self._in_buf.copy_(host, non_blocking=True)
+        self.ids_buf[:1].copy_(chosen)
+        graph, out = self._graph(T, kv_len)
+        graph.replay()
+        read.synchronize()  # the token's copy only: the step just launched may still be running
+        token = int(self._chain_token[slot][0])
+        self._after_step([token], None, T)
+        return token, out[:1]
 
     def _stage_step(self, ids: list[int], parents: list[int] | None) -> tuple[int, int, int]:
         """A step's inputs into the static buffers (ids_buf, pos_buf, anc_buf, path_buf, ple_buf):
