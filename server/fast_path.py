@@ -262,6 +262,7 @@ class FastTarget:
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
         self.fused_gelu = False   # steps' gelus in the matmuls' epilogues (FUSED_GELU; step kernels only)
         self.summed_slices = False  # steps' split-K sums in the ops that read them (SUMMED_SLICES; likewise)
+        self.lm_head_capped = None  # the step LM head soft-capping in its store (step kernels only)
         self.embed_on_host = self.embed_staged = False  # the token embedding likewise (_int8_head)
         if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
             self._int8_head(lm, text)
@@ -450,6 +451,8 @@ class FastTarget:
         for layer in self.layers:
             every += [v for v in vars(layer.step).values() if isinstance(v, SmallMLinear)]
         self.step_scratch_bytes = share_partials(every)
+        # the logits' soft-capping in the LM head's store (its scratch shared too)
+        self.lm_head_capped = self.lm_head_step.softcapped(self.softcap) if self.softcap else None
         self.step_attention = {}
         for layer in self.layers:
             d = layer.head_dim
@@ -682,6 +685,8 @@ class FastTarget:
                 y = out_of(layer.ple_proj, gated)
                 post_ff = (_w(hf.post_per_layer_input_norm), _eps(hf.post_per_layer_input_norm))
             h, x = residual_norm_rms(h, y, *post_ff, *last_norm)
+        if step and self.lm_head_capped is not None:  # the soft-capping in the LM head's store
+            return self.lm_head_capped(x)
         logits = (self.lm_head_step if step else self.lm_head)(x)  # x: the final norm of h
         return ops.softcap(logits, self.softcap) if self.softcap else logits
 

@@ -85,7 +85,7 @@ def _columns(pid_n, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _store_out(out_ptr, acc, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr = 0.0):
     """A row tile's output (see `_small_m_kernel` for EPILOGUE). The epilogues round the product to
     the output's dtype first, as an unfused gelu would read it."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,6 +93,9 @@ def _store_out(out_ptr, acc, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE:
     ty = out_ptr.dtype.element_ty
     if EPILOGUE == 0:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(ty), mask=live)
+    elif EPILOGUE == 3:  # SOFTCAP: tanh(y / CAP) * CAP (Gemma's final logit soft-capping, server/fast_ops.py)
+        y = _tanh(acc.to(ty).to(tl.float32) / CAP) * CAP
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(ty), mask=live)
     elif EPILOGUE == 1:
         gate, up = _gelu_pairs(acc, BLOCK_M, BLOCK_N)
         y = _gelu(gate.to(ty).to(tl.float32)) * up.to(ty).to(tl.float32)
@@ -106,7 +109,8 @@ def _store_out(out_ptr, acc, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE:
 
 @triton.jit
 def _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE: tl.constexpr,
-                  SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAP: tl.constexpr = 0.0):
     """One row tile's output: its K slices' partials summed in slice order (a fixed order)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offsets = rows[:, None] * N + cols[None, :]
@@ -115,7 +119,7 @@ def _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u
     # Unrolled, so the SPLIT loads are in flight together; fixed order: the sum does not depend on arrival order.
     for s in tl.static_range(SPLIT):
         total += tl.load(partial_ptr + s * ROWS * N + offsets, mask=live, other=0.0, cache_modifier=".cg")
-    _store_out(out_ptr, total, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
+    _store_out(out_ptr, total, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N, CAP)
 
 
 @triton.jit
@@ -124,7 +128,7 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INT8: tl.constexpr = False, PDL: tl.constexpr = False, EPILOGUE: tl.constexpr = 0,
-                    REDUCE: tl.constexpr = True):
+                    REDUCE: tl.constexpr = True, CAP: tl.constexpr = 0.0):
     """y[:M] = x @ W^T for one (N tile, K slice). W is int4 (INT4), int8 (INT8: codes [K, N], one
     scale per group of BLOCK_K features and column) or dense bf16 [N, K]. Rows come in TILES tiles of BLOCK_M (16) rows, each
     with its own accumulator and its own tl.dot of the one shape a single tile uses; ROWS = TILES *
@@ -134,7 +138,8 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
 
     EPILOGUE (what is stored, each a row's own arithmetic): 0 y itself; 1 (GELU_PAIRS, W = gate | up,
     N / 2 output columns) gelu(gate) * up, the MLP's activation fused into its gate|up matmul; 2
-    (GELU_TIMES) gelu(y) * u, u [M, N] with row stride stride_u (Gemma 4's per-layer input gate).
+    (GELU_TIMES) gelu(y) * u, u [M, N] with row stride stride_u (Gemma 4's per-layer input gate); 3
+    (SOFTCAP) tanh(y / CAP) * CAP, the LM head's logits soft-capped in its own store.
     The gelu reads y rounded to the output's dtype, as it reads a stored y. REDUCE False (split-K
     only; SmallMLinear.slices): each K slice stores its partial, [SPLIT, M, N] contiguous, and the
     program ends, out not written: the kernel that reads y sums them (no counter, no fence, no tail)."""
@@ -201,13 +206,13 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
             if TILES > 3:
                 acc3 += tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w)
     if SPLIT == 1:
-        _store_out(out_ptr, acc0, 0, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
+        _store_out(out_ptr, acc0, 0, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N, CAP)
         if TILES > 1:
-            _store_out(out_ptr, acc1, 1, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
+            _store_out(out_ptr, acc1, 1, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N, CAP)
         if TILES > 2:
-            _store_out(out_ptr, acc2, 2, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
+            _store_out(out_ptr, acc2, 2, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N, CAP)
         if TILES > 3:
-            _store_out(out_ptr, acc3, 3, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N)
+            _store_out(out_ptr, acc3, 3, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, BLOCK_M, BLOCK_N, CAP)
     else:
         _store_partial(partial_ptr, acc0, 0, pid_k, M, N, cols, ROWS, BLOCK_M, REDUCE)
         if TILES > 1:
@@ -222,7 +227,7 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
             if arrived == SPLIT - 1:
                 for tile in tl.static_range(TILES):
                     _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u, EPILOGUE, SPLIT,
-                                  ROWS, BLOCK_M, BLOCK_N)
+                                  ROWS, BLOCK_M, BLOCK_N, CAP)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 

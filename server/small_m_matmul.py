@@ -7,7 +7,8 @@ scale per group of 128 input features and output column: the LM head of a small 
 server/fast_path.py) gives a callable `y = lin(x)`, x [..., K] bf16 with at most `MAX_ROWS` rows,
 y [..., N] bf16. `lin(x, gelu_times=u)` (u [..., N], any row stride) gives gelu_tanh(y) * u, and
 `lin.gelu_pairs()` (W = gate | up) a linear giving gelu_tanh(gate) * up [..., N / 2]: the activation
-in the matmul's epilogue, one launch, the bits of the separate kernel (server/fast_path.py `_gelu_mul`).
+in the matmul's epilogue, one launch, the bits of the separate kernel (server/fast_path.py `_gelu_mul`);
+`lin.softcapped(cap)` one storing tanh(y / cap) * cap (the LM head's soft-capped logits).
 
 Why not tinygemm (quanto's kernel): its int4 matmul time grows with the number of rows (E4B:
 2.4 ms a step for 1 row, 5.8 ms for 16), so a 16-token verify cost 1.8x a decode step; and cuBLAS /
@@ -99,6 +100,8 @@ def triton_available() -> bool:
 # activation that reads it, fused so that the step skips a launch: gelu(gate) * up from W = gate | up
 # (`gelu_pairs`), gelu(y) * u for a given u (`lin(x, gelu_times=u)`).
 PLAIN, GELU_PAIRS, GELU_TIMES = 0, 1, 2
+# ... or tanh(y / cap) * cap (`softcapped`): Gemma's soft-capped logits in the LM head's store
+SOFTCAP = 3
 
 PDL = True          # programmatic dependent launch where the GPU has it (pdl_launch)
 GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it runs (False: A/B runs)
@@ -233,6 +236,7 @@ class SmallMLinear:
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
         self.epilogue = PLAIN
+        self.cap = 0.0      # SOFTCAP's
         # False: a call's split-K slices store their partials and end, the output unwritten (what
         # bench.small_m_bench --chain-tails times); never set when serving (`slices` is the way)
         self.reduce = True
@@ -253,6 +257,20 @@ class SmallMLinear:
                              gluon_stages=self.gluon_stages)
         fused.epilogue, fused.partial = GELU_PAIRS, self.partial
         return fused
+
+    def softcapped(self, cap: float) -> "SmallMLinear":
+        """This linear as one storing tanh(y / cap) * cap: Gemma's final logit soft-capping in the LM
+        head's epilogue, one launch (and one pass over the logits) less a step. The same tensors
+        and K slices; y is rounded to the output's dtype first, as the separate op (server/fast_ops.py
+        `_softcap`) reads the stored logits; tanh is libdevice's, as torch.compile's kernel calls it.
+        On `_small_m_kernel` (a bf16 or int8 head; the Gluon kernel has no such epilogue)."""
+        if self.epilogue != PLAIN:
+            raise ValueError("softcapped of a linear that already has an epilogue")
+        capped = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,
+                              num_warps=self.num_warps, num_stages=self.num_stages, magic=self.magic, split=self.split,
+                              gluon_stages=self.gluon_stages)
+        capped.epilogue, capped.partial, capped.cap, capped.gluon = SOFTCAP, self.partial, float(cap), False
+        return capped
 
     @classmethod
     def from_int4(cls, packed: torch.Tensor, scale_shift: torch.Tensor, group_size: int, out_features: int,
@@ -331,7 +349,7 @@ class SmallMLinear:
             self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split, times,
             times.stride(0), INT4=self.int4, INT8=self.int8, SPLIT=self.split, MAGIC=self.magic, TILES=tiles,
             ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
-            REDUCE=reduce, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
+            REDUCE=reduce, CAP=self.cap, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
 
     def _gluon_tiling(self, tiles: int) -> tuple[int, int]:

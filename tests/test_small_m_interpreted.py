@@ -31,13 +31,16 @@ SLICES_CASES = [(64, 512, 1, 64), (96, 512, 20, 64), (96, 512, 33, 64), (64, 512
                 (64, 256, 7, 1)]
 # the gelu epilogues (GELU_PAIRS: gate | up in one weight; GELU_TIMES: times a strided u), split-K and not
 EPILOGUE_CASES = [(n, k, m, target) for n, k in ((128, 256), (192, 512)) for m in (1, 17, 40) for target in (1, 64)]
+# the soft-capped LM head (SOFTCAP: tanh(y / cap) * cap in the store), dense and int8, split-K and not
+SOFTCAP_CASES = [(n, k, m, target, kind) for n, k in ((64, 256), (96, 512)) for m in (1, 16, 33)
+                 for target in (1, 64) for kind in ("dense", "int8")]
 
 
 def test_small_m_kernel_rows_and_slices():
     pytest.importorskip("triton")
     out = "".join(run_interpreted_shards(__file__))  # its cases in two processes at once
     assert out.count("ok") == (len(CASES) + len(INT8_CASES) + len(INT4_CASES) + 4 * len(EPILOGUE_CASES)
-                               + len(SLICES_CASES)), out[-2000:]
+                               + len(SLICES_CASES) + len(SOFTCAP_CASES)), out[-2000:]
 
 
 def _main(shard: str = "0", shards: str = "1") -> int:
@@ -113,6 +116,18 @@ def _main(shard: str = "0", shards: str = "1") -> int:
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-5, ("times", kind, n, k, m, target, lin.split, err)
         print("ok gelu times", kind, n, k, m, lin.split)
+    for n, k, m, target, kind in mine(SOFTCAP_CASES):
+        g = torch.Generator().manual_seed(19 * n + k + m)
+        w = torch.randn(n, k, generator=g) * 2   # logits of tens: tanh's curved part and its flat tails
+        lin = quantize_int8(w) if kind == "int8" else SmallMLinear(w, None, None, n, k)
+        lin = SmallMLinear(lin.weight, lin.scale, None, n, k, target_programs=target)
+        capped = lin.softcapped(30.0)
+        assert capped.split == lin.split and capped.out_features == n
+        x = torch.randn(m, k, generator=g)
+        y = x.double() @ lin.dequantize().double().t()
+        got, want = capped(x).double(), torch.tanh(y / 30.0) * 30.0
+        assert y.abs().max() > 60 and ((got - want).norm() / want.norm()).item() < 1e-5, ("softcap", kind, n, k, m)
+        print("ok softcap", kind, n, k, m, lin.split)
     for n, k, m, target in mine(SLICES_CASES):
         # SmallMLinear.slices: the K slices' partials, [split, m, n] contiguous, no counter moved;
         # added in slice order (sum_slices, as the step ops add them) they are the launch's own sum
