@@ -522,6 +522,10 @@ class FastTarget:
         # the Triton gather (server/host_rows.py gather_rows) on any CUDA device with Triton (a copy of
         # rows: any dtype, with or without the step kernels); index_select elsewhere
         self._rope_gather = self.device.type == "cuda" and triton_available()
+        # the token embedding's scale as its module applies it (a bf16 scalar times bf16 rows), read
+        # once here (a graph's capture cannot read a GPU tensor): for the steps' gather of its rows
+        scale = getattr(self.embed, "embed_scale", None)
+        self._embed_scale = None if scale is None else float(torch.as_tensor(scale).to(self.dtype))
 
     def rope_rows(self, pos: torch.Tensor) -> dict:
         """{sliding: (cos, sin)}, each [T, 1, D], for positions `pos` [T] (on the device): one
@@ -625,6 +629,11 @@ class FastTarget:
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
         if from_buffers and self.embed_staged:
             h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]
+        elif step and not self.embed_on_host and self._rope_gather:
+            # the rows by the Triton gather (one short kernel; torch's index_select took 11 us for a
+            # verify's 16 rows on an H100), times the module's embed_scale, rounded as the module rounds
+            from server.host_rows import gather_rows
+            h = gather_rows(self.embed.weight, ids, self.device, self._embed_scale)
         else:
             h = self.embed(ids)
         if self.ple_dim:

@@ -211,6 +211,19 @@ def test_step_kernels_batch_invariant_and_close(quant, summed, monkeypatch):
 
 
 @needs_cuda
+def test_step_embedding_gather_equals_the_module_cuda():
+    """Steps read the token embedding's rows by the Triton gather, scaled as the module scales them:
+    the module's very bits (its lookup times a bf16 embed_scale)."""
+    from server.host_rows import gather_rows
+
+    model = cuda_model(torch.bfloat16, quant=False)
+    fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64)
+    ids = torch.tensor(prompt_of(40, model.config.vocab_size, seed=9), device="cuda")
+    assert fast._embed_scale is not None and fast._rope_gather
+    assert torch.equal(gather_rows(fast.embed.weight, ids, fast.device, fast._embed_scale), fast.embed(ids))
+
+
+@needs_cuda
 def test_int4_layers_use_tinygemm():
     model = cuda_model(torch.bfloat16, quant=True)
     fast = FastTarget(model, max_len=64, capture=False, release_weights=False)  # transformers runs below
