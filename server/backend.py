@@ -21,6 +21,10 @@ Contract. A `Backend` owns one live sequence at a time (positions 0..position-1 
   `discard()` forgets the live sequence without keeping it (after an error mid-forward).
 - `max_context`: the positions it can serve; `max_step`: the most tokens one `step` takes.
 - `prefix_summary()`: the prefix cache's budget, use, peak and counters, or None when it is off.
+- Optional, where steps run asynchronously (the GPU fast path): `async_steps` (a step returns before
+  its forward has run), and `chains_steps` with `step_after_argmax(logits) -> (token, logits)`: the
+  argmax of `logits` and a one-token step of it, launched from the argmax on the device before the
+  token is read back (what `token = row_argmax(logits)[0]; step([token])` gives).
 
 Invariant: whatever was reused, `start` returns the logits a fresh prefill of the whole prompt
 would, to the backend's arithmetic (bit for bit on the eager fp32 path up to GEMM blocking; the

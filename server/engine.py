@@ -26,9 +26,11 @@ as soon as the tokens before it are committed as tokens, before their text is de
 checked and the chunk handed out (`EngineConfig.launch_early`), so that host work overlaps the
 forward; a stop string found then takes back the tokens after it, and the launched step is rolled
 back with them. Plain greedy requests (no drafts, no grammar, the raw argmax choosing) go one step
-further where the backend chains steps on the device (`chains_steps`: the fast path's graphs): each
-step is launched from the argmax the step before left on the GPU before the host reads that token
-(`step_after_argmax`), so the GPU never waits for the host between them. A token tree (where the backend takes trees and no grammar applies) feeds the
+further where the backend chains steps on the device (`chains_steps`: a lone fast-path target's
+graphs, not lanes): each step is launched from the argmax the step before left on the GPU before
+the host reads that token (`step_after_argmax`), so the host's round trip (reading the token,
+staging and launching the next step) no longer sits between two steps; a request that ends at a
+token has one step more launched, which its end rolls back. A token tree (where the backend takes trees and no grammar applies) feeds the
 pending token, its main chain's first n tokens and the branches the cost model keeps; each row's
 token is chosen as plain decoding would choose it after that row's path, the child drafting it is
 followed, and the backend keeps that root path. When the request ends (finished, cancelled or
@@ -454,15 +456,16 @@ class Engine:
             session = drafter.session() if self.parallel == 1 else _LockedSession(drafter.session(), self._draft_lock)
         req = _Request(backend, prompt_ids, max_tokens, stop_ids, Sampler(params.sampling, prompt_ids),
                        params.constraint.start(stop_ids) if params.constraint is not None else None, session, stats)
-        # Plain greedy steps chain on the device where the backend can (`_complete`): no drafts, no
-        # grammar, the raw argmax chooses, so the next step's input is known on the device.
-        req.chain = (session is None and req.grammar is None and req.sampler.params.plain_argmax
-                     and bool(getattr(backend, "chains_steps", False)))
         # Launch each step before the text of the tokens before it is decoded and handed out, where
         # the backend's steps run while the host goes on (the GPU fast path's graphs): the text, the
         # stop strings and the consumer of the chunk then overlap the forward instead of delaying it.
         early = self.config.launch_early
         early = bool(getattr(backend, "async_steps", False)) if early is None else early
+        # Plain greedy steps chain on the device where the backend can (`_complete`): no drafts, no
+        # grammar, the raw argmax chooses, so the next step's input is known on the device. (A launch
+        # earlier still: off where early launches are.)
+        req.chain = (early and session is None and req.grammar is None and req.sampler.params.plain_argmax
+                     and bool(getattr(backend, "chains_steps", False)))
         clean = False  # the backend's cache is consistent at every yield, and only there
         try:
             with torch.no_grad():

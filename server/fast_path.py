@@ -556,8 +556,9 @@ class FastTarget:
         pin = dev.type == "cuda"
         self._host_in = torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin)
         self._host_np = self._host_in.numpy()
-        # step_after_argmax's: two pinned copies of the host rows and two of a chosen token (a chained
-        # step's are copied without blocking, so the next one writes the other), each read's event
+        # step_after_argmax's: two pinned copies of the host rows (a chained step's are copied without
+        # blocking, so the next one writes the other; the host has waited for a later token before it
+        # writes one again) and, beside each, a chosen token's pinned copy and the event of its read
         self._chain_host = [torch.zeros(3, self.max_bucket, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._chain_token = [torch.zeros(1, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._chain_read = [torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else []

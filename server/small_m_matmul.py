@@ -262,8 +262,10 @@ class SmallMLinear:
         """This linear as one storing tanh(y / cap) * cap: Gemma's final logit soft-capping in the LM
         head's epilogue, one launch (and one pass over the logits) less a step. The same tensors
         and K slices; y is rounded to the output's dtype first, as the separate op (server/fast_ops.py
-        `_softcap`) reads the stored logits; tanh is libdevice's, as torch.compile's kernel calls it.
-        On `_small_m_kernel` (a bf16 or int8 head; the Gluon kernel has no such epilogue)."""
+        `_softcap`) reads the stored logits, and tanh is libdevice's, as torch.compile's kernel calls
+        it: the same formula, not necessarily the compiled op's last bit (inductor may multiply by
+        1 / cap). Every step runs it, so steps stay batch-invariant. On `_small_m_kernel` (a bf16 or
+        int8 head; the Gluon kernel has no such epilogue)."""
         if self.epilogue != PLAIN:
             raise ValueError("softcapped of a linear that already has an epilogue")
         capped = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,

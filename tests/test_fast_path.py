@@ -216,11 +216,36 @@ def test_step_embedding_gather_equals_the_module_cuda():
     the module's very bits (its lookup times a bf16 embed_scale)."""
     from server.host_rows import gather_rows
 
-    model = cuda_model(torch.bfloat16, quant=False)
+    # hidden 384: embed_scale sqrt(384) = 19.596 is not a bf16 number (16, at hidden 256, would be),
+    # so the scale's rounding to bf16 shows in the rows' bits
+    model = cuda_model(torch.bfloat16, quant=False, hidden_size=384)
     fast = FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64)
     ids = torch.tensor(prompt_of(40, model.config.vocab_size, seed=9), device="cuda")
-    assert fast._embed_scale is not None and fast._rope_gather
+    assert fast._embed_scale == 19.625 and fast._rope_gather
     assert torch.equal(gather_rows(fast.embed.weight, ids, fast.device, fast._embed_scale), fast.embed(ids))
+    assert not torch.equal(gather_rows(fast.embed.weight, ids, fast.device, 384 ** 0.5), fast.embed(ids))
+
+
+@needs_cuda
+def test_soft_capped_step_head_cuda():
+    """Gemma's final logit soft-capping (30 on E4B) in the step LM head's store (lm_head_capped): the
+    separate op's values on the same logits to a bf16 rounding, every row the same bits in a
+    one-row and a 16-row call, and drafted equal to plain on a model that caps."""
+    model = cuda_model(torch.bfloat16, quant=True, final_logit_softcapping=30.0)
+    fast = FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64)
+    assert fast.softcap == 30.0 and fast.lm_head_capped is not None
+    # (a large x: logits of tens, where the cap bends them)
+    x = torch.randn(16, model.config.hidden_size, device="cuda", dtype=torch.bfloat16) * 300
+    capped = fast.lm_head_capped(x)
+    separate = fast.ops.softcap(fast.lm_head_step(x), 30.0)
+    torch.testing.assert_close(capped.float(), separate.float(), rtol=8e-3, atol=8e-3)
+    assert capped.abs().max() <= 30 and (fast.lm_head_step(x).abs() > 30).any()  # the cap bites somewhere
+    assert torch.equal(fast.lm_head_capped(x[3:4]), capped[3:4])
+    vocab = model.config.vocab_size
+    prompt = prompt_of(30, vocab, 5)
+    plain, plain_steps = greedy_generate(fast, prompt, 80)
+    drafted, steps = greedy_generate(fast, prompt, 80, oracle(plain, 30, 0.2, vocab, 5))
+    assert drafted == plain and steps < plain_steps
 
 
 @needs_cuda
