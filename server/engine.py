@@ -30,10 +30,10 @@ further where the backend chains steps on the device (`chains_steps`: a lone fas
 graphs, not lanes): each step is launched from the argmax the step before left on the GPU before
 the host reads that token (`step_after_argmax`), so the host's round trip (reading the token,
 staging and launching the next step) no longer sits between two steps; a request that ends at a
-token has one step more launched, which its end rolls back. A token tree (where the backend takes trees and no grammar applies) feeds the
-pending token, its main chain's first n tokens and the branches the cost model keeps; each row's
-token is chosen as plain decoding would choose it after that row's path, the child drafting it is
-followed, and the backend keeps that root path. When the request ends (finished, cancelled or
+token has one step more launched, which its end rolls back. A token tree (where the backend takes
+trees and no grammar applies) feeds the pending token, its main chain's first n tokens and the
+branches the cost model keeps; each row's token is chosen as plain decoding would choose it after
+that row's path, the child drafting it is followed, and the backend keeps that root path. When the request ends (finished, cancelled or
 disconnected) the KV of the committed tokens is handed back to the backend for reuse;
 after an error inside a forward it is discarded.
 
@@ -463,7 +463,7 @@ class Engine:
         early = bool(getattr(backend, "async_steps", False)) if early is None else early
         # Plain greedy steps chain on the device where the backend can (`_complete`): no drafts, no
         # grammar, the raw argmax chooses, so the next step's input is known on the device. (A launch
-        # earlier still: off where early launches are.)
+        # earlier still, so off wherever early launches are off.)
         req.chain = (early and session is None and req.grammar is None and req.sampler.params.plain_argmax
                      and bool(getattr(backend, "chains_steps", False)))
         clean = False  # the backend's cache is consistent at every yield, and only there
