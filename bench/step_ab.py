@@ -19,7 +19,8 @@ CUDA graphs, a 1,000-token prompt, then
     prefill's token, timed from that token on the host; after an untimed first decode, which
     captures the graphs of positions past 1,024), the same decode with each step launched from the
     argmax the step before left on the device (`step_after_argmax`, as the engine runs plain
-    greedy requests; where the version has it: the same tokens, checked), and drafted
+    greedy requests; where the version has it: the same tokens, checked), the two alternating,
+    DECODES of each (their medians), and drafted
     decode with oracle drafts (20% of tokens wrong): drafted equals plain, token for token.
 `--rows N [N ...]`: steps of N tokens more (up to 64: the buckets of several lanes' drafts in one
 forward, server/fast_batch.py), timed as the verify is, each version's N-token logits hashed: the
@@ -46,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, GEN, VERIFY = 1000, 256, 16
+DECODES = 3   # plain decodes of GEN tokens a measurement: step by step and chained, alternating
 
 
 def measure(tiny: bool, reps: int, rows: tuple[int, ...] = ()) -> dict:
@@ -119,29 +121,46 @@ def measure(tiny: bool, reps: int, rows: tuple[int, ...] = ()) -> dict:
     # apart and subtracting it carried that prefill's own spread into the figure). greedy_generate's
     # plain loop, spelled out with the calls every version measured has (fast.start, fast.step).
     from server.sampling import row_argmax
-    plain = [int(fast.start(prompt).logits.argmax())]
-    decode_t0 = time.perf_counter()
-    while len(plain) < GEN:
-        plain.append(row_argmax(fast.step([plain[-1]]))[0])
-    sync()
-    decode_s = time.perf_counter() - decode_t0
+
+    def decode_step_by_step() -> tuple[list[int], float]:
+        out = [int(fast.start(prompt).logits.argmax())]
+        t0 = time.perf_counter()
+        while len(out) < GEN:
+            out.append(row_argmax(fast.step([out[-1]]))[0])
+        sync()
+        return out, time.perf_counter() - t0
+
     # The same decode as the engine runs plain greedy requests where the code has it: each step
     # launched from the argmax the step before left on the device, before the host reads it
     # (server/fast_path.py step_after_argmax); timed to the last token read, the step launched after
     # it rolled back.
-    chained_s = None
-    if getattr(fast, "chains_steps", False):
-        chained = [int(fast.start(prompt).logits.argmax())]
-        chained_t0 = time.perf_counter()
-        logits = fast.step(chained[-1:])
-        while len(chained) < GEN:
+    def decode_chained() -> tuple[list[int], float]:
+        out = [int(fast.start(prompt).logits.argmax())]
+        t0 = time.perf_counter()
+        logits = fast.step(out[-1:])
+        while len(out) < GEN:
             token, logits = fast.step_after_argmax(logits)
-            chained.append(token)
-        chained_s = time.perf_counter() - chained_t0
+            out.append(token)
+        seconds = time.perf_counter() - t0
         sync()
         fast.rollback(1)
-        if chained != plain:
+        return out, seconds
+
+    # DECODES of each, the two alternating and taking turns at going first; the median of each
+    kinds = {"plain": decode_step_by_step}
+    if getattr(fast, "chains_steps", False):
+        kinds["chained"] = decode_chained
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    tokens: dict[str, list[int]] = {}
+    for i in range(DECODES):
+        for kind in (list(kinds) if i % 2 == 0 else list(kinds)[::-1]):
+            tokens[kind], took = kinds[kind]()
+            seconds[kind].append(took)
+        if tokens.get("chained", tokens["plain"]) != tokens["plain"]:
             raise AssertionError("chained plain decoding left the step-by-step tokens")
+    plain = tokens["plain"]
+    decode_s = statistics.median(seconds["plain"])
+    chained_s = statistics.median(seconds["chained"]) if "chained" in seconds else None
     drafted, steps = greedy_generate(fast, prompt, GEN, oracle(plain, len(prompt), vocab=vocab))
     return {"step1_ms": statistics.median(step1), "step16_ms": statistics.median(step16),
             **{f"step{n}_ms": statistics.median(v) for n, v in step_more.items()}, "rows_logits_sha": logits_sha,
