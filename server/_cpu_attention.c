@@ -142,29 +142,21 @@ AVX2 static void softmax4_weights_avx2(float *s, Py_ssize_t n, float sum[4]) {
    added: dot16's halves. The key's 16 values of each step are converted once for the 4 heads (a chain
    pair per head converting its own copy took 4 conversions where 1 does: on AVX2 cores without AVX-512
    the conversions set the pace); the chains are the same FMAs in the same order, so the same bits. */
-#define SCORE4_AVX2(LOAD_KEY)                                                                             \
-    __m256 a[8];                                                                                          \
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();                                               \
-    for (Py_ssize_t d = 0; d < D; d += 16) {                                                              \
-        const __m256 k0 = LOAD_KEY(kp + d), k1 = LOAD_KEY(kp + d + 8);                                    \
-        for (int j = 0; j < 4; j++) {                                                                     \
-            a[2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d), k0, a[2 * j]);                          \
-            a[2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d + 8), k1, a[2 * j + 1]);              \
-        }                                                                                                 \
-    }                                                                                                     \
-    __m256 u0 = _mm256_add_ps(a[0], a[1]), u1 = _mm256_add_ps(a[2], a[3]);                                \
-    __m256 u2 = _mm256_add_ps(a[4], a[5]), u3 = _mm256_add_ps(a[6], a[7]);                                \
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));                            \
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));                        \
-    _mm_storeu_ps(out, _mm_mul_ps(r, scale));
-
 AVX2H static inline void score4(const float *const q[4], const uint16_t *kp, Py_ssize_t D, __m128 scale, float *out) {
-    SCORE4_AVX2(load8h)
-}
-
-/* score4 against a key already converted to floats (the same values: the conversion is exact). */
-AVX2H static inline void score4_f32(const float *const q[4], const float *kp, Py_ssize_t D, __m128 scale, float *out) {
-    SCORE4_AVX2(_mm256_loadu_ps)
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (Py_ssize_t d = 0; d < D; d += 16) {
+        const __m256 k0 = load8h(kp + d), k1 = load8h(kp + d + 8);
+        for (int j = 0; j < 4; j++) {
+            a[2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d), k0, a[2 * j]);
+            a[2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d + 8), k1, a[2 * j + 1]);
+        }
+    }
+    __m256 u0 = _mm256_add_ps(a[0], a[1]), u1 = _mm256_add_ps(a[2], a[3]);
+    __m256 u2 = _mm256_add_ps(a[4], a[5]), u3 = _mm256_add_ps(a[6], a[7]);
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(u0, u1), _mm256_hadd_ps(u2, u3));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(r, scale));
 }
 
 /* One key's step of 4 heads' output chains over 16 values: a[2j], a[2j + 1] = fma(e[j], v[0..15], .). */
@@ -242,6 +234,14 @@ static void chain_rows(const AttnCtx *c, Py_ssize_t m, int R, float *scratch, Ch
 }
 
 
+/* The values phases' accumulators (acc[(r * 4 + j) * D + d], rows r < R, heads j < 4) zeroed over
+   d = dlo..dhi-1: each element's fma chain starts from +0. */
+static inline void zero_rows_acc(float *acc, int R, Py_ssize_t D, Py_ssize_t dlo, Py_ssize_t dhi) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            for (Py_ssize_t d = dlo; d < dhi; d++) acc[(r * 4 + j) * D + d] = 0.0f;
+}
+
 /* The two phases of attend_rows_avx2 (below), each over part of the work, as rows_scores_512 /
    rows_values_512 cut AVX-512's: the scores of keys klo..khi (of the rows' span lo..hi), a block of
    ATTN_BLOCK keys at a time for all the rows (each row converting the float16 keys itself: a
@@ -265,9 +265,7 @@ AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R,
 AVX2H static void rows_values_avx2(const AttnCtx *c, const ChainRows *cr, Py_ssize_t m, int R,
                                    const float (*sum)[4], Py_ssize_t dlo, Py_ssize_t dhi, float *acc) {
     const Py_ssize_t D = c->D, H = c->H;
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++)
-            for (Py_ssize_t d = dlo; d < dhi; d++) acc[(r * 4 + j) * D + d] = 0.0f;
+    zero_rows_acc(acc, R, D, dlo, dhi);
     for (Py_ssize_t b = cr->lo; b <= cr->hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < cr->hi ? b + ATTN_BLOCK - 1 : cr->hi;
         for (int r = 0; r < R; r++) {
@@ -476,9 +474,7 @@ AVX512H static void rows_scores_512(const AttnCtx *c, const ChainRows *cr, int R
 AVX512H static void rows_values_512(const AttnCtx *c, const ChainRows *cr, Py_ssize_t m, int R,
                                     const float (*sum)[4], Py_ssize_t dlo, Py_ssize_t dhi, float *acc) {
     const Py_ssize_t D = c->D, H = c->H;
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++)
-            for (Py_ssize_t d = dlo; d < dhi; d++) acc[(r * 4 + j) * D + d] = 0.0f;
+    zero_rows_acc(acc, R, D, dlo, dhi);
     for (Py_ssize_t b = cr->lo; b <= cr->hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < cr->hi ? b + ATTN_BLOCK - 1 : cr->hi;
         for (int r = 0; r < R; r++) {
