@@ -250,13 +250,7 @@ class SmallMLinear:
         columns): the MLP's activation in the matmul's epilogue, one launch where there were two.
         Same tensors (no copy) and K slices, so gate and up are the bits this linear computes; the
         activation is server/fast_path.py `_gelu_mul`'s arithmetic on them (tests/test_step_kernel_rows.py)."""
-        if self.epilogue != PLAIN:
-            raise ValueError("gelu_pairs of a linear that already has an epilogue")
-        fused = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,
-                             num_warps=self.num_warps, num_stages=self.num_stages, magic=self.magic, split=self.split,
-                             gluon_stages=self.gluon_stages)
-        fused.epilogue, fused.partial = GELU_PAIRS, self.partial
-        return fused
+        return self._with_epilogue(GELU_PAIRS, "gelu_pairs")
 
     def softcapped(self, cap: float) -> "SmallMLinear":
         """This linear as one storing tanh(y / cap) * cap: Gemma's final logit soft-capping in the LM
@@ -266,13 +260,20 @@ class SmallMLinear:
         it: the same formula, not necessarily the compiled op's last bit (inductor may multiply by
         1 / cap). Every step runs it, so steps stay batch-invariant. On `_small_m_kernel` (a bf16 or
         int8 head; the Gluon kernel has no such epilogue)."""
-        if self.epilogue != PLAIN:
-            raise ValueError("softcapped of a linear that already has an epilogue")
-        capped = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,
-                              num_warps=self.num_warps, num_stages=self.num_stages, magic=self.magic, split=self.split,
-                              gluon_stages=self.gluon_stages)
-        capped.epilogue, capped.partial, capped.cap, capped.gluon = SOFTCAP, self.partial, float(cap), False
+        capped = self._with_epilogue(SOFTCAP, "softcapped")
+        capped.cap, capped.gluon = float(cap), False
         return capped
+
+    def _with_epilogue(self, epilogue: int, what: str) -> "SmallMLinear":
+        """This linear's twin storing `epilogue`: the same tensors (no copy), tiling, K slices and
+        split-K scratch, so its products are the bits this linear computes."""
+        if self.epilogue != PLAIN:
+            raise ValueError(f"{what} of a linear that already has an epilogue")
+        twin = SmallMLinear(self.weight, self.scale, self.offset, self.n, self.k, block_n=self.block_n,
+                            num_warps=self.num_warps, num_stages=self.num_stages, magic=self.magic, split=self.split,
+                            gluon_stages=self.gluon_stages)
+        twin.epilogue, twin.partial = epilogue, self.partial
+        return twin
 
     @classmethod
     def from_int4(cls, packed: torch.Tensor, scale_shift: torch.Tensor, group_size: int, out_features: int,
