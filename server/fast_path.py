@@ -75,7 +75,7 @@ from server.backend import Prefill
 from server.fast_linears import DenseLinear, Int4Linear, ReleasedLinear, as_linear, fuse_int4, release_module, released_parts
 from server.fast_ops import _EAGER_OPS, _attention, _compiled_ops
 from server.fast_prefill import _eps, _w, prefill_layers
-from server.host_rows import HostRowTable
+from server.host_rows import HostRowTable, embed_scale
 from server.sampling import row_argmax
 from server.small_m_matmul import MAX_ROWS, triton_available
 from server.step_attention import chain_ancestors, chain_paths
@@ -524,8 +524,8 @@ class FastTarget:
         self._rope_gather = self.device.type == "cuda" and triton_available()
         # the token embedding's scale as its module applies it (a bf16 scalar times bf16 rows), read
         # once here (a graph's capture cannot read a GPU tensor): for the steps' gather of its rows
-        scale = getattr(self.embed, "embed_scale", None)
-        self._embed_scale = None if scale is None else float(torch.as_tensor(scale).to(self.dtype))
+        scale = embed_scale(self.embed, self.dtype)
+        self._embed_scale = None if scale is None else float(scale)
 
     def rope_rows(self, pos: torch.Tensor) -> dict:
         """{sliding: (cos, sin)}, each [T, 1, D], for positions `pos` [T] (on the device): one

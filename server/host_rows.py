@@ -46,12 +46,18 @@ _registered: dict[int, int] = {}  # host address -> tables mapping it
 _registry_lock = threading.RLock()
 
 
+def embed_scale(module, dtype: torch.dtype) -> torch.Tensor | None:
+    """An embedding module's `embed_scale` as the module applies it: a scalar of `dtype` (the rows'
+    dtype), on the host; None for a module without one."""
+    scale = getattr(module, "embed_scale", None)
+    return None if scale is None else torch.as_tensor(scale).to(device="cpu", dtype=dtype)
+
+
 class HostRowTable:
     def __init__(self, module, device: torch.device, mapped: bool | None = None):
         module.to("cpu")
         self.weight = module.weight.detach()
-        scale = getattr(module, "embed_scale", None)
-        scale = None if scale is None else torch.as_tensor(scale).to(dtype=self.weight.dtype)  # (on the host)
+        scale = embed_scale(module, self.weight.dtype)  # (on the host)
         self.scale = None if scale is None else scale.to(device)
         # the kernel's scale, read once here: reading a GPU tensor inside a graph's capture would sync
         self._scale_value = None if scale is None else float(scale)
