@@ -105,7 +105,7 @@ SOFTCAP = 3
 
 PDL = True          # programmatic dependent launch where the GPU has it (pdl_launch)
 GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it runs (False: A/B runs)
-# From this many row tiles on, an int4 launch on the Gluon kernel runs WIDE_TILING (columns a program,
+# From this many rows on, an int4 launch on the Gluon kernel runs WIDE_TILING (columns a program,
 # warps), one of server/gluon_matmul.py's TILINGS: 128 columns a program on 4 warps, each warp 32
 # columns, so each x slice a warp reads from shared memory feeds four products instead of two, and
 # half as many programs copy x. Same K slices, so the same bits (a column's sums do not depend on its
@@ -117,7 +117,9 @@ GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it r
 # level (7.86 / 7.91 -> 8.00 / 7.99), the 64-token steps' logits the same bits. 32 rows is the forward
 # of 3-16 lanes' drafts (server/fast_batch.py `shared_rows`). One row tile keeps the linear's own
 # tiling: a one-row gate|up took 16.5 us on it and 20.3 on this one. None: the own tiling always.
-WIDE_FROM_TILES: int | None = 2
+# The rule counts rows, not row tiles: a 16-row verify (one tile) may go wide while a one-row step
+# stays on the linear's own tiling, and the bits are the same either way (same K slices).
+WIDE_FROM_ROWS: int | None = 17
 WIDE_TILING = (128, 4)
 # Only linears of at least this many output columns switch (0: every one the tiling fits): gate|up and
 # the per-layer model projection on E4B. At 64 rows the small linears lose on the wide tiling what gate|up
@@ -337,7 +339,7 @@ class SmallMLinear:
         if self.gluon:
             from server import gluon_matmul
             from server.gluon_matmul import int4_step_matmul, x_rows
-            block_n, warps = self._gluon_tiling(tiles)
+            block_n, warps = self._gluon_tiling(m)
             int4_step_matmul[(self.n // block_n, self.split)](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
@@ -355,11 +357,11 @@ class SmallMLinear:
             REDUCE=reduce, CAP=self.cap, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
 
-    def _gluon_tiling(self, tiles: int) -> tuple[int, int]:
-        """(columns a program, warps) of a Gluon launch of `tiles` row tiles: WIDE_TILING from
-        WIDE_FROM_TILES tiles on, on a linear of WIDE_MIN_COLUMNS columns or more that it tiles (its
+    def _gluon_tiling(self, rows: int) -> tuple[int, int]:
+        """(columns a program, warps) of a Gluon launch of `rows` rows: WIDE_TILING from
+        WIDE_FROM_ROWS rows on, on a linear of WIDE_MIN_COLUMNS columns or more that it tiles (its
         programs' counters fit: this linear's tiles are at most as wide), else the linear's own."""
-        if WIDE_FROM_TILES is not None and tiles >= WIDE_FROM_TILES and self.n >= WIDE_MIN_COLUMNS:
+        if WIDE_FROM_ROWS is not None and rows >= WIDE_FROM_ROWS and self.n >= WIDE_MIN_COLUMNS:
             block_n, warps = WIDE_TILING
             if self.n % block_n == 0 and block_n >= self.block_n:
                 return block_n, warps

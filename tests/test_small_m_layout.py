@@ -189,8 +189,8 @@ def test_one_int4_layout_bookkeeping_on_the_cpu(monkeypatch):
 def test_wide_tiling_rule(monkeypatch):
     """server/small_m_matmul.py's choice of a Gluon launch's tiling (plain Python; the launch itself
     is CUDA-only, where tests/test_step_kernel_rows.py checks the bits): one row tile keeps the
-    linear's own, WIDE_FROM_TILES tiles or more take WIDE_TILING where it tiles N and N is at least
-    WIDE_MIN_COLUMNS; None turns it off."""
+    linear's own below WIDE_FROM_ROWS rows, from there on WIDE_TILING where it tiles N and N is at
+    least WIDE_MIN_COLUMNS; None turns it off. Rows, not row tiles: 16 rows may go wide, one not."""
     from server import small_m_matmul
 
     def linear(n: int) -> SmallMLinear:
@@ -198,14 +198,16 @@ def test_wide_tiling_rule(monkeypatch):
         return SmallMLinear(pack_codes(torch.zeros(n, k, dtype=torch.int32)), torch.ones(k // BLOCK_K, n, dtype=torch.bfloat16),
                             torch.zeros(k // BLOCK_K, n, dtype=torch.bfloat16), n, k)
 
-    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", 2)
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", 17)
     monkeypatch.setattr(small_m_matmul, "WIDE_TILING", (128, 4))
     monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", 0)
     wide, odd = linear(20480), linear(64 * 3)   # 192 columns: no 128-column tiling
-    assert [wide._gluon_tiling(t) for t in (1, 2, 4)] == [(64, 4), (128, 4), (128, 4)]
-    assert odd._gluon_tiling(4) == (64, 4)
+    assert [wide._gluon_tiling(m) for m in (1, 16, 17, 64)] == [(64, 4), (64, 4), (128, 4), (128, 4)]
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", 9)   # within one row tile
+    assert [wide._gluon_tiling(m) for m in (1, 8, 9, 16)] == [(64, 4), (64, 4), (128, 4), (128, 4)]
+    assert odd._gluon_tiling(64) == (64, 4)
     monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", 20481)
-    assert wide._gluon_tiling(4) == (64, 4)
+    assert wide._gluon_tiling(64) == (64, 4)
     monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", 0)
-    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", None)
-    assert wide._gluon_tiling(4) == (64, 4)
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
+    assert wide._gluon_tiling(64) == (64, 4)

@@ -28,7 +28,7 @@ def test_step_ab_compares_one_switch_within_one_tree(tmp_path):
     that is no literal or of another type, the harness's own constants) is refused before any round."""
     from bench import step_ab
 
-    flag, wide = "server.fast_path.SUMMED_SLICES", "server.small_m_matmul.WIDE_FROM_TILES"
+    flag, wide = "server.fast_path.SUMMED_SLICES", "server.small_m_matmul.WIDE_FROM_ROWS"
     assert step_ab.main(["--tiny", "--rounds", "1", "--reps", "5", "--out", str(tmp_path), "--base-tree",
                          str(step_ab.ROOT), "--base-set", f"{flag}=False", "--base-set", f"{wide}=None",
                          "--head-set", f"{flag}=True", "--rows", "32"]) == 0
@@ -43,7 +43,7 @@ def test_step_ab_compares_one_switch_within_one_tree(tmp_path):
         step_ab.main(["--tiny", "--rows", "65"])
     for bad in ("server.fast_path.NO_SUCH_FLAG=1", "SUMMED_SLICES", "server.fast_path.SUMMED_SLICES=maybe",
                 "server.fast_path.SUMMED_SLICES=", "server.fast_path.SUMMED_SLICES='False'", "bench.step_ab.GEN=8",
-                "server.small_m_matmul.WIDE_FROM_TILES=True", "server.small_m_matmul.WIDE_FROM_TILES=2.0",
+                "server.small_m_matmul.WIDE_FROM_ROWS=True", "server.small_m_matmul.WIDE_FROM_ROWS=2.0",
                 "server.no_such_module.X=1"):
         with pytest.raises(ValueError, match=re.escape(repr(bad))):   # the message names the setting
             step_ab.apply_settings([bad])

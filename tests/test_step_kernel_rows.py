@@ -92,7 +92,7 @@ def test_gluon_tilings_and_rings_give_the_same_bits(n, k, monkeypatch):
     from server import gluon_matmul, small_m_matmul
 
     # every launch on the tiling it was built with (the wide switch would put 17+ rows on one tiling)
-    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", None)
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
 
     lin = int4_linear(n, k, seed=n + k)
     if not lin.gluon:
@@ -111,8 +111,8 @@ def test_gluon_tilings_and_rings_give_the_same_bits(n, k, monkeypatch):
 
 @pytest.mark.parametrize("tiling", [(64, 2), (128, 4)])
 @pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 10240)])
-def test_wide_tiling_from_some_row_tiles_gives_the_same_bits(n, k, tiling, monkeypatch):
-    """server/small_m_matmul.py WIDE_FROM_TILES: launches of that many row tiles or more switch to
+def test_wide_tiling_from_some_rows_gives_the_same_bits(n, k, tiling, monkeypatch):
+    """server/small_m_matmul.py WIDE_FROM_ROWS: launches of that many rows or more switch to
     WIDE_TILING, on plain outputs, gelu pairs and split-K slices alike, and nothing changes."""
     from server import small_m_matmul
 
@@ -122,9 +122,9 @@ def test_wide_tiling_from_some_row_tiles_gives_the_same_bits(n, k, tiling, monke
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
     pairs = lin.gelu_pairs() if n == 20480 else None
-    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", None)   # the reference: the linear's own tiling
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)   # the reference: the linear's own tiling
     ref = {m: (lin(x[:m]), lin.slices(x[:m]).clone(), pairs and pairs(x[:m])) for m in ROW_COUNTS}
-    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_TILES", 1)
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", 1)
     monkeypatch.setattr(small_m_matmul, "WIDE_TILING", tiling)
     monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", n + 1)   # too few columns: the own tiling
     assert lin._gluon_tiling(1) == (lin.block_n, lin.num_warps)
