@@ -30,7 +30,10 @@ further where the backend chains steps on the device (`chains_steps`: a lone fas
 graphs, not lanes): each step is launched from the argmax the step before left on the GPU before
 the host reads that token (`step_after_argmax`), so the host's round trip (reading the token,
 staging and launching the next step) no longer sits between two steps; a request that ends at a
-token has one step more launched, which its end rolls back. A token tree (where the backend takes
+token has one step more launched, which its end rolls back. Drafting requests chain so too during a
+drought (`DROUGHT_STEPS` plain steps in a row with no draft worth verifying): the drafter is still
+asked at every step, while the chained step runs, and the first draft worth verifying ends the chain
+(that step stays plain, the next one drafts). A token tree (where the backend takes
 trees and no grammar applies) feeds the pending token, its main chain's first n tokens and the
 branches the cost model keeps; each row's token is chosen as plain decoding would choose it after
 that row's path, the child drafting it is followed, and the backend keeps that root path. When the request ends (finished, cancelled or
@@ -74,6 +77,16 @@ from server.lane_pool import LanePool
 from server.sampling import Sampler, SamplingParams, row_argmax, row_of
 
 log = logging.getLogger("sailfish.engine")
+
+# After this many plain steps in a row whose drafter had nothing worth verifying (an empty draft, or
+# one the cost policy refused without a probe), a drafting request chains its plain steps on the
+# device as a request without drafts does (`_complete`, `step_after_argmax`), asking the drafter
+# while the chained step runs. The cost: when a draft worth verifying comes back, the step already
+# launched from the last token is a plain one, so about one step's progress is lost per drought;
+# at a 3.4 ms step and 0.37 ms saved per chained step that breaks even at about 9 chained steps, a
+# drought of about 8 + 9 plain steps. At least 1 (0 would chain forever, never drafting); None turns
+# the rule off (A/B runs).
+DROUGHT_STEPS: int | None = 8
 
 
 @dataclass
@@ -461,11 +474,15 @@ class Engine:
         # stop strings and the consumer of the chunk then overlap the forward instead of delaying it.
         early = self.config.launch_early
         early = bool(getattr(backend, "async_steps", False)) if early is None else early
-        # Plain greedy steps chain on the device where the backend can (`_complete`): no drafts, no
-        # grammar, the raw argmax chooses, so the next step's input is known on the device. (A launch
-        # earlier still, so off wherever early launches are off.)
-        req.chain = (early and session is None and req.grammar is None and req.sampler.params.plain_argmax
+        # Plain greedy steps chain on the device where the backend can (`_complete`): no grammar, the
+        # raw argmax chooses, so the next step's input is known on the device. (A launch earlier
+        # still, so off wherever early launches are off.) Without drafts every step does; with a
+        # drafter session only the plain steps of a drought (DROUGHT_STEPS).
+        can_chain = (early and req.grammar is None and req.sampler.params.plain_argmax
                      and bool(getattr(backend, "chains_steps", False)))
+        req.chain = can_chain and session is None
+        if can_chain and session is not None and DROUGHT_STEPS is not None:
+            req.drought_steps = max(1, DROUGHT_STEPS)
         clean = False  # the backend's cache is consistent at every yield, and only there
         try:
             with torch.no_grad():
@@ -522,9 +539,9 @@ class Engine:
         """The next step, drafted and handed to the backend: on the GPU fast path its forward runs
         while the host goes on; `_complete` reads its logits."""
         stats, backend, grammar = req.stats, req.backend, req.grammar
-        if req.chained is not None:  # launched by `_complete` on the device, its input the token now pending
-            launched, req.chained = req.chained, None
-            return launched
+        chained, req.chained = req.chained, None  # launched by `_complete` on the device from the pending token
+        if chained is not None and req.session is None:
+            return chained
         pending = int(req.context[req.length - 1])
         n, draft, probe, cut = 0, None, 0, 0
         share = shared_room(backend)  # GPU lanes: the forward's rows are shared
@@ -541,6 +558,20 @@ class Engine:
                 n, probe = self.policy.choose(draft.confidence[:chain], draft.match_length, req.tracker,
                                               shared_load(backend))
             stats.draft_s += time.perf_counter() - t
+        req.drought = 0 if n > 0 else req.drought + 1
+        if chained is not None:
+            # A drought's chained step, already running and plain: the drafter is asked about this
+            # position as the unchained launch would ask (on the host, while the GPU runs the step), and
+            # a draft worth verifying, or a probe, ends the drought: `_complete` reads this step's token
+            # on the host and the next launch drafts. The tracker sees this position's one `choose`, as
+            # without chaining: a refusal it counts in `refused_since_probe` was one (the step is plain,
+            # as a refused draft's is); a draft or probe it chose is neither verified nor recorded
+            # (`record`, `feedback`, the verify counters), so a probe due by count stays due (the count
+            # is reset only by a probe that runs) and runs at the next refused draft. The next launch
+            # asks about the next position: none is asked, or counted, twice. Its draft counts in
+            # `drafts` as a refused one does.
+            chained.drafted, chained.cut = int(draft is not None and len(draft) > 0), cut
+            return chained
         t = time.perf_counter()
         branches = (self.policy.tree_branches(draft.parents, draft.confidence, draft.chain_length(), n,
                                               req.tracker.alpha, min(backend.max_step - 1, share), room)
@@ -577,11 +608,13 @@ class Engine:
             backend.rollback(n - accepted)
             new = proposal[:accepted] + [token]
             on_chain = accepted
-        elif req.chain and stats.completion_tokens + 1 < req.max_tokens:
+        elif ((req.chain or (req.drought_steps is not None and req.drought >= req.drought_steps))
+              and stats.completion_tokens + 1 < req.max_tokens):
             # The argmax chosen on the device and the next one-token step launched from it before the
             # host reads it (server/fast_path.py step_after_argmax): the same token, and the step the
-            # next `_launch` would make, with no wait for the host between them. A request that ends
-            # at this token rolls that step back as it does an early launch.
+            # next `_launch` would make (in a drought, unless the drafter then has a draft worth
+            # verifying: that step stays plain), with no wait for the host between them. A request that
+            # ends at this token rolls that step back as it does an early launch.
             token, logits = backend.step_after_argmax(launched.logits)
             req.chained = _Launched(False, 0, 0, 0)
             req.chained.logits = logits
@@ -615,7 +648,9 @@ class _Request:
         self.length = len(prompt_ids)
         self.tracker = AcceptanceTracker()
         self.step_accepted = 0  # drafted tokens the last step accepted (the first of its new tokens)
-        self.chain = False      # plain greedy steps chained on the device (Engine._complete)
+        self.chain = False      # plain greedy steps chained on the device (Engine._complete), no drafter session
+        self.drought_steps: int | None = None  # with a session: plain steps chain after this many in a row
+        self.drought = 0        # launches in a row with no draft worth verifying (0 after one that verifies)
         self.chained: _Launched | None = None  # the step so launched, for the next Engine._launch
 
     def commit(self, new: list[int]) -> str | None:

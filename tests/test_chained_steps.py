@@ -7,13 +7,22 @@ path told that it chains (its `step_after_argmax` is then the plain sequence: ar
 step), so the bookkeeping is what is tested: the same tokens, text, finish and counters as the
 unchained engine, the launched step rolled back where a request ends (stop token, stop string,
 max_tokens), and the same cached prefix for the next turn. Requests that must not chain (drafts,
-sampling, penalties) do not. On CUDA the device chain itself: token for token and bit for bit the
-logits of `row_argmax` followed by `step`, and whole requests through the engine."""
+sampling, penalties) do not. Drafting requests chain during droughts (`DROUGHT_STEPS` plain steps in
+a row): the same output as with the rule off (drafters dry at some positions, right or wrong at
+others, refused by the cost policy and probed), chained steps and then drafts verified again, the
+drafter asked once a position, and requests ending inside a chained drought (stop token, stop
+string, max_tokens) leaving the same cached prefix and finishing the session with their tokens;
+sampled and grammar-constrained drafting requests never chain. On CUDA the device chain itself:
+token for token and bit for bit the logits of `row_argmax` followed by `step`, and whole requests
+through the engine."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+import server.engine as engine_module
+from ngram.draft import Draft
 from server.fast_path import FastTarget
 from tests.test_early_launch import _same
 from tests.test_engine_lossless import IdTokenizer, OracleWithErrors, engine_for, prompts_for, run, tiny_gemma4
@@ -74,6 +83,189 @@ def test_chained_and_unchained_engines_give_the_same_requests(tiny):
             # the state the request left: a next turn resumes from the same cached prefix
             turn = prompt + got[0][0][:5] + [7, 8]
             _same(*[run(engine, turn, max_tokens=5, draft=False) for engine in engines], (what, "next turn"))
+
+
+# ---------------------------------------------------------------- drafting requests, chained in droughts
+
+class _Droughts:
+    """A drafter whose output position p (context = prompt + p tokens, the last one pending) gets
+    `kind(p)`: "dry" an empty draft, "right" the true continuation, "wrong" it with its first token
+    wrong (rejected), at most `longest` tokens each, with `confidence` (low: the cost policy refuses
+    them, and probes). Its sessions log to `events` ("v": a verified draft, fed back) and keep the
+    context lengths they were asked at and the context `finish` got."""
+
+    def __init__(self, prompt_len: int, reference: list[int], kind, vocab: int, events: list,
+                 longest: int = 4, confidence: float = 1.0):
+        self.prompt_len, self.reference, self.kind, self.vocab = prompt_len, reference, kind, vocab
+        self.events, self.longest, self.confidence = events, longest, confidence
+        self.sessions = []
+
+    def session(self):
+        self.sessions.append(_DroughtSession(self))
+        return self.sessions[-1]
+
+
+class _DroughtSession:
+    def __init__(self, drafter: _Droughts):
+        self.drafter, self.asked, self.finished = drafter, [], None
+
+    def prepare(self, context_ids) -> None:
+        pass
+
+    def propose(self, context_ids, max_tokens: int) -> Draft:
+        d = self.drafter
+        self.asked.append(len(context_ids))
+        p = len(context_ids) - d.prompt_len
+        kind = d.kind(p)
+        tokens = [] if kind == "dry" else list(d.reference[p:p + min(max_tokens, d.longest)])
+        if kind == "wrong" and tokens:
+            tokens[0] = (tokens[0] + 1) % d.vocab
+        return Draft(np.asarray(tokens, dtype=np.int32), np.full(len(tokens), d.confidence, dtype=np.float32),
+                     "droughts", 0)
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        assert 0 <= accepted <= drafted
+        self.drafter.events.append("v")
+
+    def finish(self, context_ids=None) -> None:
+        assert self.finished is None
+        self.finished = [int(t) for t in context_ids]
+
+
+def _drought_run(steps, engine, prompt, **params):
+    """`run` with DROUGHT_STEPS set to `steps` (None: the rule off)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "DROUGHT_STEPS", steps)
+        return run(engine, prompt, **params)
+
+
+def _logged(fast: FastTarget, events: list) -> FastTarget:
+    """Log `fast`'s step_after_argmax calls to `events` ("c")."""
+    inner = fast.step_after_argmax
+
+    def logged(logits):
+        events.append("c")
+        return inner(logits)
+    fast.step_after_argmax = logged
+    return fast
+
+
+def _drought_engines(model, drafters, **config):
+    """One engine per drafter, each on its own target that says it chains."""
+    return [engine_for(model, IdTokenizer(), launch_early=True, drafter=drafter,
+                       backend=_logged(_SaysItChains(model, max_len=256, prefill_chunk=16, capture=False,
+                                                     min_kv_len=16, prefix_budget_bytes=2**24), drafter.events),
+                       **config)
+            for drafter in drafters]
+
+
+def _runs(events: list) -> str:
+    """The events with each run of one kind written once ("cccvvc" -> "cvc")."""
+    return "".join(e for i, e in enumerate(events) if i == 0 or events[i - 1] != e)
+
+
+# kinds of drafts by output position: droughts of 12-24 steps between stretches of drafts
+DRY_THEN_DRAFTS = {
+    "right": lambda p: "dry" if p < 20 or 28 <= p < 52 else "right",
+    "wrong": lambda p: "dry" if p < 20 or 28 <= p < 52 else ("wrong" if p % 3 == 0 else "right"),
+}
+
+
+@pytest.mark.parametrize("steps", [8, 1])
+def test_drafting_requests_chain_in_droughts_and_draft_after(tiny, steps):
+    vocab = tiny.config.vocab_size
+    for seed, prompt in enumerate(prompts_for(vocab, (6, 30))):
+        plain, *_ = run(engine_for(tiny, IdTokenizer()), prompt, max_tokens=80, draft=False)
+        for what, kind in DRY_THEN_DRAFTS.items():
+            drafters = [_Droughts(len(prompt), plain, kind, vocab, []) for _ in range(2)]
+            on, off = _drought_engines(tiny, drafters)
+            got = _drought_run(steps, on, prompt, max_tokens=80)
+            want = _drought_run(None, off, prompt, max_tokens=80)
+            assert got[:3] == want[:3] and got[0] == plain, (what, seed)
+            assert got[3].completion_tokens == want[3].completion_tokens
+            # chained in both droughts, and drafts verified after each
+            assert "cvcv" in _runs(drafters[0].events), (what, seed, drafters[0].events)
+            assert got[3].verify_steps > 0 and "c" not in drafters[1].events
+            for drafter in drafters:  # each position asked once, and the session finished with the output
+                session, = drafter.sessions
+                assert session.asked == sorted(set(session.asked)), (what, seed)
+                assert session.finished == prompt + got[0]
+
+
+def test_droughts_of_refused_drafts_chain_and_still_probe(tiny):
+    """The adaptive policy refuses drafts of low confidence (a refused draft is a plain step, as an
+    empty one is) and probes them after PROBE_INTERVAL refusals; wrong drafts make the probes fail,
+    the interval grows and the refusals run into long droughts, chained. A probe chosen at a chained
+    step is not run there (that step is plain) but stays due: probes still run, and the output is
+    the rule-off output."""
+    vocab = tiny.config.vocab_size
+    cost = np.array([0.0, 1.0, 1.3, 1.6, 1.9, 2.2, 2.5])
+
+    def kind(p):
+        return "dry" if p < 12 else ("right" if 60 <= p < 66 else "wrong")
+    for seed, prompt in enumerate(prompts_for(vocab, (6, 30))):
+        plain, *_ = run(engine_for(tiny, IdTokenizer()), prompt, max_tokens=120, draft=False)
+        drafters = [_Droughts(len(prompt), plain, kind, vocab, [], confidence=0.1) for _ in range(2)]
+        on, off = _drought_engines(tiny, drafters, adaptive=True, cost_curve=cost)
+        got = _drought_run(8, on, prompt, max_tokens=120)
+        want = _drought_run(None, off, prompt, max_tokens=120)
+        assert got[:3] == want[:3] and got[0] == plain, seed
+        assert got[3].probes > 0 and want[3].probes > 0, seed
+        assert "cvc" in _runs(drafters[0].events), (seed, drafters[0].events)
+        for drafter in drafters:
+            session, = drafter.sessions
+            assert session.asked == sorted(set(session.asked)), seed
+
+
+def test_sampled_and_constrained_drafting_requests_never_chain(tiny):
+    from tests.test_constrained import BYTE_TOKENIZER, byte_compiler
+
+    vocab = tiny.config.vocab_size
+    prompt = prompts_for(vocab, (12,))[0]
+    never = [dict(temperature=0.9, seed=5), dict(repetition_penalty=1.3),
+             dict(constraint=byte_compiler(False).json_object()),
+             dict(constraint=byte_compiler(False).json_object(), temperature=0.8, seed=3)]
+    for params in never:
+        events = []
+        tokenizer = BYTE_TOKENIZER if "constraint" in params else IdTokenizer()
+        fast = _logged(_SaysItChains(tiny, max_len=256, prefill_chunk=16, capture=False, min_kv_len=16,
+                                     prefix_budget_bytes=2**24), events)
+        dry = _Droughts(len(prompt), [], lambda p: "dry", vocab, events)
+        engine = engine_for(tiny, tokenizer, launch_early=True, drafter=dry, backend=fast)
+        *_, stats = _drought_run(1, engine, prompt, max_tokens=40, **params)
+        assert stats.plain_steps > 8 and not events, params
+
+
+@pytest.mark.parametrize("drafts", ["dry", "droughts"])
+def test_drafting_requests_ending_in_a_chained_drought(tiny, drafts):
+    """Stop token, stop string and max_tokens inside a chained drought: the same output as with the
+    rule off (every counter too where the drafter is always dry), the step launched after the last
+    token rolled back (the next turn resumes from the same cached prefix), and the session finished
+    with the request's committed tokens."""
+    vocab = tiny.config.vocab_size
+    kind = (lambda p: "dry") if drafts == "dry" else (lambda p: "right" if 12 <= p < 16 else "dry")
+    requests = {
+        "stop token": lambda plain: dict(max_tokens=60, stop_token_ids=frozenset({plain[40]})),
+        "stop string": lambda plain: dict(max_tokens=60, stop_strings=(f"<{plain[33]}><{plain[34]}>",)),
+        "max_tokens": lambda plain: dict(max_tokens=37),
+    }
+    for seed, prompt in enumerate(prompts_for(vocab, (6, 30))):
+        plain, *_ = run(engine_for(tiny, IdTokenizer()), prompt, max_tokens=60, draft=False)
+        for what, params in requests.items():
+            drafters = [_Droughts(len(prompt), plain, kind, vocab, []) for _ in range(2)]
+            on, off = _drought_engines(tiny, drafters)
+            got = _drought_run(8, on, prompt, **params(plain))
+            want = _drought_run(None, off, prompt, **params(plain))
+            if drafts == "dry":
+                _same(got, want, (what, seed))
+            else:
+                assert got[:3] == want[:3], (what, seed)
+            assert drafters[0].events[-1:] == ["c"], (what, seed)  # the request ended while chaining
+            stop = [plain[len(got[0])]] if what == "stop token" else []
+            for drafter in drafters:
+                assert drafter.sessions[0].finished == prompt + got[0] + stop, (what, seed)
+            turn = prompt + got[0][:5] + [7, 8]
+            _same(*[run(engine, turn, max_tokens=5, draft=False) for engine in (on, off)], (what, seed, "next turn"))
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
