@@ -16,7 +16,7 @@ Each workload runs with `server.engine.DROUGHT_STEPS` None (the rule off: a draf
 steps each wait for the host) and at the shipped value, alternating, `--rounds` times each, in one
 process (the rule is read per request). Reported: tokens/s of each (the request's decode, its
 prefill excluded: `RequestStats.tokens_per_s`), medians and ranges, the plain and verify steps,
-how many steps were chained (the backend's `step_after_argmax` calls), and whether every output
+how many steps were chained (`RequestStats.chained_steps`), and whether every output
 equals the plain output token for token (the bench raises otherwise).
 `--tiny`: a tiny random Gemma 4 on the CPU, on an uncaptured fast path told that it chains (its
 `step_after_argmax` is then argmax-then-step): checks the harness and the rule's bookkeeping; its
@@ -111,17 +111,6 @@ def _run(engine, prompt, gen: int, draft: bool):
     return out, stats
 
 
-def _chain_counter(backend) -> list:
-    """Count the backend's step_after_argmax calls (the list's length)."""
-    calls, inner = [], backend.step_after_argmax
-
-    def counted(logits):
-        calls.append(1)
-        return inner(logits)
-    backend.step_after_argmax = counted
-    return calls
-
-
 def measure(engine, gen: int, rounds: int) -> dict:
     from server import engine as engine_module
 
@@ -131,7 +120,6 @@ def measure(engine, gen: int, rounds: int) -> dict:
     engine.set_drafter(None)
     _run(engine, prompt, 8, False)   # warm: graphs, the first chained decode
     plain, stats = _run(engine, prompt, gen, False)
-    calls = _chain_counter(engine.backend)   # one lane: the engine's backend serves every request
     results = {"gen": gen, "rounds": rounds, "shipped": shipped, "plain_no_drafter_tps": stats.tokens_per_s,
                "workloads": {}}
     for name, drafts_at in WORKLOADS.items():
@@ -140,7 +128,6 @@ def measure(engine, gen: int, rounds: int) -> dict:
         for r in range(rounds):
             for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):  # turns at going first
                 engine_module.DROUGHT_STEPS = None if setting == "off" else shipped
-                calls.clear()
                 try:
                     out, st = _run(engine, prompt, gen, True)
                 finally:
@@ -148,7 +135,7 @@ def measure(engine, gen: int, rounds: int) -> dict:
                 if out != plain:
                     raise AssertionError(f"{name}, rule {setting}: the output differs from plain decoding")
                 runs[setting].append({"tps": st.tokens_per_s, "plain_steps": st.plain_steps,
-                                      "verify_steps": st.verify_steps, "chained": len(calls)})
+                                      "verify_steps": st.verify_steps, "chained": st.chained_steps})
         results["workloads"][name] = runs
     engine.set_drafter(None)
     return results

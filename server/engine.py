@@ -110,6 +110,7 @@ class RequestStats:
     accepted_tokens: int = 0
     verify_steps: int = 0
     plain_steps: int = 0
+    chained_steps: int = 0      # plain steps that launched the next one on the device (step_after_argmax)
     probes: int = 0
     grammar_cut_tokens: int = 0  # drafted tokens the grammar rejected, never verified
     tree_steps: int = 0         # verify steps over a token tree (branches beside the main chain)
@@ -237,7 +238,7 @@ class Engine:
             curve = self.config.cost_curve if self.config.cost_curve is not None else self._cost_curve()
             self.policy = DraftPolicy(np.asarray(curve, dtype=np.float64))
         self._totals = {name: 0 for name in ("requests", "completion_tokens", "drafts", "drafted_tokens",
-                                             "accepted_tokens", "verify_steps", "plain_steps", "probes",
+                                             "accepted_tokens", "verify_steps", "plain_steps", "chained_steps", "probes",
                                              "cached_tokens", "grammar_cut_tokens", "tree_steps")}
         self._totals.update(prefill_s=0.0, decode_s=0.0, draft_s=0.0, forward_s=0.0, grammar_s=0.0)
         # Requests at once: one backend lane each (server/cpu_backend.py batches their forwards);
@@ -569,7 +570,12 @@ class Engine:
             # (`record`, `feedback`, the verify counters), so a probe due by count stays due (the count
             # is reset only by a probe that runs) and runs at the next refused draft. The next launch
             # asks about the next position: none is asked, or counted, twice. Its draft counts in
-            # `drafts` as a refused one does.
+            # `drafts` as a refused one does. The drought is left one step short of chaining, not
+            # at 0: if the next position has nothing worth verifying either (a one-off draft, or a
+            # probe due that finds no draft to run on), its plain step chains again at once rather
+            # than after DROUGHT_STEPS more; a draft verified there resets it to 0.
+            if n > 0:
+                req.drought = req.drought_steps - 1
             chained.drafted, chained.cut = int(draft is not None and len(draft) > 0), cut
             return chained
         t = time.perf_counter()
@@ -620,6 +626,7 @@ class Engine:
             req.chained.logits = logits
             new = [token]
             stats.plain_steps += 1
+            stats.chained_steps += 1
         else:
             new = [_choose(sampler, req.grammar, row_of(launched.logits, 0), stats.completion_tokens)]
             stats.plain_steps += 1
@@ -650,7 +657,7 @@ class _Request:
         self.step_accepted = 0  # drafted tokens the last step accepted (the first of its new tokens)
         self.chain = False      # plain greedy steps chained on the device (Engine._complete), no drafter session
         self.drought_steps: int | None = None  # with a session: plain steps chain after this many in a row
-        self.drought = 0        # launches in a row with no draft worth verifying (0 after one that verifies)
+        self.drought = 0        # launches in a row with no draft worth verifying (see Engine._launch)
         self.chained: _Launched | None = None  # the step so launched, for the next Engine._launch
 
     def commit(self, new: list[int]) -> str | None:

@@ -48,6 +48,8 @@ COUNTERS = (
     ("sailfish_generation_tokens_total", "Tokens generated (completion tokens)."),
     ("sailfish_verify_steps_total", "Target forwards that verified a draft."),
     ("sailfish_plain_steps_total", "Target forwards that decoded one token without a draft."),
+    ("sailfish_chained_steps_total", "Plain steps that launched the next step on the GPU from their argmax, "
+     "before the host read it."),
     ("sailfish_internal_errors_total", "Requests answered with a 500 (an unexpected exception, logged)."),
     ("sailfish_prefix_cache_hits_total", "Requests whose prompt reused a kept prefix."),
     ("sailfish_prefix_cache_reused_tokens_total", "Prompt tokens whose KV came from the prefix cache."),
@@ -98,6 +100,7 @@ class Metrics:
             c["sailfish_generation_tokens_total"] += stats.completion_tokens
             c["sailfish_verify_steps_total"] += stats.verify_steps
             c["sailfish_plain_steps_total"] += stats.plain_steps
+            c["sailfish_chained_steps_total"] += stats.chained_steps
             c["sailfish_prefix_cache_hits_total"] += stats.cached_tokens > 0
             c["sailfish_prefix_cache_reused_tokens_total"] += stats.cached_tokens
             c["sailfish_prefix_cache_computed_tokens_total"] += stats.prompt_tokens - stats.cached_tokens

@@ -559,7 +559,7 @@ def _usage(prep: _Prepared, stats, queue_s: float) -> dict:
     drafted, accepted = stats.drafted_tokens, stats.accepted_tokens
     extra = {"cached_tokens": stats.cached_tokens, "drafted_tokens": drafted, "accepted_tokens": accepted,
              "drafts": stats.drafts, "verify_steps": stats.verify_steps, "plain_steps": stats.plain_steps,
-             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+             "chained_steps": stats.chained_steps, "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
              "decode_tokens_per_s": round(stats.tokens_per_s, 2),
              "prefill_s": round(stats.prefill_s, 4), "decode_s": round(stats.decode_s, 4), "queue_s": round(queue_s, 4)}
     return usage_body(stats.prompt_tokens, stats.completion_tokens, extra, stats.cached_tokens)

@@ -74,6 +74,7 @@ def test_chained_and_unchained_engines_give_the_same_requests(tiny):
             got = [run(engine, prompt, **params(plain)) for engine in engines]
             _same(*got, (what, seed))
             chained = len(calls[0])
+            assert got[0][3].chained_steps == chained and got[1][3].chained_steps == 0, what
             if what in ("sampled", "penalized", "drafted", "one token"):
                 assert chained == 0, what
             else:  # every plain step, but not the one that makes the max_tokens-th token
@@ -186,6 +187,7 @@ def test_drafting_requests_chain_in_droughts_and_draft_after(tiny, steps):
             # chained in both droughts, and drafts verified after each
             assert "cvcv" in _runs(drafters[0].events), (what, seed, drafters[0].events)
             assert got[3].verify_steps > 0 and "c" not in drafters[1].events
+            assert got[3].chained_steps == drafters[0].events.count("c") and want[3].chained_steps == 0
             for drafter in drafters:  # each position asked once, and the session finished with the output
                 session, = drafter.sessions
                 assert session.asked == sorted(set(session.asked)), (what, seed)
@@ -330,3 +332,34 @@ def test_engine_chains_plain_greedy_requests_cuda():
         assert calls, what
         turn = prompt + got[0][0][:5] + [7, 8]
         _same(*[run(engine, turn, max_tokens=8, draft=False) for engine in engines], (what, "next turn"))
+
+
+@needs_cuda
+def test_engine_chains_droughts_of_drafting_requests_cuda():
+    """The drought rule on captured graphs: drafting requests whose drafter is dry for stretches
+    (chained plain steps) between drafts verified in multi-token steps, with and without the rule,
+    against plain decoding; stop tokens and max_tokens inside a chained stretch; the next turn."""
+    from tests.test_fast_path import cuda_model
+
+    model = cuda_model(torch.bfloat16, quant=True)
+    vocab = model.config.vocab_size
+    prompt = prompts_for(vocab, (40,))[0]
+    plain_engine = engine_for(model, IdTokenizer(), backend=FastTarget(model, max_len=512, prefill_chunk=16,
+                                                                       min_kv_len=64, prefix_budget_bytes=2**24))
+    plain = run(plain_engine, prompt, max_tokens=80, draft=False)[0]
+    for what, kind in DRY_THEN_DRAFTS.items():
+        drafters = [_Droughts(len(prompt), plain, kind, vocab, []) for _ in range(2)]
+        on, off = [engine_for(model, IdTokenizer(), drafter=drafter,
+                              backend=_logged(FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64,
+                                                         prefix_budget_bytes=2**24), drafter.events))
+                   for drafter in drafters]
+        got = _drought_run(8, on, prompt, max_tokens=80)
+        want = _drought_run(None, off, prompt, max_tokens=80)
+        assert got[:3] == want[:3] and got[0] == plain, what
+        assert "cvcv" in _runs(drafters[0].events) and got[3].chained_steps > 0 and want[3].chained_steps == 0
+        for ending, params in {"stop token": dict(max_tokens=80, stop_token_ids=frozenset({plain[60]})),
+                               "max_tokens": dict(max_tokens=63)}.items():
+            ends = [_drought_run(steps, engine, prompt, **params) for steps, engine in ((8, on), (None, off))]
+            assert ends[0][:3] == ends[1][:3] and ends[0][0] == plain[:len(ends[0][0])], (what, ending)
+            turn = prompt + ends[0][0][:5] + [7, 8]
+            assert run(on, turn, max_tokens=8, draft=False)[:3] == run(off, turn, max_tokens=8, draft=False)[:3]
