@@ -60,7 +60,11 @@ try:  # Gluon ships with Triton 3.5+; without it the step matmul stays on `_smal
 except ImportError:
     HAS_GLUON = False
 
-STAGES = 2          # groups in flight: deeper rings took more shared memory for no gain (README)
+# Groups in flight: deeper rings took more shared memory for no gain (README); in whole steps too (an
+# H100, one round of `python -m bench.step_ab --base-tree . --base-set server.gluon_matmul.STAGES=2
+# --head-set server.gluon_matmul.STAGES=3 --rows 8`, bench/results/step_ab-stages3-h100.md): a
+# one-token step 3.39 -> 3.47 ms, an 8-token step 3.66 -> 3.68, a 16-token verify 4.08 -> 4.10.
+STAGES = 2
 # The first groups' weights copied before waiting for the kernel before this one (PDL only; False: after
 # it, A/B runs). Measured on the H200, E4B's six int4 matmuls a layer chained over 42 layers of cold
 # weights, one process, modes alternating (a throwaway script): 2.157 -> 2.032 ms at 1 row, 3.368 ->

@@ -117,8 +117,12 @@ GLUON = True        # int4 weights on server/gluon_matmul.py's kernel where it r
 # level (7.86 / 7.91 -> 8.00 / 7.99), the 64-token steps' logits the same bits. 32 rows is the forward
 # of 3-16 lanes' drafts (server/fast_batch.py `shared_rows`). One row tile keeps the linear's own
 # tiling: a one-row gate|up took 16.5 us on it and 20.3 on this one. None: the own tiling always.
-# The rule counts rows, not row tiles: a 16-row verify (one tile) may go wide while a one-row step
-# stays on the linear's own tiling, and the bits are the same either way (same K slices).
+# The rule counts rows, not row tiles, so that one row tile could go wide by its rows (the bits are the
+# same either way: same K slices). It does not pay there: from 8 rows on (an H100, one round of
+# `python -m bench.step_ab --base-tree . --base-set server.small_m_matmul.WIDE_FROM_ROWS=17 --head-set
+# ...=8 --rows 8`, bench/results/step_ab-wide-rows8-h100.md) a 16-token verify took 4.25 ms against
+# 4.06 and an 8-token step 3.94 against 3.64, its matmuls 2.48 against 2.27 ms, where the cold
+# per-shape table promised gate|up 23.9 -> 20.2 us at 16 rows. So one row tile keeps the own tiling.
 WIDE_FROM_ROWS: int | None = 17
 WIDE_TILING = (128, 4)
 # Only linears of at least this many output columns switch (0: every one the tiling fits): gate|up and
