@@ -69,8 +69,12 @@ SECTIONS = [
      "python -m bench.gpu_memory --lm-head bf16,auto (on the GPU machine)", "gpu_memory-head-bf16-auto.md", []),
     ("The int8 LM head's cost in quality, on a real Gemma (bundled model, CPU)",
      "python -m bench.lm_head_quality", "lm_head_quality.md", []),
-    ("The fast-path step, the per-layer table read by the GPU in place inside the step's graph (E4B shape, "
-     "int4, H200)", "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-hosttables.md", []),
+    ("The fast-path step as it stands: plain greedy steps chained on the device, the step's token embedding "
+     "gathered and its logits soft-capped in the LM head's store; the kernels a step launches and where its GPU "
+     "time goes (E4B shape, int4, H100, 12-06)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-chained-h100.md", []),
+    ("The engine's drought rule: a drafting request's plain steps chained on the device (E4B shape, int4, H100)",
+     "python -m bench.drought_ab --rounds 2 (on the GPU machine)", "drought_ab-h100.md", []),
     ("What the split-K sums cost a chain of E4B's int4 matmuls (H200)",
      "python -m bench.small_m_bench --chain-tails (on the GPU machine)", "small_m_chain-tails.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
@@ -78,6 +82,8 @@ SECTIONS = [
 ]
 # Earlier runs the README's tables replaced, and configurations tried and dropped: docs/gpu_history.md
 HISTORY = [
+    ("The fast-path step, the per-layer table read by the GPU in place inside the step's graph (E4B shape, "
+     "int4, H200)", "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-hosttables.md", []),
     ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",
      "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-kvwrite.md", []),
     ("Several streams as agents' next turns, 1 and 4 streams (H200, 12-04 evening: the batcher's waiting lanes "
