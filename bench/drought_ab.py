@@ -30,36 +30,27 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.gpu_e4b import OracleDrafter
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 1000
 WINDOW, GAP = 16, 48   # "mixed": drafts on WINDOW positions, then none on GAP
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(OracleDrafter):
     """Proposes the recorded continuation `reference` where `drafts_at(position)` says so, else
     nothing (an empty draft, as the n-gram drafter gives on text it has not seen)."""
 
     def __init__(self, reference: list[int], prompt_len: int, drafts_at):
-        self.reference, self.prompt_len, self.drafts_at = list(reference), prompt_len, drafts_at
-
-    def session(self):
-        return self
+        super().__init__(reference, prompt_len)
+        self.drafts_at = drafts_at
 
     def propose(self, context, max_tokens):
-        from ngram.draft import Draft
         start = len(context) - self.prompt_len  # the context ends with the pending token
-        n = min(max_tokens, WINDOW) if self.drafts_at(start) else 0
-        toks = np.asarray(self.reference[start:start + n], dtype=np.int32)
-        return Draft(toks, np.ones(len(toks), dtype=np.float32), "scripted", 32 if len(toks) else 0)
-
-    def prepare(self, context_ids):
-        pass
-
-    def feedback(self, drafted, accepted):
-        pass
-
-    def finish(self, context_ids=None):
-        pass
+        if self.drafts_at(start):
+            return super().propose(context, min(max_tokens, WINDOW))
+        from ngram.draft import Draft
+        return Draft(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32), "scripted", 0)
 
 
 WORKLOADS = {
