@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu_e4b import OracleDrafter
+from bench.gpu_e4b import IdTokenizer, OracleDrafter, engine_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 1000
@@ -74,15 +74,8 @@ def _tiny_engine():
 
     model = _tiny_gemma4()
     backend = SaysItChains(model, max_len=2048, prefill_chunk=64, capture=False, min_kv_len=16)
-    target = LoadedTarget(model, _IdTokenizer(), "tiny", "none", torch.float32, torch.device("cpu"), [])
+    target = LoadedTarget(model, IdTokenizer(), "tiny", "none", torch.float32, torch.device("cpu"), [])
     return Engine(target, None, EngineConfig(adaptive=False, cpu_int8=False, launch_early=True), backend=backend)
-
-
-class _IdTokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(f"<{int(i)}>" for i in ids)
 
 
 def _e4b_engine(gen: int):
@@ -92,16 +85,6 @@ def _e4b_engine(gen: int):
     return Engine(random_e4b_target(build_model(quant=True)), None, EngineConfig(fast_max_context=4096 + 2 * gen))
 
 
-def _run(engine, prompt, gen: int, draft: bool):
-    from server.engine import GenerationParams
-
-    out, stats = [], None
-    for chunk in engine.generate(prompt, GenerationParams(max_tokens=gen, draft=draft)):
-        out += chunk.token_ids
-        stats = chunk.stats
-    return out, stats
-
-
 def measure(engine, gen: int, rounds: int) -> dict:
     from server import engine as engine_module
 
@@ -109,8 +92,8 @@ def measure(engine, gen: int, rounds: int) -> dict:
     vocab = engine.vocab_size
     prompt = [2] + np.random.default_rng(0).integers(3, vocab, PROMPT - 1).tolist()
     engine.set_drafter(None)
-    _run(engine, prompt, 8, False)   # warm: graphs, the first chained decode
-    plain, stats = _run(engine, prompt, gen, False)
+    engine_run(engine, prompt, 8, False)   # warm: graphs, the first chained decode
+    plain, stats = engine_run(engine, prompt, gen, False)
     results = {"gen": gen, "rounds": rounds, "shipped": shipped, "plain_no_drafter_tps": stats.tokens_per_s,
                "workloads": {}}
     for name, drafts_at in WORKLOADS.items():
@@ -120,7 +103,7 @@ def measure(engine, gen: int, rounds: int) -> dict:
             for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):  # turns at going first
                 engine_module.DROUGHT_STEPS = None if setting == "off" else shipped
                 try:
-                    out, st = _run(engine, prompt, gen, True)
+                    out, st = engine_run(engine, prompt, gen, True)
                 finally:
                     engine_module.DROUGHT_STEPS = shipped
                 if out != plain:

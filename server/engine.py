@@ -481,9 +481,10 @@ class Engine:
         # drafter session only the plain steps of a drought (DROUGHT_STEPS).
         can_chain = (early and req.grammar is None and req.sampler.params.plain_argmax
                      and bool(getattr(backend, "chains_steps", False)))
-        req.chain = can_chain and session is None
-        if can_chain and session is not None and DROUGHT_STEPS is not None:
-            req.drought_steps = max(1, DROUGHT_STEPS)
+        if can_chain and session is None:
+            req.chain_after = 0   # no launch ever drafts: every plain step chains
+        elif can_chain and DROUGHT_STEPS is not None:
+            req.chain_after = max(1, DROUGHT_STEPS)
         clean = False  # the backend's cache is consistent at every yield, and only there
         try:
             with torch.no_grad():
@@ -575,7 +576,7 @@ class Engine:
             # probe due that finds no draft to run on), its plain step chains again at once rather
             # than after DROUGHT_STEPS more; a draft verified there resets it to 0.
             if n > 0:
-                req.drought = req.drought_steps - 1
+                req.drought = req.chain_after - 1
             chained.drafted, chained.cut = int(draft is not None and len(draft) > 0), cut
             return chained
         t = time.perf_counter()
@@ -614,7 +615,7 @@ class Engine:
             backend.rollback(n - accepted)
             new = proposal[:accepted] + [token]
             on_chain = accepted
-        elif ((req.chain or (req.drought_steps is not None and req.drought >= req.drought_steps))
+        elif (req.chain_after is not None and req.drought >= req.chain_after
               and stats.completion_tokens + 1 < req.max_tokens):
             # The argmax chosen on the device and the next one-token step launched from it before the
             # host reads it (server/fast_path.py step_after_argmax): the same token, and the step the
@@ -655,8 +656,9 @@ class _Request:
         self.length = len(prompt_ids)
         self.tracker = AcceptanceTracker()
         self.step_accepted = 0  # drafted tokens the last step accepted (the first of its new tokens)
-        self.chain = False      # plain greedy steps chained on the device (Engine._complete), no drafter session
-        self.drought_steps: int | None = None  # with a session: plain steps chain after this many in a row
+        # Plain greedy steps chain on the device (Engine._complete) once `drought` reaches this: 0
+        # without a drafter session, DROUGHT_STEPS with one; None: never
+        self.chain_after: int | None = None
         self.drought = 0        # launches in a row with no draft worth verifying (see Engine._launch)
         self.chained: _Launched | None = None  # the step so launched, for the next Engine._launch
 
