@@ -110,6 +110,11 @@ PLE_GELU_FUSED_ROWS = 16
 # test_host_rows.py, test_int8_head.py, test_early_launch.py and test_prefix_cache.py, have not run
 # with it on yet). False: the matmuls sum their own slices (A/B runs).
 SUMMED_SLICES = True
+# With the summed slices, the residual norms run on one Triton kernel of their own, a program a row
+# holding the row in registers (server/step_norms.py), instead of the compiled ops, which read a
+# row's slices in each of their passes. Only where the ops are compiled (fuse, the CUDA default):
+# uncompiled, they are the ops as written. False: the compiled ops (A/B runs).
+RESIDUAL_NORM_KERNEL = True
 # Plain greedy steps chained on the device (`step_after_argmax`): each launched from the argmax the
 # step before left on the GPU, before the host reads that token, so the GPU does not idle between
 # steps while the host syncs, stages and replays (0.2-0.5 ms of CPU a replay). False: the token read
@@ -262,6 +267,7 @@ class FastTarget:
         self.step_kernels, self.step_kernel_note = self._want_step_kernels(step_kernels)
         self.fused_gelu = False   # steps' gelus in the matmuls' epilogues (FUSED_GELU; step kernels only)
         self.summed_slices = False  # steps' split-K sums in the ops that read them (SUMMED_SLICES; likewise)
+        self.norm_kernel = False  # the summed residual norms on server/step_norms.py (RESIDUAL_NORM_KERNEL)
         self.lm_head_capped = None  # the step LM head soft-capping in its store (step kernels only)
         self.embed_on_host = self.embed_staged = False  # the token embedding likewise (_int8_head)
         if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
@@ -282,6 +288,9 @@ class FastTarget:
             self.buckets = tuple(sorted({max(2, b) for b in self.buckets}))
             self.fused_gelu = FUSED_GELU   # read once: the step layers are built for it
             self.summed_slices = SUMMED_SLICES  # read once, so a captured graph and a later step agree
+            # (uncompiled ops, fuse=False, stay the ops as written: the reference the tests compare with)
+            self.norm_kernel = (self.summed_slices and RESIDUAL_NORM_KERNEL and self.ops is not _EAGER_OPS
+                                and self.device.type == "cuda")
             self._build_step_kernels()
         from server.fast_prefill import keep_dense_weights
         self.prefill_note = keep_dense_weights(self, prefill_dense) if self.step_kernels else "prefill: model's own layers"
@@ -627,6 +636,9 @@ class FastTarget:
         out_of = (lambda lin, a: lin.slices(a)) if sums else (lambda lin, a: lin(a))   # what the next op reads
         residual_norm = ops.summed_residual_norm if sums else ops.residual_norm
         residual_norm_rms = ops.summed_residual_norm_rms if sums else ops.residual_norm_rms
+        if sums and self.norm_kernel:
+            from server import step_norms
+            residual_norm, residual_norm_rms = step_norms.summed_residual_norm, step_norms.summed_residual_norm_rms
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
         if from_buffers and self.embed_staged:
             h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]

@@ -582,3 +582,37 @@ def _gather_rows(table_ptr, ids_ptr, out_ptr, scale, width, n_rows, stride_table
     if HAS_SCALE:
         x = (x.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r * stride_out + cols, x, mask=inside)
+
+
+@triton.jit
+def _summed_residual_norm(p_ptr, res_ptr, w_ptr, scalar_ptr, w_next_ptr, h_ptr, x_ptr, N, stride_ps, stride_pm,
+                          stride_rm, stride_hm, stride_xm, eps, eps_next, SLICES: tl.constexpr,
+                          HAS_W: tl.constexpr, HAS_SCALAR: tl.constexpr, NEXT: tl.constexpr,
+                          HAS_W_NEXT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One row of server/step_norms.py's residual norm: y = the row's K-slice partials summed in
+    slice order and rounded once to the output's dtype; h = residual + RMSNorm(y) * w [* scalar];
+    with NEXT also x = RMSNorm(h) * w_next. Every value rounded to the output's dtype where
+    transformers' modules round it (fast_ops' `_residual_norm`); the whole row stays in registers,
+    so the partials are read once."""
+    _pdl_start(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < N
+    out_ty = h_ptr.dtype.element_ty
+    y = tl.load(p_ptr + row * stride_pm + cols, mask=inside, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SLICES):
+        y = y + tl.load(p_ptr + s * stride_ps + row * stride_pm + cols, mask=inside, other=0.0).to(tl.float32)
+    y = y.to(out_ty).to(tl.float32)
+    n = y * (1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / N + eps))
+    if HAS_W:
+        n = n * tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    residual = tl.load(res_ptr + row * stride_rm + cols, mask=inside, other=0.0).to(tl.float32)
+    h = (residual + n.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+    if HAS_SCALAR:
+        h = (h * tl.load(scalar_ptr).to(tl.float32)).to(out_ty).to(tl.float32)
+    tl.store(h_ptr + row * stride_hm + cols, h.to(out_ty), mask=inside)
+    if NEXT:
+        x = h * (1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / N + eps_next))
+        if HAS_W_NEXT:
+            x = x * tl.load(w_next_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(x_ptr + row * stride_xm + cols, x.to(out_ty), mask=inside)

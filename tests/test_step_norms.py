@@ -1,0 +1,62 @@
+"""The step's residual-norm kernel (server/step_norms.py) on CUDA: against the fast path's ops as
+written in bf16 (within bf16 rounding), a row's bits the same at every row count, and whole steps
+with it against steps on the compiled ops (RESIDUAL_NORM_KERNEL off). That drafted equals plain
+and a verify equals one-token steps with it on (the default) is tests/test_fast_path.py's
+test_drafted_equals_plain_cuda and test_step_kernels_batch_invariant_and_close; the kernel's
+arithmetic on the CPU is tests/test_step_norms_interpreted.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_fast_path import cuda_model, needs_cuda, prompt_of
+
+
+@needs_cuda
+@pytest.mark.parametrize("slices", [1, 2, 8])
+def test_residual_norm_kernel_bf16_cuda(slices):
+    from server import step_norms
+    from server.fast_ops import _EAGER_OPS
+
+    g = torch.Generator(device="cuda").manual_seed(slices)
+    rows, width = 64, 2560
+    p = torch.randn(slices, rows, width, device="cuda", generator=g) * 3
+    if slices == 1:  # one slice: the linear's own bf16 output (small_m_matmul `slices`)
+        p = p.bfloat16()
+    residual = (torch.randn(rows, width, device="cuda", generator=g) * 10).bfloat16()
+    w, w_next = ((torch.rand(width, device="cuda", generator=g) + 0.5).bfloat16() for _ in range(2))
+    scalar = torch.tensor([0.7], device="cuda").bfloat16()
+    got = step_norms.summed_residual_norm_rms(residual, p, w, 1e-6, scalar, w_next, 1e-6)
+    want = _EAGER_OPS.summed_residual_norm_rms(residual, p, w, 1e-6, scalar, w_next, 1e-6)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        # a sum of squares in another order moves a value by at most a bf16 step or two
+        assert ((a.float() - b.float()).abs() <= 2 ** -6 * b.float().abs() + 1e-3).all()
+        assert (a != b).float().mean() < 0.05
+    for n in (1, 2, 5, 16, 33):  # a row's bits whatever the rows beside it
+        part = step_norms.summed_residual_norm_rms(residual[-n:], p[:, -n:], w, 1e-6, scalar, w_next, 1e-6)
+        assert all(torch.equal(a, b[-n:]) for a, b in zip(part, got)), n
+    h = step_norms.summed_residual_norm(residual, p, w, 1e-6, None)   # without the next norm
+    ref = _EAGER_OPS.summed_residual_norm(residual, p, w, 1e-6, None)
+    assert ((h.float() - ref.float()).abs() <= 2 ** -6 * ref.float().abs() + 1e-3).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("quant", [False, True])
+def test_steps_with_the_norm_kernel_close_to_the_compiled_ops_cuda(quant, monkeypatch):
+    """Whole steps (1 to 16 rows) with the kernel and with the compiled ops: the same model to
+    within rounding; and the kernel is the one that runs (the fast path says so)."""
+    from server import fast_path
+
+    model = cuda_model(torch.bfloat16, quant=quant)
+    ids = prompt_of(80, model.config.vocab_size, seed=9)
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(fast_path, "RESIDUAL_NORM_KERNEL", on)
+        fast = fast_path.FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64)
+        assert fast.step_kernels and fast.summed_slices and fast.norm_kernel == on, fast.step_kernel_note
+        fast.prefill(ids[:20])
+        logits[on] = torch.cat([fast.step(ids[20:21]).float(), fast.step(ids[21:37]).float()])
+    # two roundings of a random bf16 net differ by ~0.1 (tests/test_fast_path.py); a wrong norm gives ~1
+    rel = (logits[True] - logits[False]).norm() / logits[False].norm()
+    assert rel < 0.25, rel
