@@ -115,6 +115,9 @@ SUMMED_SLICES = True
 # row's slices in each of their passes. Only where the ops are compiled (fuse, the CUDA default):
 # uncompiled, they are the ops as written. False: the compiled ops (A/B runs).
 RESIDUAL_NORM_KERNEL = True
+# Likewise an attention layer's q / k / v norms and RoPE on one launch a layer (server/step_norms.py
+# `summed_qkv_norm_rope`), where the compiled ops took three for a layer owning its K/V.
+QKV_NORM_KERNEL = True
 # Plain greedy steps chained on the device (`step_after_argmax`): each launched from the argmax the
 # step before left on the GPU, before the host reads that token, so the GPU does not idle between
 # steps while the host syncs, stages and replays (0.2-0.5 ms of CPU a replay). False: the token read
@@ -268,6 +271,7 @@ class FastTarget:
         self.fused_gelu = False   # steps' gelus in the matmuls' epilogues (FUSED_GELU; step kernels only)
         self.summed_slices = False  # steps' split-K sums in the ops that read them (SUMMED_SLICES; likewise)
         self.norm_kernel = False  # the summed residual norms on server/step_norms.py (RESIDUAL_NORM_KERNEL)
+        self.qkv_kernel = False   # the summed q / k / v norms there too (QKV_NORM_KERNEL)
         self.lm_head_capped = None  # the step LM head soft-capping in its store (step kernels only)
         self.embed_on_host = self.embed_staged = False  # the token embedding likewise (_int8_head)
         if lm_head_int8 or hasattr(lm.lm_head, "_sailfish_int8"):  # asked, or an earlier fast path made it
@@ -289,8 +293,9 @@ class FastTarget:
             self.fused_gelu = FUSED_GELU   # read once: the step layers are built for it
             self.summed_slices = SUMMED_SLICES  # read once, so a captured graph and a later step agree
             # (uncompiled ops, fuse=False, stay the ops as written: the reference the tests compare with)
-            self.norm_kernel = (self.summed_slices and RESIDUAL_NORM_KERNEL and self.ops is not _EAGER_OPS
-                                and self.device.type == "cuda")
+            compiled = self.summed_slices and self.ops is not _EAGER_OPS and self.device.type == "cuda"
+            self.norm_kernel = compiled and RESIDUAL_NORM_KERNEL
+            self.qkv_kernel = compiled and QKV_NORM_KERNEL
             self._build_step_kernels()
         from server.fast_prefill import keep_dense_weights
         self.prefill_note = keep_dense_weights(self, prefill_dense) if self.step_kernels else "prefill: model's own layers"
@@ -723,14 +728,18 @@ class FastTarget:
         ops, attn, D = self.ops, layer.hf.self_attn, layer.head_dim
         owns_kv = layer.source == layer.index
         if sums and (layer.qkv is not None or not owns_kv):
+            if self.qkv_kernel:  # the same ops, on Triton kernels
+                from server import step_norms as summed
+            else:
+                summed = ops
             # the partials [S, T, N] of q|k|v (or q alone), as [S, T, heads, D] each
             pq, *pkv = (layer.qkv.slices(x).split(layer.qkv_sizes, -1) if layer.qkv is not None
                         else [layer.q.slices(x)])
             pq = pq.unflatten(-1, (self.num_heads, D))
             if not owns_kv:
-                return ops.summed_norm_rope(pq, self.dtype, _w(attn.q_norm), _eps(attn.q_norm), cos, sin), None
+                return summed.summed_norm_rope(pq, self.dtype, _w(attn.q_norm), _eps(attn.q_norm), cos, sin), None
             pk, pv = (p.unflatten(-1, (layer.kv_heads, D)) for p in (pkv if len(pkv) == 2 else pkv * 2))
-            q, k, v = ops.summed_qkv_norm_rope(pq, pk, pv, self.dtype, _w(attn.q_norm), _eps(attn.q_norm),
+            q, k, v = summed.summed_qkv_norm_rope(pq, pk, pv, self.dtype, _w(attn.q_norm), _eps(attn.q_norm),
                                                _w(attn.k_norm), _eps(attn.k_norm), _w(attn.v_norm), _eps(attn.v_norm),
                                                cos, sin)
             return q, (k, v)

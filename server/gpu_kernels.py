@@ -616,3 +616,63 @@ def _summed_residual_norm(p_ptr, res_ptr, w_ptr, scalar_ptr, w_next_ptr, h_ptr, 
         if HAS_W_NEXT:
             x = x * tl.load(w_next_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(x_ptr + row * stride_xm + cols, x.to(out_ty), mask=inside)
+
+
+@triton.jit
+def _summed_slices_at(p_ptr, stride_ps, cols, SLICES: tl.constexpr):
+    """fp32 sum, in slice order from the first, of the K-slice partials at p_ptr + cols."""
+    y = tl.load(p_ptr + cols).to(tl.float32)
+    for s in tl.static_range(1, SLICES):
+        y = y + tl.load(p_ptr + s * stride_ps + cols).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _head_norm_rope(p_ptr, stride_ps, w_ptr, eps, cos_ptr, sin_ptr, out_ptr, D: tl.constexpr,
+                    SLICES: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr):
+    """One head of one row: its partials (at p_ptr) summed and rounded to the output's dtype,
+    RMSNorm over the head [* w], rounded; with ROPE also rotated (x * cos + rotate_half(x) * sin,
+    each product and the sum rounded, as transformers computes it in the model's dtype)."""
+    out_ty = out_ptr.dtype.element_ty
+    cols = tl.arange(0, D)
+    y = _summed_slices_at(p_ptr, stride_ps, cols, SLICES).to(out_ty).to(tl.float32)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / D + eps)
+    n = y * inv
+    if HAS_W:
+        n = n * tl.load(w_ptr + cols).to(tl.float32)
+    n = n.to(out_ty).to(tl.float32)
+    if ROPE:
+        # rotate_half(n)[c] = -n[c + D/2] for c < D/2, n[c - D/2] after: the other half's partials,
+        # summed and rounded as n's own (negation is exact and rounding symmetric, so the sign after)
+        other = (cols + D // 2) % D
+        r = _summed_slices_at(p_ptr, stride_ps, other, SLICES).to(out_ty).to(tl.float32) * inv
+        if HAS_W:
+            r = r * tl.load(w_ptr + other).to(tl.float32)
+        r = tl.where(cols < D // 2, -r, r).to(out_ty).to(tl.float32)
+        a = (n * tl.load(cos_ptr + cols).to(tl.float32)).to(out_ty).to(tl.float32)
+        b = (r * tl.load(sin_ptr + cols).to(tl.float32)).to(out_ty).to(tl.float32)
+        n = a + b
+    tl.store(out_ptr + cols, n.to(out_ty))
+
+
+@triton.jit
+def _summed_qkv_norm_rope(pq_ptr, pk_ptr, pv_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+                          stride_ps, stride_pt, stride_cos, stride_sin, eps_q, eps_k, eps_v, H, KVH,
+                          D: tl.constexpr, SLICES: tl.constexpr, HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr,
+                          HAS_WV: tl.constexpr, PDL: tl.constexpr = False):
+    """server/step_norms.py's q / k / v norms of one attention layer: program (t, j) does row t's
+    head j, of q (j < H: normed, rotated), k (normed, rotated) or v (normed) after it. The heads of
+    a row's partials sit D apart; q, k and v are written [T, heads, D]."""
+    _pdl_start(PDL)
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    cos_row, sin_row = cos_ptr + t * stride_cos, sin_ptr + t * stride_sin
+    if j < H:
+        _head_norm_rope(pq_ptr + t * stride_pt + j * D, stride_ps, wq_ptr, eps_q, cos_row, sin_row,
+                        q_ptr + (t * H + j) * D, D, SLICES, HAS_WQ, True)
+    elif j < H + KVH:
+        _head_norm_rope(pk_ptr + t * stride_pt + (j - H) * D, stride_ps, wk_ptr, eps_k, cos_row, sin_row,
+                        k_ptr + (t * KVH + j - H) * D, D, SLICES, HAS_WK, True)
+    else:
+        _head_norm_rope(pv_ptr + t * stride_pt + (j - H - KVH) * D, stride_ps, wv_ptr, eps_v, cos_row, sin_row,
+                        v_ptr + (t * KVH + j - H - KVH) * D, D, SLICES, HAS_WV, False)

@@ -1,4 +1,5 @@
-"""The step's residual norms as one Triton kernel a call, reading a split-K matmul's K slices.
+"""The step's norms that read a split-K matmul's K slices, as Triton kernels: the residual norms,
+and an attention layer's q / k / v norms with RoPE.
 
 Contract: `summed_residual_norm(residual, p, w, eps, scalar)` and
 `summed_residual_norm_rms(residual, p, w, eps, scalar, w_next, eps_next)` take what
@@ -12,11 +13,17 @@ ops' bits, and are the same for a row whatever the other rows are and however ma
 row, the same instructions for every row count (batch invariance, as server/small_m_matmul.py
 explains).
 
+`summed_qkv_norm_rope(pq, pk, pv, dtype, wq, eps_q, wk, eps_k, wv, eps_v, cos, sin)` and
+`summed_norm_rope(pq, dtype, w, eps, cos, sin)` likewise take and give what fast_ops'
+`_summed_qkv_norm_rope` / `_summed_norm_rope` do (partials [S, T, heads, D], each head's RMSNorm,
+q and k rotated by cos / sin [T, 1, D]): one launch a layer, a program a (row, head), where the
+compiled ops took three kernels for a layer that owns its K/V (q's, k's and v's).
+
 Why: the compiled ops (inductor) are reductions that loop over the row, and read the slices again
 in each of their passes (the sum of squares of y, then of h, then the stores): on E4B, 126 such
 kernels a step at about 3.8 us each, 0.48 ms of a 3.4 ms one-token step on an H100. This kernel
-holds the row in registers and reads the slices once. `RESIDUAL_NORM_KERNEL` in server/fast_path.py
-switches it (A/B runs: `python -m bench.step_ab`).
+holds the row in registers and reads the slices once. `RESIDUAL_NORM_KERNEL` and `QKV_NORM_KERNEL`
+in server/fast_path.py switch them (A/B runs: `python -m bench.step_ab`).
 """
 from __future__ import annotations
 
@@ -56,3 +63,40 @@ def summed_residual_norm(residual, p, w, eps, scalar):
 
 def summed_residual_norm_rms(residual, p, w, eps, scalar, w_next, eps_next):
     return _launch(residual, p, w, eps, scalar, w_next, eps_next, True)
+
+
+def summed_qkv_norm_rope(pq, pk, pv, dtype, wq, eps_q, wk, eps_k, wv, eps_v, cos, sin):
+    return _qkv_launch(pq, pk, pv, dtype, (wq, wk, wv), (eps_q, eps_k, eps_v), cos, sin)
+
+
+def summed_norm_rope(pq, dtype, w, eps, cos, sin):
+    return _qkv_launch(pq, None, None, dtype, (w, None, None), (eps, 0.0, 0.0), cos, sin)[0]
+
+
+def _qkv_launch(pq, pk, pv, dtype, weights, eps, cos, sin):
+    from server.gpu_kernels import _summed_qkv_norm_rope
+    from server.small_m_matmul import pdl_launch
+
+    slices, rows, heads, dim = pq.shape
+    kv = pk is not None
+    kv_heads = pk.shape[2] if kv else 0
+    for part in (pq, pk, pv) if kv else (pq,):
+        if (part.shape[0], part.shape[1], part.shape[3]) != (slices, rows, dim) or part.stride()[2:] != (dim, 1) \
+                or (slices > 1 and part.stride(0) != pq.stride(0)) or (rows > 1 and part.stride(1) != pq.stride(1)):
+            raise ValueError(f"partials {tuple(part.shape)} {part.stride()}: heads of {dim} contiguous values, "
+                             "the slices and rows of q's partials")
+    cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
+    if cos.shape[1] != dim or sin.shape[1] != dim or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"cos / sin rows of {dim} contiguous values expected")
+    q = torch.empty(rows, heads, dim, dtype=dtype, device=pq.device)
+    k = torch.empty(rows, kv_heads, dim, dtype=dtype, device=pq.device) if kv else q
+    v = torch.empty_like(k) if kv else q
+    wq, wk, wv = weights
+    if rows:
+        _summed_qkv_norm_rope[(rows, heads + 2 * kv_heads)](
+            pq, pk if kv else pq, pv if kv else pq, wq if wq is not None else q, wk if wk is not None else q,
+            wv if wv is not None else q, cos, sin, q, k, v, pq.stride(0), pq.stride(1), cos.stride(0), sin.stride(0),
+            float(eps[0]), float(eps[1]), float(eps[2]), heads, kv_heads, D=dim, SLICES=slices,
+            HAS_WQ=wq is not None, HAS_WK=wk is not None, HAS_WV=wv is not None,
+            num_warps=max(1, min(4, dim // 128)), **pdl_launch(pq.device))
+    return q, k, v

@@ -1,8 +1,8 @@
-"""The step's residual-norm kernel (server/step_norms.py) on CUDA: against the fast path's ops as
-written in bf16 (within bf16 rounding), a row's bits the same at every row count, and whole steps
-with it against steps on the compiled ops (RESIDUAL_NORM_KERNEL off). That drafted equals plain
-and a verify equals one-token steps with it on (the default) is tests/test_fast_path.py's
-test_drafted_equals_plain_cuda and test_step_kernels_batch_invariant_and_close; the kernel's
+"""The step's norm kernels (server/step_norms.py) on CUDA: against the fast path's ops as written in
+bf16 (within bf16 rounding), a row's bits the same at every row count, and whole steps with them
+against steps on the compiled ops (RESIDUAL_NORM_KERNEL, QKV_NORM_KERNEL off). That drafted equals
+plain and a verify equals one-token steps with them on (the default) is tests/test_fast_path.py's
+test_drafted_equals_plain_cuda and test_step_kernels_batch_invariant_and_close; the kernels'
 arithmetic on the CPU is tests/test_step_norms_interpreted.py's."""
 from __future__ import annotations
 
@@ -30,21 +30,57 @@ def test_residual_norm_kernel_bf16_cuda(slices):
     want = _EAGER_OPS.summed_residual_norm_rms(residual, p, w, 1e-6, scalar, w_next, 1e-6)
     for a, b in zip(got, want):
         assert a.dtype == torch.bfloat16
-        # a sum of squares in another order moves a value by at most a bf16 step or two
-        assert ((a.float() - b.float()).abs() <= 2 ** -6 * b.float().abs() + 1e-3).all()
+        assert _close_bf16(a, b)
         assert (a != b).float().mean() < 0.05
     for n in (1, 2, 5, 16, 33):  # a row's bits whatever the rows beside it
         part = step_norms.summed_residual_norm_rms(residual[-n:], p[:, -n:], w, 1e-6, scalar, w_next, 1e-6)
         assert all(torch.equal(a, b[-n:]) for a, b in zip(part, got)), n
     h = step_norms.summed_residual_norm(residual, p, w, 1e-6, None)   # without the next norm
     ref = _EAGER_OPS.summed_residual_norm(residual, p, w, 1e-6, None)
-    assert ((h.float() - ref.float()).abs() <= 2 ** -6 * ref.float().abs() + 1e-3).all()
+    assert _close_bf16(h, ref)
+
+
+def _close_bf16(a, b):
+    """Within a bf16 step or two: a sum of squares in another order moves a value by at most that."""
+    return ((a.float() - b.float()).abs() <= 2 ** -6 * b.float().abs() + 1e-3).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("slices,kv_heads,dim", [(8, 2, 256), (1, 2, 512), (4, 0, 256)])
+def test_qkv_norm_kernel_bf16_cuda(slices, kv_heads, dim):
+    from server import step_norms
+    from server.fast_ops import _EAGER_OPS
+
+    g = torch.Generator(device="cuda").manual_seed(slices + dim)
+    rows, heads = 64, 8
+    widths = [heads * dim] + [kv_heads * dim] * (2 if kv_heads else 0)
+    partials = torch.randn(slices, rows, sum(widths), device="cuda", generator=g) * 2
+    if slices == 1:
+        partials = partials.bfloat16()
+    parts = [part.unflatten(-1, (-1, dim)) for part in partials.split(widths, -1)]
+    table = torch.randn(rows, 2 * dim, device="cuda", generator=g).bfloat16()
+    cos, sin = table[:, :dim][:, None, :], table[:, dim:][:, None, :]
+    wq, wk = ((torch.rand(dim, device="cuda", generator=g) + 0.5).bfloat16() for _ in range(2))
+
+    def run(ops, lo):
+        cut = [part[:, lo:] for part in parts]
+        if kv_heads:
+            return ops.summed_qkv_norm_rope(*cut, torch.bfloat16, wq, 1e-6, wk, 1e-6, None, 1e-6, cos[lo:], sin[lo:])
+        return (ops.summed_norm_rope(cut[0], torch.bfloat16, wq, 1e-6, cos[lo:], sin[lo:]),)
+
+    got = run(step_norms, 0)
+    for a, b in zip(got, run(_EAGER_OPS, 0)):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        assert _close_bf16(a, b)
+    for n in (1, 2, 5, 16, 33):  # a row's bits whatever the rows beside it
+        assert all(torch.equal(a, b[-n:]) for a, b in zip(run(step_norms, rows - n), got)), n
 
 
 @needs_cuda
 @pytest.mark.parametrize("quant", [False, True])
-def test_steps_with_the_norm_kernel_close_to_the_compiled_ops_cuda(quant, monkeypatch):
-    """Whole steps (1 to 16 rows) with the kernel and with the compiled ops: the same model to
+@pytest.mark.parametrize("switch", ["RESIDUAL_NORM_KERNEL", "QKV_NORM_KERNEL"])
+def test_steps_with_the_norm_kernels_close_to_the_compiled_ops_cuda(quant, switch, monkeypatch):
+    """Whole steps (1 to 16 rows) with a kernel and with the compiled ops: the same model to
     within rounding; and the kernel is the one that runs (the fast path says so)."""
     from server import fast_path
 
@@ -52,9 +88,10 @@ def test_steps_with_the_norm_kernel_close_to_the_compiled_ops_cuda(quant, monkey
     ids = prompt_of(80, model.config.vocab_size, seed=9)
     logits = {}
     for on in (False, True):
-        monkeypatch.setattr(fast_path, "RESIDUAL_NORM_KERNEL", on)
+        monkeypatch.setattr(fast_path, switch, on)
         fast = fast_path.FastTarget(model, max_len=256, prefill_chunk=16, min_kv_len=64)
-        assert fast.step_kernels and fast.summed_slices and fast.norm_kernel == on, fast.step_kernel_note
+        running = fast.norm_kernel if switch == "RESIDUAL_NORM_KERNEL" else fast.qkv_kernel
+        assert fast.step_kernels and fast.summed_slices and running == on, fast.step_kernel_note
         fast.prefill(ids[:20])
         logits[on] = torch.cat([fast.step(ids[20:21]).float(), fast.step(ids[21:37]).float()])
     # two roundings of a random bf16 net differ by ~0.1 (tests/test_fast_path.py); a wrong norm gives ~1
