@@ -97,3 +97,30 @@ def test_steps_with_the_norm_kernels_close_to_the_compiled_ops_cuda(quant, switc
     # two roundings of a random bf16 net differ by ~0.1 (tests/test_fast_path.py); a wrong norm gives ~1
     rel = (logits[True] - logits[False]).norm() / logits[False].norm()
     assert rel < 0.25, rel
+
+
+@needs_cuda
+@pytest.mark.parametrize("quant", [False, True])
+def test_drafted_equals_plain_with_the_norm_kernels_cuda(quant, monkeypatch):
+    """With both kernels on, whatever the defaults: a 64-token step's logits are the bits of 64
+    one-token steps', and drafted greedy output is plain greedy output, token for token."""
+    from bench.fast_greedy import greedy_generate, oracle
+    from server import fast_path
+
+    monkeypatch.setattr(fast_path, "RESIDUAL_NORM_KERNEL", True)
+    monkeypatch.setattr(fast_path, "QKV_NORM_KERNEL", True)
+    model = cuda_model(torch.bfloat16, quant=quant)
+    vocab = model.config.vocab_size
+    fast = fast_path.FastTarget(model, max_len=512, prefill_chunk=16, min_kv_len=64)
+    assert fast.norm_kernel and fast.qkv_kernel, fast.step_kernel_note
+    ids = prompt_of(230, vocab, seed=6)
+    fast.prefill(ids[:150])
+    batched = fast.step(ids[150:214]).float().clone()
+    fast.rollback(64)
+    singles = torch.stack([fast.step([t])[0].float().clone() for t in ids[150:214]])
+    assert torch.equal(batched, singles)
+    for seed, plen in ((0, 9), (2, 100)):
+        prompt = prompt_of(plen, vocab, seed)
+        plain, plain_steps = greedy_generate(fast, prompt, 120)
+        drafted, steps = greedy_generate(fast, prompt, 120, oracle(plain, plen, 0.2, vocab, seed))
+        assert drafted == plain and steps < plain_steps
