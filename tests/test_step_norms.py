@@ -1,8 +1,7 @@
 """The step's norm kernels (server/step_norms.py) on CUDA: against the fast path's ops as written in
 bf16 (within bf16 rounding), a row's bits the same at every row count, and whole steps with them
-against steps on the compiled ops (RESIDUAL_NORM_KERNEL, QKV_NORM_KERNEL off). That drafted equals
-plain and a verify equals one-token steps with them on (the default) is tests/test_fast_path.py's
-test_drafted_equals_plain_cuda and test_step_kernels_batch_invariant_and_close; the kernels'
+against steps on the compiled ops (RESIDUAL_NORM_KERNEL, QKV_NORM_KERNEL off), and with both on
+(whatever the defaults) a verify's logits equal one-token steps' and drafted output equals plain. The kernels'
 arithmetic on the CPU is tests/test_step_norms_interpreted.py's."""
 from __future__ import annotations
 
