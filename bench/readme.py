@@ -69,10 +69,11 @@ SECTIONS = [
      "python -m bench.gpu_memory --lm-head bf16,auto (on the GPU machine)", "gpu_memory-head-bf16-auto.md", []),
     ("The int8 LM head's cost in quality, on a real Gemma (bundled model, CPU)",
      "python -m bench.lm_head_quality", "lm_head_quality.md", []),
-    ("The fast-path step as it stands: plain greedy steps chained on the device, the step's token embedding "
-     "gathered and its logits soft-capped in the LM head's store; the kernels a step launches and where its GPU "
-     "time goes (E4B shape, int4, H100, 12-06)",
-     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-chained-h100.md", []),
+    ("The fast-path step as it stands: the step's norms on kernels of their own (server/step_norms.py) against "
+     "the compiled ops; the kernels a step launches and where its GPU time goes (E4B shape, int4, H100, 12-06)",
+     "python -m bench.step_ab --base-tree . --base-set server.fast_path.RESIDUAL_NORM_KERNEL=False --base-set "
+     "server.fast_path.QKV_NORM_KERNEL=False --head-set server.fast_path.RESIDUAL_NORM_KERNEL=True --head-set "
+     "server.fast_path.QKV_NORM_KERNEL=True --rounds 1 (on the GPU machine)", "step_ab-norm-kernels-h100.md", []),
     ("The engine's drought rule: a drafting request's plain steps chained on the device (E4B shape, int4, H100)",
      "python -m bench.drought_ab --rounds 2 (on the GPU machine)", "drought_ab-h100.md", []),
     ("What the split-K sums cost a chain of E4B's int4 matmuls (H200)",
@@ -82,6 +83,9 @@ SECTIONS = [
 ]
 # Earlier runs the README's tables replaced, and configurations tried and dropped: docs/gpu_history.md
 HISTORY = [
+    ("The fast-path step, plain greedy steps chained on the device, the step's token embedding gathered and its "
+     "logits soft-capped in the LM head's store (E4B shape, int4, H100, 12-06, before the step's norm kernels)",
+     "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-chained-h100.md", []),
     ("The fast-path step, the per-layer table read by the GPU in place inside the step's graph (E4B shape, "
      "int4, H200)", "python -m bench.step_ab --base REV (on the GPU machine)", "step_ab-hosttables.md", []),
     ("The fast-path step, each layer's K/V write in its step attention's launch (E4B shape, int4, H200)",

@@ -110,18 +110,20 @@ PLE_GELU_FUSED_ROWS = 16
 # test_host_rows.py, test_int8_head.py, test_early_launch.py and test_prefix_cache.py, have not run
 # with it on yet). False: the matmuls sum their own slices (A/B runs).
 SUMMED_SLICES = True
-# With the summed slices, the residual norms can run on one Triton kernel of their own, a program a
-# row holding the row in registers (server/step_norms.py), instead of the compiled ops, which read a
+# With the summed slices, the residual norms run on one Triton kernel of their own, a program a row
+# holding the row in registers (server/step_norms.py), instead of the compiled ops, which read a
 # row's slices in each of their passes; and an attention layer's q / k / v norms and RoPE on one
 # launch a layer (`summed_qkv_norm_rope`), where the compiled ops took three for a layer owning its
 # K/V. Only where the ops are compiled (fuse, the CUDA default): uncompiled, they are the ops as
-# written. Off until a GPU has measured them: built on 12-06 (stop 60) and checked on the CPU under
-# Triton's interpreter (tests/test_step_norms_interpreted.py); no device could be had that session
-# for tests/test_step_norms.py's CUDA tests or `python -m bench.step_ab --base-tree . --base-set
-# server.fast_path.RESIDUAL_NORM_KERNEL=False --base-set server.fast_path.QKV_NORM_KERNEL=False
-# --head-set server.fast_path.RESIDUAL_NORM_KERNEL=True --head-set server.fast_path.QKV_NORM_KERNEL=True`.
-RESIDUAL_NORM_KERNEL = False
-QKV_NORM_KERNEL = False
+# written. On since 12-06 (stop 60): on an H100 (E4B shape, one round of `python -m bench.step_ab
+# --base-tree . --base-set server.fast_path.RESIDUAL_NORM_KERNEL=False --base-set
+# server.fast_path.QKV_NORM_KERNEL=False --head-set ...=True --head-set ...=True`,
+# bench/results/step_ab-norm-kernels-h100.md) a one-token step 3.47 -> 3.17 ms (567 -> 519 kernels;
+# the residual norms 0.48 -> 0.38 ms, the q/k/v norms 0.24 -> 0.10), a 16-token verify 4.05 ->
+# 3.85, plain decode chained 296 -> 316 tokens/s, drafted equal to plain on both sides.
+# False: the compiled ops (A/B runs).
+RESIDUAL_NORM_KERNEL = True
+QKV_NORM_KERNEL = True
 # Plain greedy steps chained on the device (`step_after_argmax`): each launched from the argmax the
 # step before left on the GPU, before the host reads that token, so the GPU does not idle between
 # steps while the host syncs, stages and replays (0.2-0.5 ms of CPU a replay). False: the token read

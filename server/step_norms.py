@@ -17,7 +17,11 @@ explains).
 `summed_norm_rope(pq, dtype, w, eps, cos, sin)` likewise take and give what fast_ops'
 `_summed_qkv_norm_rope` / `_summed_norm_rope` do (partials [S, T, heads, D], each head's RMSNorm,
 q and k rotated by cos / sin [T, 1, D]): one launch a layer, a program a (row, head), where the
-compiled ops took three kernels for a layer that owns its K/V (q's, k's and v's).
+compiled ops took three kernels for a layer that owns its K/V (q's, k's and v's). Each normed value
+is rounded as the ops round it; the rotation x * cos + rotate_half(x) * sin is one rounding short
+of theirs: the compiler contracts one product and the sum into a bf16 fma (fma.rn.bf16x2 in the
+sm_90 PTX), as inductor's compiled op computes it in fp32. The same for every row, so a row's bits
+still never depend on the others.
 
 Why: the compiled ops (inductor) are reductions that loop over the row, and read the slices again
 in each of their passes (the sum of squares of y, then of h, then the stores): on E4B, 126 such

@@ -44,7 +44,23 @@ def _kernels():
         ("slot positions", k._write_slot_pos_segments, slot_sig, dict(SLOT_POS_FIELD=30)),
         ("gluon int4 matmul", _gluon_matmul(), dict(MATMUL_SIG),
          dict(SPLIT=4, TILES=2, ROWS=32, XROWS=32, BLOCK_N=64, STAGES=2, EPILOGUE=0, PREFETCH=False)),
+        ("residual norm", k._summed_residual_norm, dict(RESIDUAL_NORM_SIG),
+         dict(SLICES=8, HAS_W=True, HAS_SCALAR=True, NEXT=True, HAS_W_NEXT=True, BLOCK=4096)),
+        ("q/k/v norms", k._summed_qkv_norm_rope, dict(QKV_NORM_SIG),
+         dict(D=256, SLICES=8, HAS_WQ=True, HAS_WK=True, HAS_WV=False)),
     ]
+
+
+# server/step_norms.py's kernels
+RESIDUAL_NORM_SIG = {"p_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16", "scalar_ptr": "*bf16",
+                     "w_next_ptr": "*bf16", "h_ptr": "*bf16", "x_ptr": "*bf16", "N": "i32", "stride_ps": "i32",
+                     "stride_pm": "i32", "stride_rm": "i32", "stride_hm": "i32", "stride_xm": "i32", "eps": "fp32",
+                     "eps_next": "fp32"}
+QKV_NORM_SIG = {**{name: "*fp32" for name in ("pq_ptr", "pk_ptr", "pv_ptr")},
+                **{name: "*bf16" for name in ("wq_ptr", "wk_ptr", "wv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr",
+                                              "v_ptr")},
+                **{name: "i32" for name in ("stride_ps", "stride_pt", "stride_cos", "stride_sin")},
+                "eps_q": "fp32", "eps_k": "fp32", "eps_v": "fp32", "H": "i32", "KVH": "i32"}
 
 
 # (A constexpr left out of a compile from source is not its default: every one the kernel has is given.)
@@ -57,7 +73,7 @@ def _gluon_matmul():
     return gluon_matmul.int4_step_matmul
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(10))
 def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
     name, fn, sig, consts = _kernels()[index]
     for key in list(consts) + ["PDL"]:
