@@ -364,7 +364,11 @@ def markdown(r: dict) -> str:
                   f"{HOST_GAP_US} us or more, the host's, are left out of the span):",
                   "", "| kernel | base | head |", "|---|---|---|",
                   f"| (span) | {sum(times['base'].values()):.3f} | {sum(times['head'].values()):.3f} |"]
-        for key in list(dict.fromkeys([*times["head"], *times["base"]]))[:16]:
+        # the kernels that take the most time on either side (one side's alone would hide what the other
+        # ran instead)
+        keys = sorted({*times["head"], *times["base"]},
+                      key=lambda k: -max(times["base"].get(k, 0.0), times["head"].get(k, 0.0)))
+        for key in keys[:16]:
             cell = lambda v: f"{times[v][key]:.3f}" if key in times[v] else "-"
             lines.append(f"| `{key}` | {cell('base')} | {cell('head')} |")
         lines.append("")

@@ -119,7 +119,7 @@ SUMMED_SLICES = True
 # --base-tree . --base-set server.fast_path.RESIDUAL_NORM_KERNEL=False --base-set
 # server.fast_path.QKV_NORM_KERNEL=False --head-set ...=True --head-set ...=True`,
 # bench/results/step_ab-norm-kernels-h100.md) a one-token step 3.47 -> 3.17 ms (567 -> 519 kernels;
-# the residual norms 0.48 -> 0.38 ms, the q/k/v norms 0.24 -> 0.10), a 16-token verify 4.05 ->
+# the residual norms 0.49 -> 0.38 ms, the q/k/v norms 0.25 -> 0.10), a 16-token verify 4.05 ->
 # 3.85, plain decode chained 296 -> 316 tokens/s, drafted equal to plain on both sides.
 # False: the compiled ops (A/B runs).
 RESIDUAL_NORM_KERNEL = True
