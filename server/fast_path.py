@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from ngram.draft import tree_layout
+from server import step_norms
 from server.backend import Prefill
 from server.fast_linears import DenseLinear, Int4Linear, ReleasedLinear, as_linear, fuse_int4, release_module, released_parts
 from server.fast_ops import _EAGER_OPS, _attention, _compiled_ops
@@ -111,8 +112,8 @@ PLE_GELU_FUSED_ROWS = 16
 # with it on yet). False: the matmuls sum their own slices (A/B runs).
 SUMMED_SLICES = True
 # With the summed slices, the residual norms run on one Triton kernel of their own, a program a row
-# holding the row in registers (server/step_norms.py), instead of the compiled ops, which read a
-# row's slices in each of their passes; and an attention layer's q / k / v norms and RoPE on one
+# holding the row in registers (server/step_norms.py), instead of the compiled ops, looped
+# reductions that recompute the row's slice sums in each pass; and an attention layer's q / k / v norms and RoPE on one
 # launch a layer (`summed_qkv_norm_rope`), where the compiled ops took three for a layer owning its
 # K/V. Only where the ops are compiled (fuse, the CUDA default): uncompiled, they are the ops as
 # written. On since 12-06 (stop 60): on an H100 (E4B shape, one round of `python -m bench.step_ab
@@ -621,6 +622,17 @@ class FastTarget:
 
     # ------------------------------------------------------------ the forward
 
+    @property
+    def summed_residual_ops(self):
+        """What a step's summed residual norms run on: server/step_norms.py's kernel, or the ops (the
+        same signatures)."""
+        return step_norms if self.norm_kernel else self.ops
+
+    @property
+    def summed_qkv_ops(self):
+        """Likewise for a step's summed q / k / v norms."""
+        return step_norms if self.qkv_kernel else self.ops
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int, step: bool = False,
                  segments: list["Segment"] | None = None, ple_rows: torch.Tensor | None = None,
                  embed_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -645,11 +657,9 @@ class FastTarget:
         # that reads it (the summed_* ops; server/small_m_matmul.py `slices`)
         sums = step and self.summed_slices
         out_of = (lambda lin, a: lin.slices(a)) if sums else (lambda lin, a: lin(a))   # what the next op reads
-        residual_norm = ops.summed_residual_norm if sums else ops.residual_norm
-        residual_norm_rms = ops.summed_residual_norm_rms if sums else ops.residual_norm_rms
-        if sums and self.norm_kernel:
-            from server import step_norms
-            residual_norm, residual_norm_rms = step_norms.summed_residual_norm, step_norms.summed_residual_norm_rms
+        summed = self.summed_residual_ops
+        residual_norm = summed.summed_residual_norm if sums else ops.residual_norm
+        residual_norm_rms = summed.summed_residual_norm_rms if sums else ops.residual_norm_rms
         segments = segments if segments is not None else [Segment(self, 0, T, kv_len)]
         if from_buffers and self.embed_staged:
             h = self.embed_buf[:T] if embed_rows is None else embed_rows  # [T, hidden]
@@ -734,10 +744,7 @@ class FastTarget:
         ops, attn, D = self.ops, layer.hf.self_attn, layer.head_dim
         owns_kv = layer.source == layer.index
         if sums and (layer.qkv is not None or not owns_kv):
-            if self.qkv_kernel:  # the same ops, on Triton kernels
-                from server import step_norms as summed
-            else:
-                summed = ops
+            summed = self.summed_qkv_ops
             # the partials [S, T, N] of q|k|v (or q alone), as [S, T, heads, D] each
             pq, *pkv = (layer.qkv.slices(x).split(layer.qkv_sizes, -1) if layer.qkv is not None
                         else [layer.q.slices(x)])

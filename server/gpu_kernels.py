@@ -599,10 +599,7 @@ def _summed_residual_norm(p_ptr, res_ptr, w_ptr, scalar_ptr, w_next_ptr, h_ptr, 
     cols = tl.arange(0, BLOCK)
     inside = cols < N
     out_ty = h_ptr.dtype.element_ty
-    y = tl.load(p_ptr + row * stride_pm + cols, mask=inside, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SLICES):
-        y = y + tl.load(p_ptr + s * stride_ps + row * stride_pm + cols, mask=inside, other=0.0).to(tl.float32)
-    y = y.to(out_ty).to(tl.float32)
+    y = _summed_slices_at(p_ptr + row * stride_pm, stride_ps, cols, inside, SLICES).to(out_ty).to(tl.float32)
     n = y * (1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / N + eps))
     if HAS_W:
         n = n * tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
@@ -619,11 +616,12 @@ def _summed_residual_norm(p_ptr, res_ptr, w_ptr, scalar_ptr, w_next_ptr, h_ptr, 
 
 
 @triton.jit
-def _summed_slices_at(p_ptr, stride_ps, cols, SLICES: tl.constexpr):
-    """fp32 sum, in slice order from the first, of the K-slice partials at p_ptr + cols."""
-    y = tl.load(p_ptr + cols).to(tl.float32)
+def _summed_slices_at(p_ptr, stride_ps, cols, inside, SLICES: tl.constexpr):
+    """fp32 sum, in slice order from the first, of the K-slice partials at p_ptr + cols (0 where not
+    `inside`)."""
+    y = tl.load(p_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     for s in tl.static_range(1, SLICES):
-        y = y + tl.load(p_ptr + s * stride_ps + cols).to(tl.float32)
+        y = y + tl.load(p_ptr + s * stride_ps + cols, mask=inside, other=0.0).to(tl.float32)
     return y
 
 
@@ -637,7 +635,8 @@ def _head_norm_rope(p_ptr, stride_ps, w_ptr, eps, cos_ptr, sin_ptr, out_ptr, D: 
     the sm_90 PTX): one rounding short of transformers', the same for every row."""
     out_ty = out_ptr.dtype.element_ty
     cols = tl.arange(0, D)
-    y = _summed_slices_at(p_ptr, stride_ps, cols, SLICES).to(out_ty).to(tl.float32)
+    whole = cols < D   # every column: a head is D values
+    y = _summed_slices_at(p_ptr, stride_ps, cols, whole, SLICES).to(out_ty).to(tl.float32)
     inv = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / D + eps)
     n = y * inv
     if HAS_W:
@@ -647,7 +646,7 @@ def _head_norm_rope(p_ptr, stride_ps, w_ptr, eps, cos_ptr, sin_ptr, out_ptr, D: 
         # rotate_half(n)[c] = -n[c + D/2] for c < D/2, n[c - D/2] after: the other half's partials,
         # summed and rounded as n's own (negation is exact and rounding symmetric, so the sign after)
         other = (cols + D // 2) % D
-        r = _summed_slices_at(p_ptr, stride_ps, other, SLICES).to(out_ty).to(tl.float32) * inv
+        r = _summed_slices_at(p_ptr, stride_ps, other, whole, SLICES).to(out_ty).to(tl.float32) * inv
         if HAS_W:
             r = r * tl.load(w_ptr + other).to(tl.float32)
         r = tl.where(cols < D // 2, -r, r).to(out_ty).to(tl.float32)

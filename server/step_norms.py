@@ -23,10 +23,11 @@ of theirs: the compiler contracts one product and the sum into a bf16 fma (fma.r
 sm_90 PTX), as inductor's compiled op computes it in fp32. The same for every row, so a row's bits
 still never depend on the others.
 
-Why: the compiled ops (inductor) are reductions that loop over the row, and read the slices again
-in each of their passes (the sum of squares of y, then of h, then the stores): on E4B, 126 such
-kernels a step at about 3.8 us each, 0.48 ms of a 3.4 ms one-token step on an H100. This kernel
-holds the row in registers and reads the slices once. `RESIDUAL_NORM_KERNEL` and `QKV_NORM_KERNEL`
+Why: the compiled ops are inductor's looped reductions (`triton_red_` kernels), which by their kind
+recompute their inputs, the slices' sum, in each pass over the row (the sum of squares of y, then
+of h, then the stores; inferred, the generated code was not read): on E4B, 126 such kernels a step
+at about 3.8 us each, 0.49 ms of a 3.5 ms one-token step on an H100. This kernel holds the row in
+registers and reads the slices once. `RESIDUAL_NORM_KERNEL` and `QKV_NORM_KERNEL`
 in server/fast_path.py switch them (A/B runs: `python -m bench.step_ab`).
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 
 
 def _launch(residual: torch.Tensor, p: torch.Tensor, w, eps: float, scalar, w_next, eps_next, nxt: bool):
+    import triton
+
     from server.gpu_kernels import _summed_residual_norm
     from server.small_m_matmul import pdl_launch
 
@@ -46,7 +49,7 @@ def _launch(residual: torch.Tensor, p: torch.Tensor, w, eps: float, scalar, w_ne
     h = torch.empty_like(residual, memory_format=torch.contiguous_format)
     x = torch.empty_like(h) if nxt else h
     if rows:
-        block = triton_next_pow2(n)
+        block = triton.next_power_of_2(n)
         _summed_residual_norm[(rows,)](
             p, residual, w if w is not None else h, scalar if scalar is not None else h,
             w_next if w_next is not None else h, h, x, n, p.stride(0), p.stride(1), residual.stride(0),
@@ -55,10 +58,6 @@ def _launch(residual: torch.Tensor, p: torch.Tensor, w, eps: float, scalar, w_ne
             HAS_W_NEXT=w_next is not None, BLOCK=block, num_warps=max(4, min(16, block // 256)),
             **pdl_launch(residual.device))
     return (h, x) if nxt else h
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def summed_residual_norm(residual, p, w, eps, scalar):
