@@ -78,6 +78,11 @@ SECTIONS = [
      "python -m bench.drought_ab --rounds 2 (on the GPU machine)", "drought_ab-h100.md", []),
     ("What the split-K sums cost a chain of E4B's int4 matmuls (H200)",
      "python -m bench.small_m_bench --chain-tails (on the GPU machine)", "small_m_chain-tails.md", []),
+    ("E4B's int4 step matmuls one launch at a time under Nsight Compute: what the SMs do (H200, 12-06)",
+     "ncu --clock-control none --kernel-name regex:int4_step --section SpeedOfLight --section Occupancy "
+     "--section SchedulerStats --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis "
+     "--csv --page details python -m bench.step_matmul_profile --drive > ncu.csv (on the GPU machine), then "
+     "python -m bench.step_matmul_profile --report ncu.csv", "step_matmul_profile-h200.md", []),
     ("Projected E4B tokens/s per workload, from replay tau and the GPU step times", "python -m bench.project_gpu",
      "gpu_projection.md", []),
 ]
