@@ -26,7 +26,7 @@ def _noop(x_ptr):
     tl.store(x_ptr, 0.0)
 
 
-INTS = ("T", "S", "n_cache_chunks", "n_own_chunks", "window", "kv_heads", "k_field", "v_field")
+INTS = ("T", "S", "n_cache_chunks", "n_own_chunks", "window", "kv_heads", "k_field", "v_field", "stride_count")
 
 
 @functools.cache
@@ -85,9 +85,10 @@ def _lone_signature(consts: dict) -> dict:
     return sig
 
 
-# the step's new K/V rows (server/step_attention.py new_kv): pointers and their row / head strides
+# the step's new K/V rows (server/step_attention.py new_kv): pointers and their row / head strides; then
+# the folded merge's counters and output (FOLD)
 _NEW_ROWS = {"nk_ptr": "*bf16", "nv_ptr": "*bf16", "stride_nkt": "i32", "stride_nkh": "i32", "stride_nvt": "i32",
-             "stride_nvh": "i32"}
+             "stride_nvh": "i32", "count_ptr": "*i32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_count": "i32"}
 
 
 def _segments_signature(consts: dict) -> dict:

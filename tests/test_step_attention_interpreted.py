@@ -6,9 +6,11 @@ Why: CI has no GPU, so the CUDA tests (tests/test_step_kernel_rows.py, tests/tes
 skip there; this checks the kernels' index arithmetic (which chunks a step wrote, which key each
 tree row reads at each depth, the window, the ring) on every CI run. The interpreter computes in
 numpy, so the inputs are float32 (it does not emulate bfloat16): this proves what each row
-attends to, and the CUDA tests prove the bits. The interpreter cannot run the merge kernel's
-data-dependent loop, so the merge (each row's chunk partials combined in chunk order) is done by a
-torch twin here. The step's K/V rows handed to the launch instead of written before it (new_kv) must
+attends to, and the CUDA tests prove the bits. The merge (each row's chunk partials combined in chunk
+order) is done by a torch twin in most cases (the interpreter runs the merge kernel slowly); in the
+cases of up to 16 rows the merge kernel runs too, and folded into the partials' launch
+(server/step_attention.py FOLD_MERGE: the last program to arrive for a token merges it) it must give
+the kernel's bits and leave its counters at zero. The step's K/V rows handed to the launch instead of written before it (new_kv) must
 give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
 and leave the cache as index_copy_ would. Runs in a subprocess: TRITON_INTERPRET must be set before the
 kernels are defined.
@@ -34,6 +36,8 @@ CASES = [(sliding, start, slots, T, tree)
 # grows with the rows and the runs: CI time)
 WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 and case[4])
                or (case[0] and case[1] == 200)]
+# The merge kernel and the folded merge, in every geometry up to 16 rows (chains and a tree)
+MERGE_CASES = [case for case in CASES if case[3] <= 16]
 
 
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
@@ -43,7 +47,16 @@ def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     outputs = interpreted_cases(__file__, tmp_path)
     assert len(outputs) == len(CASES)
     errors = {}
-    for case, (got, written, unwritten, cache_right) in zip(CASES, outputs):
+    for case, (got, written, unwritten, cache_right, merged) in zip(CASES, outputs):
+        if case in MERGE_CASES:
+            # The merge kernel (here the torch twin's output within float32 rounding) and the merge
+            # folded into the partials' launch: the kernel's bits, the counters left at zero.
+            combined, folded, counters_zero = merged
+            assert torch.equal(folded, combined), (case, float((folded - combined).abs().max()))
+            assert counters_zero, case
+            assert float((combined - got).abs().max()) < 1e-5, case
+        else:
+            assert merged is None
         # The step's K/V handed to the launch instead of written before it: the same bits, whether or
         # not its writes land (no program reads a slot the launch writes), and the launch leaves the
         # cache as the write would have (server/step_attention.py new_kv).
@@ -153,8 +166,12 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
     import torch
 
     import server.gpu_kernels as kernels
+    from tests.interpreted import interpreter_takes_numpy_2_scalars
+
+    interpreter_takes_numpy_2_scalars()   # the merge kernel loops to its n_used argument
     from server.step_attention import StepAttention
 
+    combine = kernels._step_attention_combine
     kernels._step_attention_combine = _Merge()
     outputs = []
     for i, (sliding, start, slots, T, tree) in enumerate(CASES):
@@ -164,8 +181,17 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
         kv_len = slots if sliding else start + T
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+        merged = None
+        if (sliding, start, slots, T, tree) in MERGE_CASES:
+            kernels._step_attention_combine = combine
+            combined = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+            kernels._step_attention_combine = _Merge()
+            attn.fold = True
+            folded = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+            attn.fold = False
+            merged = (combined, folded, not attn.count.any().item())
         if (sliding, start, slots, T, tree) not in WRITE_CASES:
-            outputs.append((i, (got, None, None, None)))
+            outputs.append((i, (got, None, None, None, merged)))
             continue
         # The same step with its rows not yet in the cache (those slots hold other numbers), handed
         # to the launch, which writes them: row t at slot start + t.
@@ -183,7 +209,7 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
                          new_kv=(new_k, new_v))
         kernels._write_own_row = write_row
         written = attn(q, stale_k, stale_v, kv_len, qpos, slot_pos, WINDOW, SCALING, path, new_kv=(new_k, new_v))
-        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v))))
+        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v), merged)))
     torch.save(outputs, out)
     return 0
 

@@ -201,6 +201,37 @@ def test_step_attention_rows_are_batch_invariant(sliding, start):
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("sliding,start,slots,d", [(False, 100, 1024, 512), (False, 1000, 2048, 256),
+                                                   (True, 1000, 1024, 256), (True, 150, 200, 256)])
+def test_step_attention_folded_merge_gives_the_merge_kernels_bits(sliding, start, slots, d):
+    """server/step_attention.py FOLD_MERGE: the last program to arrive for a token merges its rows in
+    the partials' launch. Every row count, chains and a tree, each launch run twice (the counters it
+    leaves must be zero for the next): the merge kernel's bits, and the counters zero after."""
+    import random
+
+    from server.fast_path import tree_paths, tree_rows
+
+    window = 96
+    k, v, q, attn, slot_pos = attention_case(13, slots, d, start, sliding)
+    rng = random.Random(slots)
+    for T in ROW_COUNTS:
+        parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, T)]
+        depth, _ = tree_rows(parents, T, T)
+        path = torch.zeros(MAX_ROWS, MAX_ROWS, dtype=torch.int64)
+        path[:T, :T] = torch.from_numpy(tree_paths(parents, T, T))
+        for path_t, qpos in ((None, torch.arange(start, start + T, device="cuda")),
+                             (path.cuda(), torch.from_numpy(depth).cuda() + start)):
+            kv_len = slots if sliding else start + T
+            run = lambda: attn(q[:T], k, v, kv_len, qpos, slot_pos, window, d ** -0.5, path_t)
+            attn.fold = False
+            want = run()
+            attn.fold = True
+            for _ in range(2):
+                assert torch.equal(run(), want), f"{T} rows (tree: {path_t is not None}): folded merge differs"
+                assert not attn.count.any(), "the folded merge left a counter set"
+            attn.fold = False
+
+
 @pytest.mark.parametrize("sliding,start,slots", [(False, 100, 1024), (False, 300, 1024), (True, 100, 1024),
                                                  (True, 1000, 1024), (True, 150, 200)])
 def test_step_attention_tree_rows_equal_their_chains(sliding, start, slots):
