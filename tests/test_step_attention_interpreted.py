@@ -7,8 +7,8 @@ skip there; this checks the kernels' index arithmetic (which chunks a step wrote
 tree row reads at each depth, the window, the ring) on every CI run. The interpreter computes in
 numpy, so the inputs are float32 (it does not emulate bfloat16): this proves what each row
 attends to, and the CUDA tests prove the bits. The merge (each row's chunk partials combined in chunk
-order) is done by a torch twin in most cases (the interpreter runs the merge kernel slowly); in the
-cases of up to 16 rows the merge kernel runs too, and folded into the partials' launch
+order) is done by a torch twin in most cases (the interpreter runs the merge kernel slowly); in
+MERGE_CASES the merge kernel runs too, and folded into the partials' launch
 (server/step_attention.py FOLD_MERGE: the last program to arrive for a token merges it) it must give
 the kernel's bits and leave its counters at zero. The step's K/V rows handed to the launch instead of written before it (new_kv) must
 give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
@@ -36,8 +36,10 @@ CASES = [(sliding, start, slots, T, tree)
 # grows with the rows and the runs: CI time)
 WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 and case[4])
                or (case[0] and case[1] == 200)]
-# The merge kernel and the folded merge, in every geometry up to 16 rows (chains and a tree)
-MERGE_CASES = [case for case in CASES if case[3] <= 16]
+# The merge kernel and the folded merge, in every geometry at 1 and 5 rows (5 rows of 4 heads: two
+# row blocks, and own-chunk programs of several tokens a row block), and one 16-row tree on the ring
+# that wraps (the interpreter runs the merges slowly: CI time)
+MERGE_CASES = [case for case in CASES if case[3] <= 5] + [(True, 200, 96, 16, True)]
 
 
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
