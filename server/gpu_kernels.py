@@ -15,6 +15,11 @@ except ImportError:  # an older Triton: the kernels run without PDL (pdl_launch 
     HAS_PDL = False
 
 
+# Under Triton's interpreter the merge loops run to an argument (it cannot loop to a bound read from
+# memory), with the chunks past a row's last masked; compiled, to the row's last chunk, as they always did.
+_MERGE_TO_ARGUMENT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @triton.jit
 def _pdl_start(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL: launched with launch_pdl, server/small_m_matmul.py
@@ -515,18 +520,22 @@ def _last_chunk(qpos_ptr, t, n_used, SLIDING: tl.constexpr, BLOCK_S: tl.constexp
 def _store_merged_row(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, kvh, t, g, last, n_rows, n_chunks, n_used,
                       G: tl.constexpr, D: tl.constexpr):
     """out[t, head kvh * G + g] = row t * G + g's chunk partials 0..last merged in chunk order (a fixed
-    order). Both merges call this, so a row's bits do not depend on which kernel merged it. The loops
-    run to n_used (an argument) with the chunks past `last` masked, which changes no value: Triton's
-    interpreter cannot loop to a bound read from memory. The partials are read past L1 (.cg): in a
-    folded launch (`_arrive`) other programs of the same launch wrote them."""
+    order). Both merges call this, so a row's bits do not depend on which kernel merged it. Compiled,
+    the loops run to `last`; under the interpreter (`_MERGE_TO_ARGUMENT`) to n_used, the chunks past
+    `last` masked, which changes no value. The partials are read past L1 (.cg): in a folded launch
+    (`_arrive`) other programs of the same launch wrote them."""
     base = (kvh * n_rows + t * G + g) * n_chunks
+    if _MERGE_TO_ARGUMENT:
+        end = n_used
+    else:
+        end = last + 1
     m_max = -1.0e30
-    for c in range(0, n_used):
+    for c in range(0, end):
         m_max = tl.maximum(m_max, tl.load(m_ptr + base + c, mask=c <= last, other=-1.0e30, cache_modifier=".cg"))
     d = tl.arange(0, D)
     total = tl.zeros((D,), dtype=tl.float32)
     denom = 0.0
-    for c in range(0, n_used):
+    for c in range(0, end):
         live = c <= last
         w = tl.exp(tl.load(m_ptr + base + c, mask=live, other=0.0, cache_modifier=".cg") - m_max)
         denom = tl.where(live, denom + w * tl.load(l_ptr + base + c, mask=live, other=0.0, cache_modifier=".cg"),
@@ -544,6 +553,9 @@ def _arrivals(count_ptr, m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, st
     for every token whose rows it covers (a cache-chunk program: the BLOCK_R / G tokens of row block
     a, G dividing BLOCK_R; an own-chunk program: its token), and the last program to arrive for a
     token merges it."""
+    # every thread's partial stores before the arrival's release (Triton 3.6 puts a barrier before a
+    # scalar atomic by itself; this does not rely on it)
+    tl.debug_barrier()
     if c < n_cache_chunks:
         for i in tl.static_range(BLOCK_R // G):
             t = a * (BLOCK_R // G) + i

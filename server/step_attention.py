@@ -119,7 +119,8 @@ class StepAttention:
         """S sequences' steps of T rows each (q [>= S*T, H, D], qpos [>= S*T]: segment s's rows from
         s*T; rows past S*T belong to no segment and get zeros),
         each over its own cache, ring positions and tree paths (the int64 addresses in row s of
-        `table`: server/batch_step.py), in one launch of the partials and one of the merge: [S*T, H*D],
+        `table`: server/batch_step.py), in one launch of the partials and one of the merge (or one launch:
+        FOLD_MERGE): [S*T, H*D],
         segment s's rows the bits `__call__` gives its step alone (the same programs, on its pointers
         and its own rows of the scratch, sized here for S*T <= max_tokens rows). `new_kv`: as
         `__call__`'s, segment s's rows s*T.. written into its caches."""

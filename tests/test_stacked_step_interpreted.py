@@ -131,6 +131,8 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
             combined = again()
             kernels._step_attention_combine = _Merge()
             attn.fold = True
+            for scratch in (attn.m, attn.l, attn.acc):   # a merge reading an unwritten chunk gives NaN
+                scratch.fill_(float("nan"))
             folded = again()
             attn.fold = False
             merged = (combined, folded, not attn.count.any().item())

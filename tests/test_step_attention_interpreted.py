@@ -189,6 +189,8 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
             combined = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
             kernels._step_attention_combine = _Merge()
             attn.fold = True
+            for scratch in (attn.m, attn.l, attn.acc):   # a merge reading an unwritten chunk gives NaN
+                scratch.fill_(float("nan"))
             folded = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
             attn.fold = False
             merged = (combined, folded, not attn.count.any().item())

@@ -206,7 +206,8 @@ def test_step_attention_rows_are_batch_invariant(sliding, start):
 def test_step_attention_folded_merge_gives_the_merge_kernels_bits(sliding, start, slots, d):
     """server/step_attention.py FOLD_MERGE: the last program to arrive for a token merges its rows in
     the partials' launch. Every row count, chains and a tree, each launch run twice (the counters it
-    leaves must be zero for the next): the merge kernel's bits, and the counters zero after."""
+    leaves must be zero for the next), the partials' scratch poisoned before each (so no merge reads a
+    chunk before the launch wrote it unseen): the merge kernel's bits, and the counters zero after."""
     import random
 
     from server.fast_path import tree_paths, tree_rows
@@ -227,6 +228,9 @@ def test_step_attention_folded_merge_gives_the_merge_kernels_bits(sliding, start
             want = run()
             attn.fold = True
             for _ in range(2):
+                # the scratch poisoned: a merge that read a chunk before it was written would give NaN
+                for scratch in (attn.m, attn.l, attn.acc):
+                    scratch.fill_(float("nan"))
                 assert torch.equal(run(), want), f"{T} rows (tree: {path_t is not None}): folded merge differs"
                 assert not attn.count.any(), "the folded merge left a counter set"
             attn.fold = False
