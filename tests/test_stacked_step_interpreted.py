@@ -93,7 +93,7 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
     interpreter_takes_numpy_2_scalars()   # the merge loops to its n_used argument
     from server.batch_step import padded_rows
     from server.step_attention import StepAttention
-    from tests.test_step_attention_interpreted import _Merge
+    from tests.test_step_attention_interpreted import _Merge, merged_both_ways
 
     combine = kernels._step_attention_combine
     kernels._step_attention_combine = _Merge()
@@ -125,17 +125,7 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         # the merge kernel, then the merge in the partials' launch: the same bits, the counters zero after
         again = lambda: attn.segments(q, table, 0, 1, len(segs), T, kv_len, qpos, sliding, slots, k0.stride(0),
                                       k0.stride(1), inputs[0][5].stride(0), table.stride(0), 2, 3, window, scaling)
-        merged = None
-        if c in MERGE_CASES:
-            kernels._step_attention_combine = combine
-            combined = again()
-            kernels._step_attention_combine = _Merge()
-            attn.fold = True
-            for scratch in (attn.m, attn.l, attn.acc):   # a merge reading an unwritten chunk gives NaN
-                scratch.fill_(float("nan"))
-            folded = again()
-            attn.fold = False
-            merged = (combined, folded, not attn.count.any().item())
+        merged = merged_both_ways(attn, again, combine) if c in MERGE_CASES else None
         alone.append(torch.zeros(pad, got.shape[1]))
         # The same forward with the steps' K/V rows not yet in the caches (those slots hold other
         # numbers), handed to the launch, which writes them (server/step_attention.py new_kv).

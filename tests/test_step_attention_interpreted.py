@@ -134,6 +134,24 @@ class _Merge:
         return _torch_merge(grid)
 
 
+def merged_both_ways(attn, run, combine) -> tuple:
+    """Under the interpreter, with the torch twin as the merge around it: (`run()`'s output with the
+    merge kernel `combine`, its output with the merge folded into the partials' launch, whether the
+    fold left its counters at zero). Before the folded run the partials' scratch is filled with NaN,
+    so a merge that read a chunk the launch had not yet written would give NaN."""
+    import server.gpu_kernels as kernels
+
+    kernels._step_attention_combine = combine
+    combined = run()
+    kernels._step_attention_combine = _Merge()
+    attn.fold = True
+    for scratch in (attn.m, attn.l, attn.acc):
+        scratch.fill_(float("nan"))
+    folded = run()
+    attn.fold = False
+    return combined, folded, not attn.count.any().item()
+
+
 KV_HEADS, GROUP, HEAD_DIM, WINDOW = 2, 4, 64, 40
 SCALING = HEAD_DIM ** -0.5
 
@@ -185,15 +203,8 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
         merged = None
         if (sliding, start, slots, T, tree) in MERGE_CASES:
-            kernels._step_attention_combine = combine
-            combined = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
-            kernels._step_attention_combine = _Merge()
-            attn.fold = True
-            for scratch in (attn.m, attn.l, attn.acc):   # a merge reading an unwritten chunk gives NaN
-                scratch.fill_(float("nan"))
-            folded = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
-            attn.fold = False
-            merged = (combined, folded, not attn.count.any().item())
+            merged = merged_both_ways(attn, lambda: attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path),
+                                      combine)
         if (sliding, start, slots, T, tree) not in WRITE_CASES:
             outputs.append((i, (got, None, None, None, merged)))
             continue
