@@ -165,6 +165,8 @@ def measure_attention(name, head_dim, slots, sliding, context) -> list:
 # "same_split": the K slices of the first configuration (its sums, hence its bits) on another tiling.
 COLD_CONFIGS = [
     {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 528, "stages": 2, "block_n": 64, "warps": 4},
+    {"kernel": "gluon", "target": 1056, "stages": 2, "block_n": 64, "warps": 4},
     {"kernel": "gluon", "target": 264, "stages": 3, "block_n": 64, "warps": 4},
     {"kernel": "gluon", "target": 264, "stages": 4, "block_n": 64, "warps": 4},
     {"kernel": "gluon", "target": 264, "stages": 2, "block_n": 64, "warps": 2},

@@ -211,3 +211,25 @@ def test_wide_tiling_rule(monkeypatch):
     monkeypatch.setattr(small_m_matmul, "WIDE_MIN_COLUMNS", 0)
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
     assert wide._gluon_tiling(64) == (64, 4)
+
+
+def test_k_slice_plan(monkeypatch):
+    """server/small_m_matmul.py `_plan`: the fewest K slices (each a whole number of 128-feature
+    groups) that give TARGET_PROGRAMS programs; with MAX_SLICE_GROUPS, more slices while a slice is
+    longer than that, unless the launch already has four times the target (the LM head). The plan
+    never depends on the rows, so a linear's sums are the same at every row count."""
+    from server import small_m_matmul
+    from server.small_m_matmul import _plan
+
+    e4b = {"qkv": (3072, 2560), "o": (2560, 2048), "gate|up": (20480, 2560), "down": (2560, 10240),
+           "ple gate": (256, 2560), "lm head": (262144, 2560)}
+    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", None)
+    assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
+        "qkv": 10, "o": 8, "gate|up": 1, "down": 8, "ple gate": 20, "lm head": 1}
+    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", 10)
+    assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
+        "qkv": 10, "o": 8, "gate|up": 2, "down": 8, "ple gate": 20, "lm head": 1}
+    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", 5)
+    assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
+        "qkv": 10, "o": 8, "gate|up": 4, "down": 16, "ple gate": 20, "lm head": 1}
+    assert _plan(64, 3 * BLOCK_K, 64, 264) == 3   # a prime number of groups: all of them, one a slice
