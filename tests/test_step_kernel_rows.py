@@ -138,15 +138,21 @@ def test_wide_tiling_from_some_rows_gives_the_same_bits(n, k, tiling, monkeypatc
             assert torch.equal(pairs(x[:m]), gelus), f"{tiling}: {m} rows, gelu pairs"
 
 
-@pytest.mark.parametrize("n,k", [(20480, 2560), (256, 2560), (512, 256)])
-def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k):
+@pytest.mark.parametrize("n,k,slice_groups", [(20480, 2560, None), (20480, 2560, 10), (256, 2560, None),
+                                               (512, 256, None)])
+def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k, slice_groups, monkeypatch):
     """GELU_PAIRS and GELU_TIMES (server/small_m_matmul.py) against the unfused step: the matmul's
     output, then the fast path's compiled gelu_mul kernel. The same bits at every row count, on the
-    Gluon kernel and on `_small_m_kernel`, so fusing changes no step's output."""
+    Gluon kernel and on `_small_m_kernel`, so fusing changes no step's output. E4B's gate|up in one
+    K slice (as planned by default) and in two (MAX_SLICE_GROUPS 10: the epilogue then runs in the
+    program that sums the slices), where a row's gelus are also the same at every row count."""
+    from server import small_m_matmul
     from server.fast_ops import _compiled_ops
 
     gelu_mul = _compiled_ops().gelu_mul
+    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", slice_groups)
     lin = int4_linear(n, k, seed=n + k + 5)
+    assert slice_groups is None or lin.split == 2
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
     u = torch.randn(MAX_ROWS, 3, n, generator=gen).to(torch.bfloat16).cuda()[:, 1]  # strided, as ple[:, layer]
@@ -158,6 +164,7 @@ def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k):
             gate, up = y.split(n // 2, -1)
             assert torch.equal(pairs(x[:m]), gelu_mul(gate, up)), f"pairs N={n} K={k} gluon={gluon}: {m} rows"
             assert torch.equal(lin(x[:m], gelu_times=u[:m]), gelu_mul(y, u[:m])), f"times N={n} gluon={gluon}: {m}"
+            assert torch.equal(pairs(x[:m])[:1], pairs(x[:1])), f"pairs N={n} gluon={gluon}: row 0 at {m} rows"
 
 
 def test_shared_scratch_changes_nothing():
