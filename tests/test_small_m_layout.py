@@ -233,3 +233,26 @@ def test_k_slice_plan(monkeypatch):
     assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
         "qkv": 10, "o": 8, "gate|up": 4, "down": 16, "ple gate": 20, "lm head": 1}
     assert _plan(64, 3 * BLOCK_K, 64, 264) == 3   # a prime number of groups: all of them, one a slice
+
+
+def test_memory_plan_counts_the_planned_k_slices(monkeypatch):
+    """server/fast_memory.py sizes the split-K scratch from the K slices the linears will be planned
+    with: on E4B's shape the sliding layers' q|k|v (10 slices x 64 rows x 3072 columns) by default,
+    gate|up once MAX_SLICE_GROUPS gives it 2 or 4 slices (the budget then grows past its 16 MiB floor)."""
+    import json
+    from pathlib import Path
+
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    from server import small_m_matmul
+    from server.fast_memory import _split_k_bytes
+
+    shape = Path(__file__).parents[1] / "bench/configs/gemma4-e4b-text-config.json"
+    with torch.device("meta"):
+        layers = Gemma4ForCausalLM(Gemma4TextConfig(**json.loads(shape.read_text()))).model.layers
+    mib = {}
+    for groups in (None, 10, 5):
+        monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", groups)
+        mib[groups] = _split_k_bytes(layers, 256) / 2**20
+    assert mib == {None: 10 * 64 * 3072 * 4 / 2**20, 10: 2 * 64 * 20480 * 4 / 2**20, 5: 4 * 64 * 20480 * 4 / 2**20}
