@@ -203,6 +203,8 @@ def _plan(n: int, k: int, block_n: int, target_programs: int) -> int:
     """Number of K slices: enough programs to fill the GPU, each slice a whole number of blocks."""
     tiles = -(-n // block_n)
     blocks = k // BLOCK_K
+    if MAX_SLICE_GROUPS is not None and MAX_SLICE_GROUPS < 1:
+        raise ValueError(f"MAX_SLICE_GROUPS {MAX_SLICE_GROUPS}: a K slice holds at least one group")
     split = 1
     for candidate in range(1, blocks + 1):
         if blocks % candidate == 0:
