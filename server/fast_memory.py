@@ -99,7 +99,7 @@ def _int4_weights(model) -> int:
     return n
 
 
-def _split_k_bytes(layers, ple_dim: int, vocab: int) -> int:
+def _split_k_bytes(layers, hidden: int, ple_dim: int, vocab: int) -> int:
     """fp32 bytes of the largest split-K scratch a step linear needs, as planned now
     (server/small_m_matmul.py `_plan`: TARGET_PROGRAMS, MAX_SLICE_GROUPS), over the linears that
     share it (server/fast_path.py `share_partials`): every layer's q|k|v, o, gate|up and down, the
@@ -109,25 +109,17 @@ def _split_k_bytes(layers, ple_dim: int, vocab: int) -> int:
     def outs(module, *names) -> int:
         return sum(getattr(getattr(module, name, None), "out_features", 0) for name in names)
 
-    shapes = set()
-    hidden = 0
+    shapes = {(vocab, hidden)}
+    if ple_dim:
+        shapes |= {(ple_dim, hidden), (hidden, ple_dim), (len(layers) * ple_dim, hidden)}
     for hf in layers:
-        attn, mlp = getattr(hf, "self_attn", None), getattr(hf, "mlp", None)
-        hidden = getattr(getattr(attn, "o_proj", None), "out_features", 0)
-        if hidden:
-            shapes |= {(outs(attn, "q_proj", "k_proj", "v_proj"), hidden), (hidden, attn.o_proj.in_features)}
-            if ple_dim:
-                shapes |= {(ple_dim, hidden), (hidden, ple_dim)}
-        if mlp is not None and hidden:
-            shapes |= {(outs(mlp, "gate_proj", "up_proj"), hidden), (hidden, getattr(mlp.down_proj, "in_features", 0))}
-    if hidden:
-        shapes.add((vocab, hidden))
-        if ple_dim:
-            shapes.add((len(layers) * ple_dim, hidden))
+        attn, mlp = hf.self_attn, hf.mlp
+        shapes |= {(outs(attn, "q_proj", "k_proj", "v_proj"), hidden), (hidden, attn.o_proj.in_features),
+                   (outs(mlp, "gate_proj", "up_proj"), hidden), (hidden, mlp.down_proj.in_features)}
     need = 0
     for n, k in shapes:
-        block_n = _block_n(n) if n else 0
-        if block_n and k and k % BLOCK_K == 0:
+        block_n = _block_n(n)
+        if block_n and k % BLOCK_K == 0:
             split = _plan(n, k, block_n, TARGET_PROGRAMS)
             need = max(need, split * MAX_ROWS * n * 4 if split > 1 else 0)
     return need
@@ -192,8 +184,8 @@ def fast_memory_needs(model, buckets: tuple = DEFAULT_BUCKETS, prefill_rows: int
     graphs = sum(max(2, b) for b in buckets) * vocab * elt + 64 * 2**20
     # the split-K scratch: the largest linear's K slices x 64 rows (server/small_m_matmul.py
     # share_partials), at least 16 MiB, the allowance before the slices were planned here
-    split_k = max(16 * 2**20, _split_k_bytes(text.layers, getattr(cfg, "hidden_size_per_layer_input", 0) or 0,
-                                                   cfg.vocab_size))
+    ple_dim = getattr(cfg, "hidden_size_per_layer_input", 0) or 0
+    split_k = max(16 * 2**20, _split_k_bytes(text.layers, hidden, ple_dim, cfg.vocab_size))
     fixed = prefill_rows * per_row + scores + lanes * (dequant + graphs + split_k + ring_bytes)
     per_pos = max(per_pos, 1) * lanes
     if lanes > 1:  # the stacked forward (server/batch_step.py): its attention scratch for 64 rows and

@@ -254,8 +254,8 @@ def test_memory_plan_counts_the_planned_k_slices(monkeypatch):
     mib = {}
     for groups in (None, 10, 5):
         monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", groups)
-        mib[groups] = _split_k_bytes(layers, 256, 262144) / 2**20
+        mib[groups] = _split_k_bytes(layers, 2560, 256, 262144) / 2**20
     assert mib == {None: 10 * 64 * 3072 * 4 / 2**20, 10: 2 * 64 * 20480 * 4 / 2**20, 5: 4 * 64 * 20480 * 4 / 2**20}
     # a higher target splits the LM head too (4,096 column tiles, under 4 x 1,056): 2 slices of it
     monkeypatch.setattr(small_m_matmul, "TARGET_PROGRAMS", 1056)
-    assert _split_k_bytes(layers, 256, 262144) == 2 * 64 * 262144 * 4
+    assert _split_k_bytes(layers, 2560, 256, 262144) == 2 * 64 * 262144 * 4
