@@ -101,7 +101,7 @@ def _int4_weights(model) -> int:
 
 def _split_k_bytes(layers, hidden: int, ple_dim: int, vocab: int) -> int:
     """fp32 bytes of the largest split-K scratch a step linear needs, as planned now
-    (server/small_m_matmul.py `_plan`: TARGET_PROGRAMS, MAX_SLICE_GROUPS), over the linears that
+    (server/small_m_matmul.py `_plan` at TARGET_PROGRAMS), over the linears that
     share it (server/fast_path.py `share_partials`): every layer's q|k|v, o, gate|up and down, the
     per-layer input's gate and projection, the per-layer model projection and the LM head."""
     from server.small_m_matmul import TARGET_PROGRAMS, _block_n, _plan

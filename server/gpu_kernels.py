@@ -269,10 +269,10 @@ def _step_span(start, T, S, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
 def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
                              T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
                              stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
-                             stride_nvt, stride_nvh, count_ptr, out_ptr, stride_ot, stride_count,
+                             stride_nvt, stride_nvh,
                              G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-                             WRITE: tl.constexpr = False, FOLD: tl.constexpr = False):
+                             WRITE: tl.constexpr = False):
     """Every chunk partial of a step, in one launch. Grid: (KV heads, R = query-row blocks,
     n_cache_chunks + n_own_chunks * ceil(T / R)). Program (kvh, a, c) with c < n_cache_chunks is a
     chunk the step did not write, for query-row block a (`_chunk_partials`); with o = c -
@@ -289,21 +289,13 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
     start + t, modulo the ring; the bits of index_copy_), and the programs of the chunks the step
     wrote read the step's positions from nk / nv, the rest from the cache. No program reads a slot
     this launch writes (those are the step's positions, read from nk / nv), so the keys are the
-    ones a write before the launch would have left: the same partials, one launch less a layer.
-
-    FOLD: the merge runs in this launch too (`_arrive`): out [T, H * D] (row stride stride_ot) gets
-    what `_step_attention_combine` would write, the same bits, and count_ptr (int32, kv head h's
-    token t at h * stride_count + t, zero before the launch) is zero again after it."""
+    ones a write before the launch would have left: the same partials, one launch less a layer."""
     _pdl_start(PDL)
     _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
                   nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                   G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
-    if FOLD:
-        _arrivals(count_ptr, m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, stride_count, tl.program_id(0),
-                  tl.program_id(1), tl.program_id(2), T, n_cache_chunks, n_own_chunks, n_rows, n_chunks,
-                  G, D, SLIDING, BLOCK_R, BLOCK_S)
 
 
 @triton.jit
@@ -311,19 +303,17 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                                       kv_heads, T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt,
                                       stride_qh, stride_kh, stride_ks, stride_pt, stride_table, n_rows, n_chunks,
                                       nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-                                      count_ptr, out_ptr, stride_ot, stride_count,
                                       SLOT_POS_FIELD: tl.constexpr, PATH_FIELD: tl.constexpr,
                                       G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
                                       BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-                                      WRITE: tl.constexpr = False, FOLD: tl.constexpr = False):
+                                      WRITE: tl.constexpr = False):
     """`_step_attention_partials` of several sequences' steps of T rows each, in one launch. Grid:
     (segments x KV heads, R, as the lone kernel). Segment s owns query rows s*T.. of q and qpos
     and its scratch rows from s*T*G on; its caches, ring positions and tree paths are the
     addresses in row s of `table` (int64: fields k_field / v_field for this layer's K and V,
     SLOT_POS_FIELD, PATH_FIELD). Each program is the lone kernel's program on the segment's
     pointers, so a segment's partials are the bits of its step alone. WRITE: as the lone kernel's,
-    segment s's new rows are rows s*T.. of nk / nv, written into its own caches. FOLD: as the lone
-    kernel's, segment s's merged rows are rows s*T.. of out, its counters tokens s*T.. of count_ptr."""
+    segment s's new rows are rows s*T.. of nk / nv, written into its own caches."""
     _pdl_start(PDL)
     seg = tl.program_id(0) // kv_heads
     kvh = tl.program_id(0) % kv_heads
@@ -342,11 +332,6 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
                   nk_ptr + seg * T * stride_nkt, nv_ptr + seg * T * stride_nvt, stride_nkt, stride_nkh, stride_nvt,
                   stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
-    if FOLD:
-        _arrivals(count_ptr + seg * T, m_ptr + first_row * n_chunks, l_ptr + first_row * n_chunks,
-                  acc_ptr + first_row * n_chunks * D, qpos_ptr + seg * T, out_ptr + seg * T * stride_ot, stride_ot,
-                  stride_count, kvh, tl.program_id(1), tl.program_id(2), T, n_cache_chunks, n_own_chunks, n_rows,
-                  n_chunks, G, D, SLIDING, BLOCK_R, BLOCK_S)
 
 
 @triton.jit
@@ -520,10 +505,8 @@ def _last_chunk(qpos_ptr, t, n_used, SLIDING: tl.constexpr, BLOCK_S: tl.constexp
 def _store_merged_row(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, kvh, t, g, last, n_rows, n_chunks, n_used,
                       G: tl.constexpr, D: tl.constexpr):
     """out[t, head kvh * G + g] = row t * G + g's chunk partials 0..last merged in chunk order (a fixed
-    order). Both merges call this, so a row's bits do not depend on which kernel merged it. Compiled,
-    the loops run to `last`; under the interpreter (`_MERGE_TO_ARGUMENT`) to n_used, the chunks past
-    `last` masked, which changes no value. The partials are read past L1 (.cg): in a folded launch
-    (`_arrive`) other programs of the same launch wrote them."""
+    order). Compiled, the loops run to `last`; under the interpreter (`_MERGE_TO_ARGUMENT`) to n_used,
+    the chunks past `last` masked, which changes no value."""
     base = (kvh * n_rows + t * G + g) * n_chunks
     if _MERGE_TO_ARGUMENT:
         end = n_used
@@ -531,62 +514,16 @@ def _store_merged_row(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, kvh, t, g, last
         end = last + 1
     m_max = -1.0e30
     for c in range(0, end):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + c, mask=c <= last, other=-1.0e30, cache_modifier=".cg"))
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + c, mask=c <= last, other=-1.0e30))
     d = tl.arange(0, D)
     total = tl.zeros((D,), dtype=tl.float32)
     denom = 0.0
     for c in range(0, end):
         live = c <= last
-        w = tl.exp(tl.load(m_ptr + base + c, mask=live, other=0.0, cache_modifier=".cg") - m_max)
-        denom = tl.where(live, denom + w * tl.load(l_ptr + base + c, mask=live, other=0.0, cache_modifier=".cg"),
-                         denom)
-        total = tl.where(live, total + w * tl.load(acc_ptr + (base + c) * D + d, mask=live, other=0.0,
-                                                   cache_modifier=".cg"), total)
+        w = tl.exp(tl.load(m_ptr + base + c, mask=live, other=0.0) - m_max)
+        denom = tl.where(live, denom + w * tl.load(l_ptr + base + c, mask=live, other=0.0), denom)
+        total = tl.where(live, total + w * tl.load(acc_ptr + (base + c) * D + d, mask=live, other=0.0), total)
     tl.store(out_ptr + t * stride_ot + (kvh * G + g) * D + d, (total / denom).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _arrivals(count_ptr, m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, stride_count, kvh, a, c, T,
-              n_cache_chunks, n_own_chunks, n_rows, n_chunks, G: tl.constexpr, D: tl.constexpr,
-              SLIDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """A folded launch's end of program (kvh, a, c), its partials stored or none to store: it arrives
-    for every token whose rows it covers (a cache-chunk program: the BLOCK_R / G tokens of row block
-    a, G dividing BLOCK_R; an own-chunk program: its token), and the last program to arrive for a
-    token merges it."""
-    # every thread's partial stores before the arrival's release (Triton 3.6 puts a barrier before a
-    # scalar atomic by itself; this does not rely on it)
-    tl.debug_barrier()
-    if c < n_cache_chunks:
-        for i in tl.static_range(BLOCK_R // G):
-            t = a * (BLOCK_R // G) + i
-            if t < T:
-                _arrive(count_ptr, m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, stride_count, kvh, t,
-                        n_cache_chunks, n_own_chunks, n_rows, n_chunks, G, D, SLIDING, BLOCK_S)
-    else:
-        t = a + tl.num_programs(1) * ((c - n_cache_chunks) // n_own_chunks)
-        if t < T:
-            _arrive(count_ptr, m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, stride_count, kvh, t,
-                    n_cache_chunks, n_own_chunks, n_rows, n_chunks, G, D, SLIDING, BLOCK_S)
-
-
-@triton.jit
-def _arrive(count_ptr, m_ptr, l_ptr, acc_ptr, qpos_ptr, out_ptr, stride_ot, stride_count, kvh, t,
-            n_cache_chunks, n_own_chunks, n_rows, n_chunks, G: tl.constexpr, D: tl.constexpr,
-            SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One arrival at token t's counter (KV head kvh). Every program of the launch that covers t
-    arrives once: the cache's chunks' programs of t's row block and the token's own-chunk programs
-    (`_step_attention_partials`' grid: n_cache_chunks + n_own_chunks). acq_rel: this program's
-    partials are visible to the program that sees the count reach that number, which merges t's G
-    rows (`_store_merged_row`, as `_step_attention_combine` would) and zeroes the counter for the
-    next launch."""
-    at = count_ptr + kvh * stride_count + t
-    arrived = tl.atomic_add(at, 1, sem="acq_rel")
-    if arrived == n_cache_chunks + n_own_chunks - 1:
-        last = _last_chunk(qpos_ptr, t, n_cache_chunks, SLIDING, BLOCK_S)
-        for g in tl.static_range(G):
-            _store_merged_row(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, kvh, t, g, last, n_rows, n_chunks,
-                              n_cache_chunks, G, D)
-        tl.atomic_xchg(at, 0)
 
 
 @triton.jit

@@ -83,9 +83,6 @@ BLOCK_K = 128       # also the int4 group size this kernel supports (quanto's de
 # ~2 programs per SM on an H100/H200 and a 3-stage pipeline: fastest per forward on cold weights of
 # the E4B shapes (bench/small_m_bench.py --cold; more K slices add partials to write and sum).
 TARGET_PROGRAMS = 264   # read as each linear is built (a run may set it first: bench.step_ab --base-set)
-# At most this many 128-feature groups a K slice (None: no bound): more slices where a program's loop
-# would be long. Read as each linear is built, as TARGET_PROGRAMS.
-MAX_SLICE_GROUPS: int | None = None
 NUM_STAGES = 3
 
 
@@ -203,15 +200,11 @@ def _plan(n: int, k: int, block_n: int, target_programs: int) -> int:
     """Number of K slices: enough programs to fill the GPU, each slice a whole number of blocks."""
     tiles = -(-n // block_n)
     blocks = k // BLOCK_K
-    if MAX_SLICE_GROUPS is not None and MAX_SLICE_GROUPS < 1:
-        raise ValueError(f"MAX_SLICE_GROUPS {MAX_SLICE_GROUPS}: a K slice holds at least one group")
     split = 1
     for candidate in range(1, blocks + 1):
         if blocks % candidate == 0:
             split = candidate
-            programs = tiles * candidate
-            if programs >= target_programs and (MAX_SLICE_GROUPS is None or blocks // candidate <= MAX_SLICE_GROUPS
-                                                or programs >= 4 * target_programs):
+            if tiles * candidate >= target_programs:
                 break
     return split
 

@@ -29,9 +29,9 @@ depth (column of position s + j = the ancestor at depth j), so a tree node's col
 its path's chain row has, and for a chain every column reads its own slot. Both call one partial
 function, so a chain row's bits do not depend on which kind of program did a chunk: a 64-token
 verify equals 64 one-token steps, and a tree row equals its path's chain row. Both kinds run in one
-launch (`_step_attention_partials`); a second kernel merges one row's chunks in chunk order, or
-(`FOLD_MERGE`) the partials' launch does, in the last program to finish each token's chunks. Full layers skip the chunks past each query's position, so a step reads the
-keys up to the context, not the whole cache.
+launch (`_step_attention_partials`); a second kernel merges one row's chunks in chunk order. Full
+layers skip the chunks past each query's position, so a step reads the keys up to the context, not
+the whole cache.
 
 The step's own K/V rows can be handed to the launch (`new_kv`) instead of written into the cache
 before it: the launch writes them, and reads the step's positions from them (the values the cache
@@ -42,13 +42,6 @@ from __future__ import annotations
 import torch
 
 BLOCK_R = 16   # query rows (token x head of one KV head) per program
-# The merge of each row's chunks folded into the partials' launch (FOLD in server/gpu_kernels.py): the
-# last program to finish a token's chunks merges its rows, as `_step_attention_combine` would (the same
-# bits, one helper), so a layer's attention is one launch instead of two. Read as each StepAttention is
-# built (A/B runs set it first: bench.step_ab --head-set server.step_attention.FOLD_MERGE=True). Off
-# until whole steps measure it on a GPU: the launch it saves against the counter's atomics and the last
-# program's serial merge.
-FOLD_MERGE = False
 
 
 def _block_s(head_dim: int) -> int:
@@ -78,12 +71,6 @@ class StepAttention:
         self.l = torch.empty(rows, dtype=torch.float32, device=device)
         self.acc = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.chain = chain_paths(max_tokens).to(device)
-        # (a token's rows in one row block: G dividing BLOCK_R, as on every Gemma: 2, 4 or 8)
-        self.fold = FOLD_MERGE and BLOCK_R % group == 0
-        # FOLD's arrivals: KV head h's token t at h * count_stride + t (every token the scratch's rows
-        # hold); zero between launches (the merging program zeroes what it counted)
-        self.count_stride = self.n_rows // group
-        self.count = torch.zeros(kv_heads * self.count_stride, dtype=torch.int32, device=device)
         from server.small_m_matmul import pdl_launch
         self._launch = pdl_launch(torch.device(device))
 
@@ -105,11 +92,9 @@ class StepAttention:
             q, k_cache, v_cache, slot_pos if sliding else qpos, qpos, path, self.m, self.l, self.acc,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             path.stride(0), self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
-            self.count, out, out.stride(0), self.count_stride,
             G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
-            FOLD=self.fold, num_warps=_warps(D), **self._launch)
-        if not self.fold:
-            self._merge(qpos, out, T, chunks, sliding, D)
+            num_warps=_warps(D), **self._launch)
+        self._merge(qpos, out, T, chunks, sliding, D)
         return out
 
     def segments(self, q: torch.Tensor, table: torch.Tensor, k_field: int, v_field: int, S: int, T: int,
@@ -119,8 +104,7 @@ class StepAttention:
         """S sequences' steps of T rows each (q [>= S*T, H, D], qpos [>= S*T]: segment s's rows from
         s*T; rows past S*T belong to no segment and get zeros),
         each over its own cache, ring positions and tree paths (the int64 addresses in row s of
-        `table`: server/batch_step.py), in one launch of the partials and one of the merge (or one launch:
-        FOLD_MERGE): [S*T, H*D],
+        `table`: server/batch_step.py), in one launch of the partials and one of the merge: [S*T, H*D],
         segment s's rows the bits `__call__` gives its step alone (the same programs, on its pointers
         and its own rows of the scratch, sized here for S*T <= max_tokens rows). `new_kv`: as
         `__call__`'s, segment s's rows s*T.. written into its caches."""
@@ -138,11 +122,10 @@ class StepAttention:
             q, table, k_field, v_field, qpos, self.m, self.l, self.acc, self.kv_heads,
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), stride_kh, stride_ks,
             stride_pt, stride_table, self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0),
-            nv.stride(1), self.count, out, out.stride(0), self.count_stride, SLOT_POS_FIELD=slot_pos_field,
-            PATH_FIELD=path_field, G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s,
-            WRITE=new_kv is not None, FOLD=self.fold, num_warps=_warps(D), **self._launch)
-        if not self.fold:
-            self._merge(qpos, out, R, chunks, sliding, D)
+            nv.stride(1), SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
+            G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
+            num_warps=_warps(D), **self._launch)
+        self._merge(qpos, out, R, chunks, sliding, D)
         return out
 
     def _grid(self, T: int, slots: int, sliding: bool) -> tuple[int, int, tuple[int, int]]:

@@ -40,9 +40,6 @@ def _kernels():
         ("attention segments", k._step_attention_partials_segments, _segments_signature(seg), seg),
         ("attention segments writing K/V", k._step_attention_partials_segments, _segments_signature(seg),
          dict(seg, WRITE=True)),
-        ("attention with its merge", k._step_attention_partials, _lone_signature(att), dict(att, FOLD=True)),
-        ("attention segments with their merge", k._step_attention_partials_segments, _segments_signature(seg),
-         dict(seg, WRITE=True, FOLD=True)),
         ("combine", k._step_attention_combine, combine_sig, dict(G=4, D=256, SLIDING=True, BLOCK_S=_block_s(256))),
         ("slot positions", k._write_slot_pos_segments, slot_sig, dict(SLOT_POS_FIELD=30)),
         ("gluon int4 matmul", _gluon_matmul(), dict(MATMUL_SIG),
@@ -76,7 +73,7 @@ def _gluon_matmul():
     return gluon_matmul.int4_step_matmul
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(10))
 def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
     name, fn, sig, consts = _kernels()[index]
     for key in list(consts) + ["PDL"]:

@@ -213,32 +213,25 @@ def test_wide_tiling_rule(monkeypatch):
     assert wide._gluon_tiling(64) == (64, 4)
 
 
-def test_k_slice_plan(monkeypatch):
+def test_k_slice_plan():
     """server/small_m_matmul.py `_plan`: the fewest K slices (each a whole number of 128-feature
-    groups) that give TARGET_PROGRAMS programs; with MAX_SLICE_GROUPS, more slices while a slice is
-    longer than that, unless the launch already has four times the target (the LM head). The plan
-    never depends on the rows, so a linear's sums are the same at every row count."""
-    from server import small_m_matmul
+    groups) that give the target's programs. The plan never depends on the rows, so a linear's sums
+    are the same at every row count."""
     from server.small_m_matmul import _plan
 
     e4b = {"qkv": (3072, 2560), "o": (2560, 2048), "gate|up": (20480, 2560), "down": (2560, 10240),
            "ple gate": (256, 2560), "lm head": (262144, 2560)}
-    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", None)
     assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
         "qkv": 10, "o": 8, "gate|up": 1, "down": 8, "ple gate": 20, "lm head": 1}
-    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", 10)
-    assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
-        "qkv": 10, "o": 8, "gate|up": 2, "down": 8, "ple gate": 20, "lm head": 1}
-    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", 5)
-    assert {name: _plan(n, k, 64, 264) for name, (n, k) in e4b.items()} == {
-        "qkv": 10, "o": 8, "gate|up": 4, "down": 16, "ple gate": 20, "lm head": 1}
+    assert {name: _plan(n, k, 64, 528) for name, (n, k) in e4b.items()} == {
+        "qkv": 20, "o": 16, "gate|up": 2, "down": 16, "ple gate": 20, "lm head": 1}
     assert _plan(64, 3 * BLOCK_K, 64, 264) == 3   # a prime number of groups: all of them, one a slice
 
 
 def test_memory_plan_counts_the_planned_k_slices(monkeypatch):
     """server/fast_memory.py sizes the split-K scratch from the K slices the linears will be planned
-    with: on E4B's shape the sliding layers' q|k|v (10 slices x 64 rows x 3072 columns) by default,
-    gate|up once MAX_SLICE_GROUPS gives it 2 or 4 slices (the budget then grows past its 16 MiB floor)."""
+    with: on E4B's shape the sliding layers' q|k|v (10 slices x 64 rows x 3072 columns) by default
+    (under the 16 MiB floor), a full layer's once a higher target splits it more."""
     import json
     from pathlib import Path
 
@@ -251,11 +244,7 @@ def test_memory_plan_counts_the_planned_k_slices(monkeypatch):
     shape = Path(__file__).parents[1] / "bench/configs/gemma4-e4b-text-config.json"
     with torch.device("meta"):
         layers = Gemma4ForCausalLM(Gemma4TextConfig(**json.loads(shape.read_text()))).model.layers
-    mib = {}
-    for groups in (None, 10, 5):
-        monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", groups)
-        mib[groups] = _split_k_bytes(layers, 2560, 256, 262144) / 2**20
-    assert mib == {None: 10 * 64 * 3072 * 4 / 2**20, 10: 2 * 64 * 20480 * 4 / 2**20, 5: 4 * 64 * 20480 * 4 / 2**20}
-    # a higher target splits the LM head too (4,096 column tiles, under 4 x 1,056): 2 slices of it
+    assert _split_k_bytes(layers, 2560, 256, 262144) == 10 * 64 * 3072 * 4
+    # a higher target: 20 slices of a full layer's q|k|v (6,144 columns), the most of any linear
     monkeypatch.setattr(small_m_matmul, "TARGET_PROGRAMS", 1056)
-    assert _split_k_bytes(layers, 2560, 256, 262144) == 2 * 64 * 262144 * 4
+    assert _split_k_bytes(layers, 2560, 256, 262144) == 20 * 64 * 6144 * 4

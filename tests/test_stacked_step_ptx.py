@@ -85,10 +85,9 @@ def _lone_signature(consts: dict) -> dict:
     return sig
 
 
-# the step's new K/V rows (server/step_attention.py new_kv): pointers and their row / head strides; then
-# the folded merge's counters and output (FOLD)
+# the step's new K/V rows (server/step_attention.py new_kv): pointers and their row / head strides
 _NEW_ROWS = {"nk_ptr": "*bf16", "nv_ptr": "*bf16", "stride_nkt": "i32", "stride_nkh": "i32", "stride_nvt": "i32",
-             "stride_nvh": "i32", "count_ptr": "*i32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_count": "i32"}
+             "stride_nvh": "i32"}
 
 
 def _segments_signature(consts: dict) -> dict:

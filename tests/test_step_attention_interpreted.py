@@ -8,10 +8,8 @@ tree row reads at each depth, the window, the ring) on every CI run. The interpr
 numpy, so the inputs are float32 (it does not emulate bfloat16): this proves what each row
 attends to, and the CUDA tests prove the bits. The merge (each row's chunk partials combined in chunk
 order) is done by a torch twin in most cases (the interpreter runs the merge kernel slowly); in
-MERGE_CASES the merge kernel runs too, and folded into the partials' launch
-(server/step_attention.py FOLD_MERGE: the last program to arrive for a token merges it) it must give
-the kernel's bits and leave its counters at zero. The step's K/V rows handed to the launch instead of written before it (new_kv) must
-give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
+MERGE_CASES the merge kernel runs too, and must agree with the twin. The step's K/V rows handed to
+the launch instead of written before it (new_kv) must give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
 and leave the cache as index_copy_ would. Runs in a subprocess: TRITON_INTERPRET must be set before the
 kernels are defined.
 """
@@ -36,7 +34,7 @@ CASES = [(sliding, start, slots, T, tree)
 # grows with the rows and the runs: CI time)
 WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 and case[4])
                or (case[0] and case[1] == 200)]
-# The merge kernel and the folded merge, in every geometry at 1 and 5 rows (5 rows of 4 heads: two
+# The merge kernel, in every geometry at 1 and 5 rows (5 rows of 4 heads: two
 # row blocks, and own-chunk programs of several tokens a row block), and one 16-row tree on the ring
 # that wraps (the interpreter runs the merges slowly: CI time)
 MERGE_CASES = [case for case in CASES if case[3] <= 5] + [(True, 200, 96, 16, True)]
@@ -51,12 +49,8 @@ def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     errors = {}
     for case, (got, written, unwritten, cache_right, merged) in zip(CASES, outputs):
         if case in MERGE_CASES:
-            # The merge kernel (here the torch twin's output within float32 rounding) and the merge
-            # folded into the partials' launch: the kernel's bits, the counters left at zero.
-            combined, folded, counters_zero = merged
-            assert torch.equal(folded, combined), (case, float((folded - combined).abs().max()))
-            assert counters_zero, case
-            assert float((combined - got).abs().max()) < 1e-5, case
+            # The merge kernel: the torch twin's output within float32 rounding.
+            assert float((merged - got).abs().max()) < 1e-5, case
         else:
             assert merged is None
         # The step's K/V handed to the launch instead of written before it: the same bits, whether or
@@ -134,22 +128,16 @@ class _Merge:
         return _torch_merge(grid)
 
 
-def merged_both_ways(attn, run, combine) -> tuple:
-    """Under the interpreter, with the torch twin as the merge around it: (`run()`'s output with the
-    merge kernel `combine`, its output with the merge folded into the partials' launch, whether the
-    fold left its counters at zero). Before the folded run the partials' scratch is filled with NaN,
-    so a merge that read a chunk the launch had not yet written would give NaN."""
+def merged_by_the_kernel(run, combine):
+    """Under the interpreter, with the torch twin as the merge around it: `run()`'s output with the
+    merge kernel `combine` instead."""
     import server.gpu_kernels as kernels
 
     kernels._step_attention_combine = combine
-    combined = run()
-    kernels._step_attention_combine = _Merge()
-    attn.fold = True
-    for scratch in (attn.m, attn.l, attn.acc):
-        scratch.fill_(float("nan"))
-    folded = run()
-    attn.fold = False
-    return combined, folded, not attn.count.any().item()
+    try:
+        return run()
+    finally:
+        kernels._step_attention_combine = _Merge()
 
 
 KV_HEADS, GROUP, HEAD_DIM, WINDOW = 2, 4, 64, 40
@@ -203,8 +191,8 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
         merged = None
         if (sliding, start, slots, T, tree) in MERGE_CASES:
-            merged = merged_both_ways(attn, lambda: attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path),
-                                      combine)
+            merged = merged_by_the_kernel(lambda: attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path),
+                                          combine)
         if (sliding, start, slots, T, tree) not in WRITE_CASES:
             outputs.append((i, (got, None, None, None, merged)))
             continue

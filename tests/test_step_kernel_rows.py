@@ -138,21 +138,21 @@ def test_wide_tiling_from_some_rows_gives_the_same_bits(n, k, tiling, monkeypatc
             assert torch.equal(pairs(x[:m]), gelus), f"{tiling}: {m} rows, gelu pairs"
 
 
-@pytest.mark.parametrize("n,k,slice_groups", [(20480, 2560, None), (20480, 2560, 10), (256, 2560, None),
-                                               (512, 256, None)])
-def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k, slice_groups, monkeypatch):
+@pytest.mark.parametrize("n,k,target", [(20480, 2560, None), (20480, 2560, 528), (256, 2560, None), (512, 256, None)])
+def test_gelu_epilogues_give_the_compiled_gelus_bits(n, k, target, monkeypatch):
     """GELU_PAIRS and GELU_TIMES (server/small_m_matmul.py) against the unfused step: the matmul's
     output, then the fast path's compiled gelu_mul kernel. The same bits at every row count, on the
     Gluon kernel and on `_small_m_kernel`, so fusing changes no step's output. E4B's gate|up in one
-    K slice (as planned by default) and in two (MAX_SLICE_GROUPS 10: the epilogue then runs in the
+    K slice (as planned by default) and in two (TARGET_PROGRAMS 528: the epilogue then runs in the
     program that sums the slices), where a row's gelus are also the same at every row count."""
     from server import small_m_matmul
     from server.fast_ops import _compiled_ops
 
     gelu_mul = _compiled_ops().gelu_mul
-    monkeypatch.setattr(small_m_matmul, "MAX_SLICE_GROUPS", slice_groups)
+    if target is not None:
+        monkeypatch.setattr(small_m_matmul, "TARGET_PROGRAMS", target)
     lin = int4_linear(n, k, seed=n + k + 5)
-    assert slice_groups is None or lin.split == 2
+    assert target is None or lin.split == 2
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
     u = torch.randn(MAX_ROWS, 3, n, generator=gen).to(torch.bfloat16).cuda()[:, 1]  # strided, as ple[:, layer]
@@ -206,41 +206,6 @@ def test_step_attention_rows_are_batch_invariant(sliding, start):
     want = torch.einsum("ths,hsd->thd", p, vf).reshape(MAX_ROWS, -1)
     rel = (alone.float() - want).norm() / want.norm()
     assert rel < 1e-2, rel
-
-
-@pytest.mark.parametrize("sliding,start,slots,d", [(False, 100, 1024, 512), (False, 1000, 2048, 256),
-                                                   (True, 1000, 1024, 256), (True, 150, 200, 256)])
-def test_step_attention_folded_merge_gives_the_merge_kernels_bits(sliding, start, slots, d):
-    """server/step_attention.py FOLD_MERGE: the last program to arrive for a token merges its rows in
-    the partials' launch. Every row count, chains and a tree, each launch run twice (the counters it
-    leaves must be zero for the next), the partials' scratch poisoned before each (so no merge reads a
-    chunk before the launch wrote it unseen): the merge kernel's bits, and the counters zero after."""
-    import random
-
-    from server.fast_path import tree_paths, tree_rows
-
-    window = 96
-    k, v, q, attn, slot_pos = attention_case(13, slots, d, start, sliding)
-    rng = random.Random(slots)
-    for T in ROW_COUNTS:
-        parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, T)]
-        depth, _ = tree_rows(parents, T, T)
-        path = torch.zeros(MAX_ROWS, MAX_ROWS, dtype=torch.int64)
-        path[:T, :T] = torch.from_numpy(tree_paths(parents, T, T))
-        for path_t, qpos in ((None, torch.arange(start, start + T, device="cuda")),
-                             (path.cuda(), torch.from_numpy(depth).cuda() + start)):
-            kv_len = slots if sliding else start + T
-            run = lambda: attn(q[:T], k, v, kv_len, qpos, slot_pos, window, d ** -0.5, path_t)
-            attn.fold = False
-            want = run()
-            attn.fold = True
-            for _ in range(2):
-                # the scratch poisoned: a merge that read a chunk before it was written would give NaN
-                for scratch in (attn.m, attn.l, attn.acc):
-                    scratch.fill_(float("nan"))
-                assert torch.equal(run(), want), f"{T} rows (tree: {path_t is not None}): folded merge differs"
-                assert not attn.count.any(), "the folded merge left a counter set"
-            attn.fold = False
 
 
 @pytest.mark.parametrize("sliding,start,slots", [(False, 100, 1024), (False, 300, 1024), (True, 100, 1024),
