@@ -198,9 +198,16 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
 #endif
 
 /* The plan (attn_plan) names these on every CPU; only the x86 code below runs with them. */
-#define LONG_ROW_KEYS 1024  /* a single row over at least this many keys is split by keys and values */
+#define LONG_ROW_KEYS 1024  /* a chain's rows over at least this many keys are split by keys and values */
 #define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
 #define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
+/* The rows code reads the cache this many keys ahead of the key it works on (software prefetch,
+   never past the keys it reads). A key's float16 K or V row is D * 2 bytes, so the cache streams
+   from memory at the pace of the arithmetic instead of a cache miss at a time: the hardware
+   prefetcher alone fell behind, on the values' stride of D * 2 bytes most. One row over 32k keys on
+   one thread (cold cache) 5.7 -> 3.8 ms; 64-512 keys ahead about alike, 128 best of them. Where data
+   goes changes no result. */
+#define PREFETCH_KEYS 128
 /* On AVX2, attend_split_rows for up to this many rows over a long run of keys; more rows take whole
    rows a thread (attn_part), faster there (2 threads of an AVX2-only Zen 2, 32k keys: 8 rows 10.8
    against 17.5 ms split, 16 rows 19.5 against 30.7; 2 and 3 rows 4.2 and 5.0 split against 9.1 and
@@ -234,6 +241,15 @@ static void chain_rows(const AttnCtx *c, Py_ssize_t m, int R, float *scratch, Ch
 }
 
 
+/* Prefetch values dlo..dhi-1 of the cache's key p + PREFETCH_KEYS, if that key is at most hi (the
+   last key the loop reads). */
+static inline void prefetch_ahead(const uint16_t *cache, Py_ssize_t p, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
+                                  Py_ssize_t dhi) {
+    if (p + PREFETCH_KEYS > hi) return;
+    const char *row = (const char *)(cache + (p + PREFETCH_KEYS) * D);
+    for (Py_ssize_t off = dlo * 2; off < dhi * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+}
+
 /* The values phases' accumulators (acc[(r * 4 + j) * D + d], rows r < R, heads j < 4) zeroed over
    d = dlo..dhi-1: each element's fma chain starts from +0. */
 static inline void zero_rows_acc(float *acc, int R, Py_ssize_t D, Py_ssize_t dlo, Py_ssize_t dhi) {
@@ -257,7 +273,10 @@ AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R,
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < khi ? b + ATTN_BLOCK - 1 : khi;
         for (int r = 0; r < R; r++) {
             const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
-            for (Py_ssize_t p = pa; p <= pb; p++) score4(cr->q[r], c->k + p * D, D, scale, cr->s[r] + 4 * (p - cr->first[r]));
+            for (Py_ssize_t p = pa; p <= pb; p++) {
+                if (r == 0) prefetch_ahead(c->k, p, khi, D, 0, D);
+                score4(cr->q[r], c->k + p * D, D, scale, cr->s[r] + 4 * (p - cr->first[r]));
+            }
         }
     }
 }
@@ -279,7 +298,10 @@ AVX2H static void rows_values_avx2(const AttnCtx *c, const ChainRows *cr, Py_ssi
                     a[2 * j] = _mm256_loadu_ps(ar + j * D + d);
                     a[2 * j + 1] = _mm256_loadu_ps(ar + j * D + d + 8);
                 }
-                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4(a, sr + 4 * (p - pa), c->v + p * D + d);
+                for (Py_ssize_t p = pa; p <= pb; p++) {
+                    prefetch_ahead(c->v, p, cr->hi, D, d, d + 16);
+                    accumulate4(a, sr + 4 * (p - pa), c->v + p * D + d);
+                }
                 for (int j = 0; j < 4; j++) {
                     _mm256_storeu_ps(ar + j * D + d, a[2 * j]);
                     _mm256_storeu_ps(ar + j * D + d + 8, a[2 * j + 1]);
@@ -461,9 +483,25 @@ AVX512H static void rows_scores_512(const AttnCtx *c, const ChainRows *cr, int R
                                     float *kb) {
     const Py_ssize_t D = c->D;
     const __m128 scale = _mm_set1_ps(c->scale);
+    if (R == 1) {  /* one row: each key converted as it is read (a converted block pays where rows share it) */
+        const Py_ssize_t pa = klo > cr->first[0] ? klo : cr->first[0], pb = khi < cr->last[0] ? khi : cr->last[0];
+        float *s = cr->s[0];
+        const Py_ssize_t f = cr->first[0];
+        Py_ssize_t p = pa;
+        for (; p + 1 <= pb; p += 2) {
+            prefetch_ahead(c->k, p, khi, D, 0, D);
+            prefetch_ahead(c->k, p + 1, khi, D, 0, D);
+            score4x2_512(cr->q[0], c->k + p * D, c->k + (p + 1) * D, D, scale, s + 4 * (p - f), s + 4 * (p + 1 - f));
+        }
+        if (p <= pb) score4_512(cr->q[0], c->k + p * D, D, scale, s + 4 * (p - f));
+        return;
+    }
     for (Py_ssize_t b = klo; b <= khi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < khi ? b + ATTN_BLOCK - 1 : khi;
-        for (Py_ssize_t i = 0; i < (bend - b + 1) * D; i += 16) _mm512_storeu_ps(kb + i, load16h(c->k + b * D + i));
+        for (Py_ssize_t p = b; p <= bend; p++) {
+            prefetch_ahead(c->k, p, khi, D, 0, D);
+            for (Py_ssize_t d = 0; d < D; d += 16) _mm512_storeu_ps(kb + (p - b) * D + d, load16h(c->k + p * D + d));
+        }
         for (int r = 0; r < R; r++) {
             const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
             if (pa <= pb) score_block_512(cr->q[r], kb, b, pa, pb, cr->first[r], D, scale, cr->s[r]);
@@ -488,7 +526,10 @@ AVX512H static void rows_values_512(const AttnCtx *c, const ChainRows *cr, Py_ss
                     a[2 * j] = _mm512_loadu_ps(ar + j * D + d);
                     a[2 * j + 1] = _mm512_loadu_ps(ar + j * D + d + 16);
                 }
-                for (Py_ssize_t p = pa; p <= pb; p++) accumulate4x32(a, sr + 4 * (p - pa), c->v + p * D + d);
+                for (Py_ssize_t p = pa; p <= pb; p++) {
+                    prefetch_ahead(c->v, p, cr->hi, D, d, d + 32);
+                    accumulate4x32(a, sr + 4 * (p - pa), c->v + p * D + d);
+                }
                 for (int j = 0; j < 4; j++) {
                     _mm512_storeu_ps(ar + j * D + d, a[2 * j]);
                     _mm512_storeu_ps(ar + j * D + d + 16, a[2 * j + 1]);
@@ -520,11 +561,15 @@ AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float
     rows_values_512(c, &cr, m, R, (const float (*)[4])sum, 0, c->D, acc);
 }
 
-/* Up to ROWS_512 rows of a chain over a long run of keys (a verify deep into a conversation), split
-   between threads as attend_long_row splits one row: the scores by keys (each thread converting its
-   own blocks), the softmax by rows, the values by output elements. Every thread reads its share of
-   the cache once for all the rows, where attn_part's split by rows has each part read all of it
-   (two threads, four rows: the cache read twice, each thread at its own memory's pace). */
+/* Up to ROWS_512 rows of a chain over a long run of keys (a step or a verify deep into a
+   conversation), split between threads: the scores by keys (each thread converting its own blocks),
+   the softmax by rows, the values by output elements, never inside a reduction, so each value is
+   the rows code's. Every thread reads its share of the cache once for all the rows, where
+   attn_part's split by rows has each part read all of it (two threads, four rows: the cache read
+   twice, each thread at its own memory's pace), and its split by heads gives each of 2 threads 2 of
+   a row's 4 heads (the rows code computes 4 whatever H: half its work wasted). One row took its own
+   split before (the values of each 32 outputs over every key, the cache's rows read at a stride):
+   at 32k keys, 2 threads, 2.9 -> 1.9 ms with the prefetch. */
 typedef struct {
     const AttnCtx *c;
     ChainRows cr;
@@ -572,68 +617,6 @@ static void attend_split_rows(const AttnCtx *c, Py_ssize_t m, int R, int threads
     pool_run(split_rows_values, &L, parts_for(c->D / 32, threads));
 }
 
-/* One row over a long run of keys (a decode step deep into a conversation): split between threads
-   by keys for the scores and by output elements for the values, never inside a reduction, so each
-   value is attend4's. Splitting by heads (attn_part) would give each of 2 threads 2 of 4 heads, and
-   attend4 computes 4 heads whatever G: half its work wasted. */
-typedef struct {
-    const AttnCtx *c;
-    KeyList keys;
-    const float *q[4];
-    float *s, sum[4];
-    int G;
-} LongRow;
-
-AVX512H static void long_row_scores_512(void *ctx, int part, int nparts) {
-    LongRow *L = ctx;
-    Py_ssize_t lo, hi;
-    part_range(L->keys.n, 16, part, nparts, &lo, &hi);
-    if (lo < hi) score_run_512(L->c, &L->keys, L->q, lo, hi - 1, 0, L->s);
-}
-
-AVX2H static void long_row_scores_avx2(void *ctx, int part, int nparts) {
-    LongRow *L = ctx;
-    Py_ssize_t lo, hi;
-    part_range(L->keys.n, 16, part, nparts, &lo, &hi);
-    const __m128 scale = _mm_set1_ps(L->c->scale);
-    for (Py_ssize_t p = lo; p < hi; p++) score4(L->q, L->c->k + key_slot(&L->keys, p) * L->c->D, L->c->D, scale, L->s + 4 * p);
-}
-
-AVX512H static void long_row_values_512(void *ctx, int part, int nparts) {
-    LongRow *L = ctx;
-    Py_ssize_t lo, hi;
-    part_range(L->c->D, 32, part, nparts, &lo, &hi);
-    for (Py_ssize_t d = lo; d < hi; d += 32) values_512(L->c, &L->keys, 0, 0, L->G, L->s, L->sum, d);
-}
-
-AVX2H static void long_row_values_avx2(void *ctx, int part, int nparts) {
-    LongRow *L = ctx;
-    const AttnCtx *c = L->c;
-    Py_ssize_t lo, hi;
-    part_range(c->D, 16, part, nparts, &lo, &hi);
-    for (Py_ssize_t d = lo; d < hi; d += 16) {
-        __m256 a[8];
-        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-        for (Py_ssize_t p = 0; p < L->keys.n; p++) accumulate4(a, L->s + 4 * p, c->v + key_slot(&L->keys, p) * c->D + d);
-        for (int j = 0; j < L->G; j++) {
-            float *out = c->out + j * c->D + d;
-            const __m256 vs = _mm256_set1_ps(L->sum[j]);
-            _mm256_storeu_ps(out, _mm256_div_ps(a[2 * j], vs));
-            _mm256_storeu_ps(out + 8, _mm256_div_ps(a[2 * j + 1], vs));
-        }
-    }
-}
-
-/* Row 0 of c (M == 1, H <= 4, simd) split over `threads`; scratch holds 4 * S floats. */
-static void attend_long_row(const AttnCtx *c, int threads, float *scratch) {
-    LongRow L = {.c = c, .s = scratch, .G = (int)c->H};
-    attn_keys(c, 0, &L.keys);
-    for (int j = 0; j < 4; j++) L.q[j] = c->q + (j < c->H ? j : c->H - 1) * c->D;
-    const int wide = c->simd == 2;
-    pool_run(wide ? long_row_scores_512 : long_row_scores_avx2, &L, parts_for(L.keys.n / 256, threads));
-    softmax4_weights_avx2(L.s, L.keys.n, L.sum);
-    pool_run(wide ? long_row_values_512 : long_row_values_avx2, &L, parts_for(c->D / (wide ? 32 : 16), threads));
-}
 #endif
 
 static void attn_part(void *ctx, int part, int nparts) {
@@ -648,7 +631,10 @@ static void attn_part(void *ctx, int part, int nparts) {
     for (Py_ssize_t i = lo; i < hi;) {
         Py_ssize_t m = i / c->H, h = i % c->H;
 #if HAVE_X86
-        if (c->simd && h == 0 && c->H <= 4 && c->ancestors == NULL && m + 1 < c->M && i + 2 * c->H <= hi) {
+        /* whole rows, one or more: the rows code (a lone row too: its blocked values read each key's
+           row of the cache at once, with the prefetch; one thread, cold cache, 2k keys 0.49 -> 0.30
+           ms, 32k 6.0 -> 4.0, 512 keys 0.115 -> 0.111, against attend4's) */
+        if (c->simd && h == 0 && c->H <= 4 && c->ancestors == NULL && i + c->H <= hi) {
             Py_ssize_t rows = (hi - i) / c->H;  /* whole rows of this part, from m on */
             if (rows > (c->simd == 2 ? ROWS_512 : 4)) rows = c->simd == 2 ? ROWS_512 : 4;
             if (c->simd == 2) attend_rows_512(c, m, (int)rows, scratch);
@@ -677,7 +663,7 @@ typedef struct {
     Py_buffer v[6];
     int got;
     AttnCtx c;
-    int long_keys, split_rows, nparts, threads;
+    int split_rows, nparts, threads;
     double cost;  /* keys read times rows: what attention_many balances */
 } AttnJob;
 
@@ -747,10 +733,10 @@ static int attn_plan(AttnJob *job, int threads) {
     const int simd = c->simd;
     job->threads = threads;
     job->nparts = parts_for(M * H, threads);
-    /* a chain over long runs of keys, several threads: split by keys and values, not by rows (one
-       row: attend_long_row; several: attend_split_rows; on both SIMD paths) */
-    job->long_keys = simd && H <= 4 && c->ancestors == NULL && threads > 1 && S >= LONG_ROW_KEYS;
-    job->split_rows = job->long_keys && M > 1 && (simd == 2 || M <= AVX2_SPLIT_ROWS);
+    /* a chain over long runs of keys, several threads: split by keys and values, not by rows
+       (attend_split_rows, on both SIMD paths) */
+    job->split_rows = simd && H <= 4 && c->ancestors == NULL && threads > 1 && S >= LONG_ROW_KEYS &&
+                      (simd == 2 || M <= AVX2_SPLIT_ROWS);
     /* attend_rows_avx2: 4 rows' scores and sums; attend_rows_512: ROWS_512 rows' */
     c->scratch_per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * (S + D) : S + D;
     /* attend_split_rows: one part's scores and accumulators, and a block of keys a thread */
@@ -769,9 +755,7 @@ static void attn_run(AttnJob *job) {
     AttnCtx *c = &job->c;
     if (c->M == 0) return;
 #if HAVE_X86
-    if (job->long_keys && c->M == 1)
-        attend_long_row(c, job->threads, c->scratch);
-    else if (job->split_rows)
+    if (job->split_rows)
         for (Py_ssize_t m = 0; m < c->M; m += ROWS_512)
             attend_split_rows(c, m, (int)(c->M - m < ROWS_512 ? c->M - m : ROWS_512), job->threads, c->scratch);
     else
