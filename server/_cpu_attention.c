@@ -198,15 +198,15 @@ AVX2H static void attend4_avx2(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, int
 #endif
 
 /* The plan (attn_plan) names these on every CPU; only the x86 code below runs with them. */
-#define LONG_ROW_KEYS 1024  /* a chain's rows over at least this many keys are split by keys and values */
+#define LONG_RUN_KEYS 1024  /* a chain's rows over at least this many keys are split by keys and values */
 #define ATTN_BLOCK 32  /* keys per block: 32 KB of K or of V at D = 256, still in L1/L2 for the next row */
 #define ROWS_512 16  /* rows per attend_rows_512 call (a 16-token verify's rows in one or two calls) */
 /* The rows code reads the cache this many keys ahead of the key it works on (software prefetch,
-   never past the keys it reads). A key's float16 K or V row is D * 2 bytes, so the cache streams
-   from memory at the pace of the arithmetic instead of a cache miss at a time: the hardware
-   prefetcher alone fell behind, on the values' stride of D * 2 bytes most. One row over 32k keys on
-   one thread (cold cache) 5.7 -> 3.8 ms; 64-512 keys ahead about alike, 128 best of them. Where data
-   goes changes no result. */
+   never past the last key of the rows' span). A key's float16 K or V row is D * 2 bytes, so the
+   cache streams from memory at the pace of the arithmetic instead of a cache miss at a time: the
+   hardware prefetcher alone fell behind. The rows code on one row over 32k keys, one thread: about
+   5.4 ms without, 3.5-4.3 with; 64-512 keys ahead about alike, 128 best of them; a whole block
+   prefetched at each block's start did not help. Where data goes changes no result. */
 #define PREFETCH_KEYS 128
 /* On AVX2, attend_split_rows for up to this many rows over a long run of keys; more rows take whole
    rows a thread (attn_part), faster there (2 threads of an AVX2-only Zen 2, 32k keys: 8 rows 10.8
@@ -475,7 +475,7 @@ AVX512H static void attend4_512(const AttnCtx *c, Py_ssize_t m, Py_ssize_t h, in
 
 /* The phases of attend_rows_512 over part of the work: the scores of keys klo..khi (of the rows'
    span lo..hi) with each block of keys converted to floats once (kb: ATTN_BLOCK * D floats) for all
-   the rows; and the values d = dlo..dhi-1 of every row's heads over all its keys, each output
+   the rows (one row: each key converted as it is read, no kb); and the values d = dlo..dhi-1 of every row's heads over all its keys, each output
    element's fma chain in position order, paused at block ends with its accumulator (acc: 4 * R * D
    floats, acc[(r * 4 + j) * D + d]) stored and reloaded exactly, then divided by the head's sum. So
    a score or an output element is the same whichever part computes it. */
@@ -562,14 +562,14 @@ AVX512H static void attend_rows_512(const AttnCtx *c, Py_ssize_t m, int R, float
 }
 
 /* Up to ROWS_512 rows of a chain over a long run of keys (a step or a verify deep into a
-   conversation), split between threads: the scores by keys (each thread converting its own blocks),
+   conversation), split between threads: the scores by keys (each thread converting its own keys),
    the softmax by rows, the values by output elements, never inside a reduction, so each value is
    the rows code's. Every thread reads its share of the cache once for all the rows, where
    attn_part's split by rows has each part read all of it (two threads, four rows: the cache read
    twice, each thread at its own memory's pace), and its split by heads gives each of 2 threads 2 of
    a row's 4 heads (the rows code computes 4 whatever H: half its work wasted). One row took its own
    split before (the values of each 32 outputs over every key, the cache's rows read at a stride):
-   at 32k keys, 2 threads, 2.9 -> 1.9 ms with the prefetch. */
+   at 32k keys, 2 threads, cold cache, 3.52 -> 2.42 ms with the prefetch. */
 typedef struct {
     const AttnCtx *c;
     ChainRows cr;
@@ -633,7 +633,8 @@ static void attn_part(void *ctx, int part, int nparts) {
 #if HAVE_X86
         /* whole rows, one or more: the rows code (a lone row too: its blocked values read each key's
            row of the cache at once, with the prefetch; one thread, cold cache, 2k keys 0.49 -> 0.30
-           ms, 32k 6.0 -> 4.0, 512 keys 0.115 -> 0.111, against attend4's) */
+           ms, 32k 5.96 -> 3.96, 512 keys 0.115 -> 0.111, against attend4's; with the cache warm in
+           L3, as a forward never has it, up to 25% slower at 1.5k-8k keys) */
         if (c->simd && h == 0 && c->H <= 4 && c->ancestors == NULL && i + c->H <= hi) {
             Py_ssize_t rows = (hi - i) / c->H;  /* whole rows of this part, from m on */
             if (rows > (c->simd == 2 ? ROWS_512 : 4)) rows = c->simd == 2 ? ROWS_512 : 4;
@@ -735,7 +736,7 @@ static int attn_plan(AttnJob *job, int threads) {
     job->nparts = parts_for(M * H, threads);
     /* a chain over long runs of keys, several threads: split by keys and values, not by rows
        (attend_split_rows, on both SIMD paths) */
-    job->split_rows = simd && H <= 4 && c->ancestors == NULL && threads > 1 && S >= LONG_ROW_KEYS &&
+    job->split_rows = simd && H <= 4 && c->ancestors == NULL && threads > 1 && S >= LONG_RUN_KEYS &&
                       (simd == 2 || M <= AVX2_SPLIT_ROWS);
     /* attend_rows_avx2: 4 rows' scores and sums; attend_rows_512: ROWS_512 rows' */
     c->scratch_per_part = simd == 2 ? 4 * ROWS_512 * (S + D) + ATTN_BLOCK * D : simd ? 16 * (S + D) : S + D;

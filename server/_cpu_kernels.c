@@ -4,8 +4,9 @@ matmuls and single-KV-head attention), in C with AVX2 / AVX-VNNI / AVX-512 VNNI 
 Contract (batch invariance): every output row is bit for bit the same whatever the number of rows M in
 the call, the number of threads, and which code runs (AVX-512 VNNI, AVX-VNNI, AVX2 or portable scalar). The server
 verifies a 16-token draft in one call and must get exactly the logits 16 one-token calls give. So:
-  - threads split the work by output columns n (matmul_q8) or by (m, h) pairs (attention), never a
-    reduction; each output's arithmetic is one fixed sequence of float operations that depends on
+  - threads split the work by output columns n (matmul_q8) or, in attention, by rows or (m, h) pairs,
+    and over long runs of keys by keys for the scores and by output elements for the values, never
+    inside a reduction; each output's arithmetic is one fixed sequence of float operations that depends on
     neither M, nor the tile or thread it lands in;
   - the scalar code performs that same sequence: every fused multiply-add is explicit (_mm256_fmadd_ps
     there, fmaf here), the code has no a * b + c expression a compiler could contract differently, and
