@@ -250,6 +250,20 @@ static inline void prefetch_ahead(const uint16_t *cache, Py_ssize_t p, Py_ssize_
     for (Py_ssize_t off = dlo * 2; off < dhi * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
 }
 
+/* Prefetch values dlo..dhi-1 of keys lo..hi, at most the first PREFETCH_KEYS of them: what
+   prefetch_ahead never covers, read first (a sliding layer's 512 keys are only four times as many).
+   Where every row walks the keys (AVX2's scores, both values phases) only the last row, whose keys
+   reach furthest, prefetches ahead: once a line, not once a row (20 rows over 1k keys were slower
+   prefetching in every row's walk). */
+static inline void prefetch_first(const uint16_t *cache, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
+                                  Py_ssize_t dhi) {
+    const Py_ssize_t end = lo + PREFETCH_KEYS - 1 < hi ? lo + PREFETCH_KEYS - 1 : hi;
+    for (Py_ssize_t p = lo; p <= end; p++) {
+        const char *row = (const char *)(cache + p * D);
+        for (Py_ssize_t off = dlo * 2; off < dhi * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
+}
+
 /* The values phases' accumulators (acc[(r * 4 + j) * D + d], rows r < R, heads j < 4) zeroed over
    d = dlo..dhi-1: each element's fma chain starts from +0. */
 static inline void zero_rows_acc(float *acc, int R, Py_ssize_t D, Py_ssize_t dlo, Py_ssize_t dhi) {
@@ -269,12 +283,13 @@ static inline void zero_rows_acc(float *acc, int R, Py_ssize_t D, Py_ssize_t dlo
 AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R, Py_ssize_t klo, Py_ssize_t khi) {
     const Py_ssize_t D = c->D;
     const __m128 scale = _mm_set1_ps(c->scale);
+    prefetch_first(c->k, klo, khi, D, 0, D);
     for (Py_ssize_t b = klo; b <= khi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < khi ? b + ATTN_BLOCK - 1 : khi;
         for (int r = 0; r < R; r++) {
             const Py_ssize_t pa = b > cr->first[r] ? b : cr->first[r], pb = bend < cr->last[r] ? bend : cr->last[r];
             for (Py_ssize_t p = pa; p <= pb; p++) {
-                if (r == 0) prefetch_ahead(c->k, p, khi, D, 0, D);
+                if (r == R - 1) prefetch_ahead(c->k, p, khi, D, 0, D);
                 score4(cr->q[r], c->k + p * D, D, scale, cr->s[r] + 4 * (p - cr->first[r]));
             }
         }
@@ -284,6 +299,7 @@ AVX2H static void rows_scores_avx2(const AttnCtx *c, const ChainRows *cr, int R,
 AVX2H static void rows_values_avx2(const AttnCtx *c, const ChainRows *cr, Py_ssize_t m, int R,
                                    const float (*sum)[4], Py_ssize_t dlo, Py_ssize_t dhi, float *acc) {
     const Py_ssize_t D = c->D, H = c->H;
+    prefetch_first(c->v, cr->lo, cr->hi, D, dlo, dhi);
     zero_rows_acc(acc, R, D, dlo, dhi);
     for (Py_ssize_t b = cr->lo; b <= cr->hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < cr->hi ? b + ATTN_BLOCK - 1 : cr->hi;
@@ -299,7 +315,7 @@ AVX2H static void rows_values_avx2(const AttnCtx *c, const ChainRows *cr, Py_ssi
                     a[2 * j + 1] = _mm256_loadu_ps(ar + j * D + d + 8);
                 }
                 for (Py_ssize_t p = pa; p <= pb; p++) {
-                    prefetch_ahead(c->v, p, cr->hi, D, d, d + 16);
+                    if (r == R - 1) prefetch_ahead(c->v, p, cr->hi, D, d, d + 16);
                     accumulate4(a, sr + 4 * (p - pa), c->v + p * D + d);
                 }
                 for (int j = 0; j < 4; j++) {
@@ -483,6 +499,7 @@ AVX512H static void rows_scores_512(const AttnCtx *c, const ChainRows *cr, int R
                                     float *kb) {
     const Py_ssize_t D = c->D;
     const __m128 scale = _mm_set1_ps(c->scale);
+    prefetch_first(c->k, klo, khi, D, 0, D);
     if (R == 1) {  /* one row: each key converted as it is read (a converted block pays where rows share it) */
         const Py_ssize_t pa = klo > cr->first[0] ? klo : cr->first[0], pb = khi < cr->last[0] ? khi : cr->last[0];
         float *s = cr->s[0];
@@ -512,6 +529,7 @@ AVX512H static void rows_scores_512(const AttnCtx *c, const ChainRows *cr, int R
 AVX512H static void rows_values_512(const AttnCtx *c, const ChainRows *cr, Py_ssize_t m, int R,
                                     const float (*sum)[4], Py_ssize_t dlo, Py_ssize_t dhi, float *acc) {
     const Py_ssize_t D = c->D, H = c->H;
+    prefetch_first(c->v, cr->lo, cr->hi, D, dlo, dhi);
     zero_rows_acc(acc, R, D, dlo, dhi);
     for (Py_ssize_t b = cr->lo; b <= cr->hi; b += ATTN_BLOCK) {
         const Py_ssize_t bend = b + ATTN_BLOCK - 1 < cr->hi ? b + ATTN_BLOCK - 1 : cr->hi;
@@ -527,7 +545,7 @@ AVX512H static void rows_values_512(const AttnCtx *c, const ChainRows *cr, Py_ss
                     a[2 * j + 1] = _mm512_loadu_ps(ar + j * D + d + 16);
                 }
                 for (Py_ssize_t p = pa; p <= pb; p++) {
-                    prefetch_ahead(c->v, p, cr->hi, D, d, d + 32);
+                    if (r == R - 1) prefetch_ahead(c->v, p, cr->hi, D, d, d + 32);
                     accumulate4x32(a, sr + 4 * (p - pa), c->v + p * D + d);
                 }
                 for (int j = 0; j < 4; j++) {
