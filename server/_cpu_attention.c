@@ -241,27 +241,29 @@ static void chain_rows(const AttnCtx *c, Py_ssize_t m, int R, float *scratch, Ch
 }
 
 
-/* Prefetch values dlo..dhi-1 of the cache's key p + PREFETCH_KEYS, if that key is at most hi (the
-   last key the loop reads). */
-static inline void prefetch_ahead(const uint16_t *cache, Py_ssize_t p, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
-                                  Py_ssize_t dhi) {
-    if (p + PREFETCH_KEYS > hi) return;
-    const char *row = (const char *)(cache + (p + PREFETCH_KEYS) * D);
-    for (Py_ssize_t off = dlo * 2; off < dhi * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-}
-
-/* Prefetch values dlo..dhi-1 of keys lo..hi, at most the first PREFETCH_KEYS of them: what
-   prefetch_ahead never covers, read first (a sliding layer's 512 keys are only four times as many).
-   Where every row walks the keys (AVX2's scores, both values phases) only the last row, whose keys
-   reach furthest, prefetches ahead: once a line, not once a row (20 rows over 1k keys were slower
-   prefetching in every row's walk). */
-static inline void prefetch_first(const uint16_t *cache, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
-                                  Py_ssize_t dhi) {
-    const Py_ssize_t end = lo + PREFETCH_KEYS - 1 < hi ? lo + PREFETCH_KEYS - 1 : hi;
-    for (Py_ssize_t p = lo; p <= end; p++) {
+/* Prefetch values dlo..dhi-1 of keys lo..hi of a float16 cache. */
+static inline void prefetch_keys(const uint16_t *cache, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
+                                 Py_ssize_t dhi) {
+    for (Py_ssize_t p = lo; p <= hi; p++) {
         const char *row = (const char *)(cache + p * D);
         for (Py_ssize_t off = dlo * 2; off < dhi * 2; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
     }
+}
+
+/* Prefetch values dlo..dhi-1 of the cache's key p + PREFETCH_KEYS, if that key is at most hi (the
+   last key the loop reads). Where every row walks the keys (AVX2's scores, both values phases) only
+   the last row, whose keys reach furthest, prefetches ahead: once a line, not once a row (20 rows
+   over 1k keys were slower prefetching in every row's walk). */
+static inline void prefetch_ahead(const uint16_t *cache, Py_ssize_t p, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
+                                  Py_ssize_t dhi) {
+    if (p + PREFETCH_KEYS <= hi) prefetch_keys(cache, p + PREFETCH_KEYS, p + PREFETCH_KEYS, D, dlo, dhi);
+}
+
+/* Prefetch values dlo..dhi-1 of keys lo..hi, at most the first PREFETCH_KEYS of them: what
+   prefetch_ahead never covers, read first (a sliding layer's 512 keys are only four times as many). */
+static inline void prefetch_first(const uint16_t *cache, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t D, Py_ssize_t dlo,
+                                  Py_ssize_t dhi) {
+    prefetch_keys(cache, lo, lo + PREFETCH_KEYS - 1 < hi ? lo + PREFETCH_KEYS - 1 : hi, D, dlo, dhi);
 }
 
 /* The values phases' accumulators (acc[(r * 4 + j) * D + d], rows r < R, heads j < 4) zeroed over
