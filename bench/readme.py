@@ -35,6 +35,10 @@ SECTIONS = [
      "Gluon step matmul with its codes unpacked two at a time)",
      "python -m bench.gpu_concurrency --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
      "gpu_concurrency-rowsauto-turn64.md", []),
+    ("The same on the code of 12-07, 1, 4 and 16 streams, the server's draft caps (H100, 12-07: one stream "
+     "788 tokens/s, 4 streams 2.67x, 16 streams 3.58x)",
+     "python -m bench.gpu_concurrency --streams 1,4,16 --turn 64 --rows auto (on the GPU machine)",
+     "gpu_concurrency-stop64-h100.md", []),
     ("The same, 1 and 4 streams, the per-layer table read by the GPU in place (mapped: server/host_rows.py; "
      "H200, 12-04 night)",
      "python -m bench.gpu_concurrency --ple host --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs "
