@@ -16,6 +16,8 @@ SECTIONS = [
      "python -m bench.gpu_sessions (on the GPU machine)", "gpu_sessions.md", []),
     ("Agent sessions through the server, bundled model, CPU", "python -m bench.agent_sessions",
      "agent_sessions.md", ["agent_sessions.png"]),
+    ("Tokenizing an agent's prompts turn after turn: whole, and reusing the turn before (real sessions, CPU)",
+     "python -m bench.prompt_tokens", "prompt_tokens.md", []),
     ("Hostile input: the fuzzer against the real server, bundled model, CPU", "make fuzz", "fuzz.md", []),
     ("Drafter and index (issue bars: tau vs prompt lookup and SuffixDecoding, latency, build speed, size, load time)",
      "python -m bench.ngram_bench", "ngram.md", []),

@@ -121,7 +121,8 @@ def create_app(service: Service) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         text = service.metrics.render(service.scheduler.waiting, service.scheduler.running,
-                                      service.engine.prefix_summary(), service.engine.batch_summary())
+                                      service.engine.prefix_summary(), service.engine.batch_summary(),
+                                      service.prompt_tokens.summary())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def reload_index(request: Request) -> Response:

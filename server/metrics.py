@@ -1,11 +1,12 @@
 """Server metrics in the Prometheus text format (`GET /metrics`).
 
 Contract: `Metrics.record(...)` is called once per finished request (from the event loop);
-`Metrics.render(waiting, running, prefix)` returns the exposition text (`prefix`: the backend's
-prefix-cache summary, or None when the cache is off). The speculative-decoding counters
-carry the names existing tooling reads (vLLM's, unprefixed): `spec_decode_num_drafts_total`,
-`spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`. Latencies are
-histograms in seconds.
+`Metrics.render(waiting, running, prefix, batching, prompt_tokens)` returns the exposition text
+(`prefix`: the backend's prefix-cache summary, or None when the cache is off; `batching`: the shared
+forwards' counters; `prompt_tokens`: the prompt tokenizer's, common.prompt_tokens). The
+speculative-decoding counters carry the names existing tooling reads (vLLM's, unprefixed):
+`spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
+`spec_decode_num_accepted_tokens_total`. Latencies are histograms in seconds.
 """
 from __future__ import annotations
 
@@ -80,6 +81,14 @@ BATCH_SERIES = [
     ("sailfish_batch_size_peak", "gauge", "Most requests in one forward so far.", "peak_sequences"),
 ]
 
+# Prompt tokenization (common/prompt_tokens.py): name, type, help, key of PromptTokens.summary().
+PROMPT_TOKENIZER_SERIES = [
+    ("sailfish_prompt_tokenizer_reused_tokens_total", "counter",
+     "Prompt tokens taken from a recent prompt's tokenization instead of tokenized again.", "reused_tokens"),
+    ("sailfish_prompt_tokenizer_encoded_tokens_total", "counter", "Prompt tokens tokenized.", "encoded_tokens"),
+    ("sailfish_prompt_tokenizer_kept_prompts", "gauge", "Recent prompts kept for their tokens.", "kept"),
+]
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -113,7 +122,8 @@ class Metrics:
     def internal_error(self) -> None:
         self.counters["sailfish_internal_errors_total"] += 1
 
-    def render(self, waiting: int, running: int, prefix: dict | None = None, batching: dict | None = None) -> str:
+    def render(self, waiting: int, running: int, prefix: dict | None = None, batching: dict | None = None,
+               prompt_tokens: dict | None = None) -> str:
         out = ["# HELP sailfish_requests_total Requests finished, by endpoint and outcome.",
                "# TYPE sailfish_requests_total counter"]
         for (endpoint, outcome), n in sorted(self.requests.items()):
@@ -126,8 +136,9 @@ class Metrics:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
         for name, help_text, key in PREFIX_GAUGES if prefix is not None else ():
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {prefix.get(key, 0)}"]
-        for name, kind, help_text, key in BATCH_SERIES if batching is not None else ():
-            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {batching.get(key, 0)}"]
+        for series, values in ((BATCH_SERIES, batching), (PROMPT_TOKENIZER_SERIES, prompt_tokens)):
+            for name, kind, help_text, key in series if values is not None else ():
+                out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {values.get(key, 0)}"]
         for name, help_text in HISTOGRAMS:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"] + self.histograms[name].lines(name)
         return "\n".join(out) + "\n"

@@ -31,6 +31,9 @@ reads the tokenizer; else by a forced call prefix, or only requested under anoth
 common.chat_format describes). A `strict` tool puts "auto" under a grammar too (free text, then calls
 that follow the strict tools' schemas, or none), and `parallel_tool_calls: false` with a required,
 named or strict call allows one call at most; where no grammar can run, those are refused.
+Prompts are tokenized by `common.prompt_tokens.PromptTokens`: an agent's next turn resends its
+conversation, and only the text after the last special token it shares with a recent prompt is
+tokenized again (the ids are those of tokenizing it whole; /metrics counts the tokens reused).
 Sampling (server.sampling): every OpenAI/vLLM sampling field is honoured and sampled requests are
 drafted too; for the same `seed` the output is the same with or without drafting. Fields a request
 omits take the checkpoint's generation_config defaults (`--no-generation-defaults`: greedy).
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from common.progress import phase
+from common.prompt_tokens import PromptTokens
 from common.chat_format import (CONTENT, REASONING, ArgumentsDelta, CallEnded, CallStarted, ChatFormat,
                                 ThinkingStreamParser, ToolCallStreamer)
 from server.engine import GenerationParams
@@ -190,6 +194,9 @@ class Service:
         self.settings = settings
         self.drafter_note = drafter_note
         self.chat_format = ChatFormat.for_tokenizer(engine.tokenizer)
+        # an agent's next turn resends its conversation: only what follows the last special token the
+        # earlier prompt shares is tokenized again (the same ids as tokenizing it whole)
+        self.prompt_tokens = PromptTokens(engine.tokenizer)
         self._compiler = None  # server.grammar.GrammarCompiler, built on the first constrained request
         self._compiler_error: str | None = None
         model = getattr(engine, "model", None)
@@ -221,7 +228,7 @@ class Service:
         offered = req.tools if req.tool_choice != "none" else []
         text = self.chat_format.render_prompt(req.messages, offered, req.tool_choice)
         self._check_characters(len(text), "messages")
-        return self.engine.tokenizer.encode(text, add_special_tokens=False), offered
+        return self.prompt_tokens.encode(text), offered
 
     def count_chat_tokens(self, req: ChatCompletionRequest) -> int:
         """The prompt tokens `req` renders to (not checked against the context: a count, not a request)."""
@@ -235,7 +242,7 @@ class Service:
         tool_choice = "auto" if constraint is not None and offered else req.tool_choice
         text = fmt.render_prompt(req.messages, offered, tool_choice)
         self._check_characters(len(text), "messages")
-        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = self.prompt_tokens.encode(text)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens, req.max_tokens_field)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,

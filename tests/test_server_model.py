@@ -154,6 +154,32 @@ def test_streaming_equals_non_streaming(servers):
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def _metric(url: str, name: str) -> float:
+    line = next(ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_a_next_turn_reuses_the_tokens_of_the_turn_before(servers, target):
+    """An agent's next turn resends the conversation: the server tokenizes only its tail
+    (common.prompt_tokens), and the prompt it serves is the conversation tokenized whole."""
+    from common.chat_format import ChatFormat
+    from server.protocol import parse_messages, parse_tools
+
+    c = _client(servers[0])
+    first = [{"role": "system", "content": "You call tools. " * 40}, *CHATS[2]["messages"]]
+    r1 = c.chat.completions.create(model="gemma", max_tokens=8, messages=first, tools=[WEATHER_TOOL])
+    reused = _metric(servers[0], "sailfish_prompt_tokenizer_reused_tokens_total")
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content or "It is sunny."},
+                      {"role": "user", "content": "And in Rome?"}]
+    r2 = c.chat.completions.create(model="gemma", max_tokens=8, messages=second, tools=[WEATHER_TOOL])
+    fmt = ChatFormat.for_tokenizer(target.tokenizer)
+    text = fmt.render_prompt(parse_messages(second), parse_tools([WEATHER_TOOL]), "auto")
+    assert r2.usage.prompt_tokens == len(target.tokenizer.encode(text, add_special_tokens=False))
+    # the first turn's prompt came from its tokens, but for its last lines (the cut must lie an added
+    # token's length before where the two prompts part: common/prompt_tokens.py)
+    assert _metric(servers[0], "sailfish_prompt_tokenizer_reused_tokens_total") - reused >= r1.usage.prompt_tokens - 80
+
+
 def test_concurrent_clients_get_their_solo_output(servers):
     """Requests sent at once to the drafted server each get the plain server's answer alone."""
     c = _client(servers[0])
