@@ -32,8 +32,9 @@ common.chat_format describes). A `strict` tool puts "auto" under a grammar too (
 that follow the strict tools' schemas, or none), and `parallel_tool_calls: false` with a required,
 named or strict call allows one call at most; where no grammar can run, those are refused.
 Prompts are tokenized by `common.prompt_tokens.PromptTokens`: an agent's next turn resends its
-conversation, and only the text after the last special token it shares with a recent prompt is
-tokenized again (the ids are those of tokenizing it whole; /metrics counts the tokens reused).
+conversation, and only the text after the last added token (a special token, a newline) that lies
+well inside what it shares with a recent prompt is tokenized again (the ids are those of tokenizing
+it whole; /metrics counts the tokens reused).
 Sampling (server.sampling): every OpenAI/vLLM sampling field is honoured and sampled requests are
 drafted too; for the same `seed` the output is the same with or without drafting. Fields a request
 omits take the checkpoint's generation_config defaults (`--no-generation-defaults`: greedy).
@@ -194,8 +195,8 @@ class Service:
         self.settings = settings
         self.drafter_note = drafter_note
         self.chat_format = ChatFormat.for_tokenizer(engine.tokenizer)
-        # an agent's next turn resends its conversation: only what follows the last special token the
-        # earlier prompt shares is tokenized again (the same ids as tokenizing it whole)
+        # an agent's next turn resends its conversation: only its tail is tokenized again (the same
+        # ids as tokenizing it whole)
         self.prompt_tokens = PromptTokens(engine.tokenizer)
         self._compiler = None  # server.grammar.GrammarCompiler, built on the first constrained request
         self._compiler_error: str | None = None

@@ -35,21 +35,30 @@ def _random_text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(PIECES) for _ in range(n))
 
 
-def _edit(rng: random.Random, text: str) -> str:
-    """`text` with a random insertion at a random place, the rest after it kept or dropped."""
+def _edit(rng: random.Random, text: str, tok=None, added: frozenset = frozenset()) -> str:
+    """`text` with a random insertion, the rest after it kept or dropped: at a random place, or (with
+    `tok` and its `added` token ids, half the time) near where an added token starts: at it, inside it, just past it, or about
+    the longest added token's length after it, a few characters either way."""
     at = rng.randint(0, len(text))
+    if tok is not None and text and rng.random() < 0.5:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = [(a, b) for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t in added]
+        if starts:
+            a, b = rng.choice(starts)
+            at = min(len(text), max(0, rng.choice([a, b, a + 31, a + 16]) + rng.randint(-3, 3)))
     tail = text[at + rng.randint(0, 6):] if rng.random() < 0.5 else ""
     return text[:at] + _random_text(rng, rng.randint(0, 8)) + tail
 
 
 def _mismatches(tok, prompt_tokens: PromptTokens, rounds: int, seed: int) -> int:
     rng = random.Random(seed)
+    added = frozenset(tok.added_tokens_decoder)
     bad = 0
     for _ in range(rounds):
         text = _random_text(rng, rng.randint(0, 40))
         bad += prompt_tokens.encode(text) != _whole(tok, text)
         for _ in range(3):  # a chain of edits, each encoded after the one before (several prompts kept)
-            text = _edit(rng, text)
+            text = _edit(rng, text, tok, added)
             bad += prompt_tokens.encode(text) != _whole(tok, text)
     return bad
 
@@ -113,6 +122,31 @@ def test_limits_and_a_prompt_that_shares_nothing(tok):
     assert s["kept_chars"] <= 300 and s["kept"] <= 2  # over max_chars: not kept, nothing else pushed out
     assert prompt_tokens.encode("") == _whole(tok, "") == []
     assert prompt_tokens.encode("no special token at all") == _whole(tok, "no special token at all")
+
+
+def test_resends_branches_and_texts_without_cuts_keep_the_right_prompts(tok):
+    """A prompt sent again as it was is answered from its kept ids, not kept twice; a prompt no
+    text could continue (no cut a margin before its end) is not kept, so it pushes nothing out; a
+    branch (an edit before the kept prompt's last cuts) keeps both."""
+    prompt_tokens = PromptTokens(tok, max_kept=4)
+    convo = "<start_of_turn>user\n" + "question line\n" * 50 + "<end_of_turn>\n<start_of_turn>model\n"
+    assert prompt_tokens.encode(convo) == _whole(tok, convo)
+    for _ in range(10):
+        assert prompt_tokens.encode(convo) == _whole(tok, convo)
+    s = prompt_tokens.summary()
+    assert s["kept"] == 1 and s["reused_tokens"] == 10 * len(_whole(tok, convo))
+    for i in range(6):  # no cut at all, or none a margin before the end: never kept
+        for text in (f"plain text {i} " * 30, f"{'word ' * 40}\n{i}"):
+            assert prompt_tokens.encode(text) == _whole(tok, text)
+    assert prompt_tokens.summary()["kept"] == 1
+    branch = convo[: len(convo) // 2] + "an edited line\n" * 10
+    assert prompt_tokens.encode(branch) == _whole(tok, branch)
+    assert prompt_tokens.summary()["kept"] == 2  # the original's later cuts are still worth keeping
+    before = prompt_tokens.summary()["encoded_tokens"]
+    nxt = convo + "Sure.<end_of_turn>\n"
+    assert prompt_tokens.encode(nxt) == _whole(tok, nxt)
+    assert prompt_tokens.summary()["encoded_tokens"] - before < 20  # continued from the original
+    assert prompt_tokens.summary()["kept"] == 2  # which it now serves in its place
 
 
 @pytest.mark.parametrize("a, b, n", [("", "", 0), ("abc", "abd", 2), ("abc", "abc", 3), ("ab", "abc", 2),
