@@ -62,11 +62,12 @@ def session_prompts(args) -> list[tuple[str, list[str]]]:
     return [(name(c), prompts(c)) for c in bfcl + claude]
 
 
-def measure(prompts: list[str], rounds: int) -> dict:
+def measure(prompts: list[str], rounds: int, tok=None) -> dict:
+    """Each prompt tokenized both ways, `rounds` times (`tok`: the tokenizer, default the bundled one)."""
     from common.prompt_tokens import PromptTokens
     from common.tokenizer import load_tokenizer
 
-    tok = load_tokenizer()
+    tok = tok or load_tokenizer()
     whole = [[0.0] * rounds for _ in prompts]
     reused = [[0.0] * rounds for _ in prompts]
     lengths, same = [0] * len(prompts), [True] * len(prompts)
@@ -137,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         elif not a.startswith(("--out=", "--claude-samples=")):
             shown.append(a)
     results = {"command": " ".join(shown), "rounds": args.rounds, "sessions": {}}
+    from common.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
     for name, prompts in session_prompts(args):
         if not prompts:
             continue
         print(f"  {name}: {len(prompts)} turns", file=sys.stderr)
-        results["sessions"][name] = measure(prompts, args.rounds)
+        results["sessions"][name] = measure(prompts, args.rounds, tok)
     if not results["sessions"]:
         print("no sessions to measure (no Claude Code samples and no BFCL data)", file=sys.stderr)
         return 2

@@ -162,6 +162,6 @@ def test_the_bench_measures_both_ways_on_the_same_ids(tok):
     fmt = ChatFormat.for_tokenizer(tok)
     messages = _conversation(4)
     prompts = [fmt.render_prompt(parse_messages(messages[:i]), [], "auto") for i in (2, 4, 6, 8)]
-    r = measure(prompts, rounds=2)
+    r = measure(prompts, rounds=2, tok=tok)
     assert r["turns"] == 4 and r["identical_turns"] == 4
     assert r["last_tokens"] == len(_whole(tok, prompts[-1])) and r["session_ms_whole"] > 0 < r["session_ms_reused"]
