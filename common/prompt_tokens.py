@@ -43,7 +43,7 @@ _CHUNK = 4096
 
 
 class _Kept:
-    """One prompt: its text, ids (an array: 8 bytes a token, where a list of ints takes about 36),
+    """One prompt: its text, ids (an array: 4 bytes a token, where a list of ints takes about 36),
     and cut points (character offset, token index), ascending."""
     __slots__ = ("text", "ids", "cut_chars", "cut_tokens")
 
@@ -98,7 +98,7 @@ class PromptTokens:
         enc = self.tokenizer(text[start_char:], add_special_tokens=False, return_offsets_mapping=True)
         fresh, offsets = enc["input_ids"], enc["offset_mapping"]
         if source is None:
-            ids, cut_chars, cut_tokens = array("l", fresh), array("q"), array("q")
+            ids, cut_chars, cut_tokens = array("i", fresh), array("q"), array("q")
         else:  # the kept prompt's ids and cut points before the cut, then the fresh ones
             k = bisect.bisect_left(source.cut_chars, start_char)
             ids = source.ids[:start_token]
