@@ -180,6 +180,24 @@ def test_a_next_turn_reuses_the_tokens_of_the_turn_before(servers, target):
     assert _metric(servers[0], "sailfish_prompt_tokenizer_reused_tokens_total") - reused >= r1.usage.prompt_tokens - 80
 
 
+def test_an_anthropic_clients_next_turn_reuses_the_turn_before_too(servers):
+    """Claude Code's way in (the Messages API, system blocks and tools as it sends them): its next
+    turn's prompt is tokenized from the turn before's tokens as well."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=servers[0], api_key="x", max_retries=0, timeout=120)
+    tool = {"name": "get_weather", "description": "Current weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    system = [{"type": "text", "text": "You are a coding agent. " * 40, "cache_control": {"type": "ephemeral"}}]
+    turn = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    r1 = c.messages.create(model="gemma", max_tokens=8, system=system, tools=[tool], messages=turn)
+    reused = _metric(servers[0], "sailfish_prompt_tokenizer_reused_tokens_total")
+    turn += [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And in Rome?"}]
+    c.messages.create(model="gemma", max_tokens=8, system=system, tools=[tool], messages=turn)
+    first = r1.usage.input_tokens + (r1.usage.cache_read_input_tokens or 0)
+    assert _metric(servers[0], "sailfish_prompt_tokenizer_reused_tokens_total") - reused >= first - 80
+
+
 def test_concurrent_clients_get_their_solo_output(servers):
     """Requests sent at once to the drafted server each get the plain server's answer alone."""
     c = _client(servers[0])
