@@ -73,9 +73,20 @@ def _gluon_matmul():
     return gluon_matmul.int4_step_matmul
 
 
-@pytest.mark.parametrize("index", range(10))
-def test_a_pdl_kernel_waits_before_its_first_memory_access(index):
-    name, fn, sig, consts = _kernels()[index]
+# The kernels `_kernels` lists, by name (parameters are collected before Triton is imported);
+# test_every_listed_kernel_is_checked keeps the two lists the same.
+KERNEL_NAMES = ("small_m", "attention", "attention writing K/V", "attention segments",
+                "attention segments writing K/V", "combine", "slot positions", "gluon int4 matmul",
+                "residual norm", "q/k/v norms")
+
+
+def test_every_listed_kernel_is_checked():
+    assert tuple(name for name, *_ in _kernels()) == KERNEL_NAMES
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_a_pdl_kernel_waits_before_its_first_memory_access(name):
+    fn, sig, consts = next(rest for kernel, *rest in _kernels() if kernel == name)
     for key in list(consts) + ["PDL"]:
         sig[key] = "constexpr"
     ptx = sm90_ptx(fn, dict(sig), dict(consts, PDL=True))
