@@ -28,15 +28,14 @@ from bench.results import run_header, write_results
 from bench.sessions import DEFAULT_CLAUDE_SAMPLES, ROOT
 
 
-def session_prompts(args) -> list[tuple[str, list[str]]]:
-    """(session id, every turn's rendered prompt, in order) of the sessions measured."""
+def session_prompts(args, tok) -> list[tuple[str, list[str]]]:
+    """(session id, every turn's rendered prompt, in order) of the sessions measured, rendered by the
+    chat format of `tok` (the bundled tokenizer)."""
     from bench.sessions import (BFCL_MULTI_TURN, assistant_positions, chain_conversations, last_prompt_tokens,
                                 load_conversations)
     from common.chat_format import ChatFormat
-    from common.tokenizer import load_tokenizer
     from server.protocol import parse_messages, parse_tools
 
-    tok = load_tokenizer()
     fmt = ChatFormat.for_tokenizer(tok)
     notes: list[str] = []
     recorded = load_conversations(args.claude_samples, list(BFCL_MULTI_TURN), notes)
@@ -55,6 +54,7 @@ def session_prompts(args) -> list[tuple[str, list[str]]]:
 
     bfcl = sorted((c for c in chains if c.source == "bfcl"), key=size, reverse=True)[: args.sessions]
     claude = sorted((c for c in chains if c.source == "claude-code"), key=size, reverse=True)[:1]
+
     def name(c) -> str:  # a chain by its first conversation and how many follow it
         parts = c.id.split("+")
         return parts[0] + (f" + {len(parts) - 1} more" if len(parts) > 1 else "")
@@ -68,22 +68,20 @@ def measure(prompts: list[str], rounds: int, tok=None) -> dict:
     from common.tokenizer import load_tokenizer
 
     tok = tok or load_tokenizer()
-    whole = [[0.0] * rounds for _ in prompts]
-    reused = [[0.0] * rounds for _ in prompts]
+    seconds = {False: [[0.0] * rounds for _ in prompts], True: [[0.0] * rounds for _ in prompts]}  # reused?
     lengths, same = [0] * len(prompts), [True] * len(prompts)
     for r in range(rounds):
         incremental = PromptTokens(tok)
         for i, text in enumerate(prompts):
-            for way in (("whole", "reused") if r % 2 == 0 else ("reused", "whole")):
+            ids = {}
+            for reuse in ((False, True) if r % 2 == 0 else (True, False)):
                 t0 = time.perf_counter()
-                ids = tok.encode(text, add_special_tokens=False) if way == "whole" else incremental.encode(text)
-                (whole if way == "whole" else reused)[i][r] = time.perf_counter() - t0
-                if way == "whole":
-                    expected = list(ids)
-                else:
-                    got = ids
-            lengths[i] = len(expected)
-            same[i] = same[i] and got == expected
+                got = incremental.encode(text) if reuse else tok.encode(text, add_special_tokens=False)
+                seconds[reuse][i][r] = time.perf_counter() - t0
+                ids[reuse] = list(got)
+            lengths[i] = len(ids[False])
+            same[i] = same[i] and ids[True] == ids[False]
+    whole, reused = seconds[False], seconds[True]
     per_turn_whole = [statistics.median(t) * 1e3 for t in whole]
     per_turn_reused = [statistics.median(t) * 1e3 for t in reused]
     totals_whole = [sum(t[r] for t in whole) * 1e3 for r in range(rounds)]
@@ -141,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
-    for name, prompts in session_prompts(args):
+    for name, prompts in session_prompts(args, tok):
         if not prompts:
             continue
         print(f"  {name}: {len(prompts)} turns", file=sys.stderr)

@@ -91,10 +91,9 @@ class PromptTokens:
             return ids
         with self._lock:
             key, source, shared, start_char, start_token = self._best_base(text)
-            if source is not None and shared == len(text) == len(source.text):  # sent again as it was
-                self.prompts += 1
-                self.reused_tokens += len(source.ids)
-                return source.ids.tolist()
+        if source is not None and shared == len(text) == len(source.text):  # sent again as it was
+            self._count(len(source.ids), 0)
+            return source.ids.tolist()
         enc = self.tokenizer(text[start_char:], add_special_tokens=False, return_offsets_mapping=True)
         fresh, offsets = enc["input_ids"], enc["offset_mapping"]
         if source is None:

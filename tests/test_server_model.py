@@ -185,9 +185,9 @@ def test_an_anthropic_clients_next_turn_reuses_the_turn_before_too(servers):
     turn's prompt is tokenized from the turn before's tokens as well."""
     import anthropic
 
+    from tests.test_anthropic_api import WEATHER_TOOL as tool   # the same tool in the Messages API's shape
+
     c = anthropic.Anthropic(base_url=servers[0], api_key="x", max_retries=0, timeout=120)
-    tool = {"name": "get_weather", "description": "Current weather in a city",
-            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
     system = [{"type": "text", "text": "You are a coding agent. " * 40, "cache_control": {"type": "ephemeral"}}]
     turn = [{"role": "user", "content": "What is the weather in Oslo?"}]
     r1 = c.messages.create(model="gemma", max_tokens=8, system=system, tools=[tool], messages=turn)
