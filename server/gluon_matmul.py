@@ -19,12 +19,14 @@ slice, in 4-byte pieces, with a barrier per slice (36 copy instructions and 5 ba
 row tile, in the sm_90 PTX). Here one ring of STAGES buffers receives, STAGES - 1 groups ahead,
 everything a group needs: its [16, 64] weight words and x's rows for its 128 features in 16-byte
 pieces (zero-filled past the last row), and its 64 scales and offsets (12 copy instructions, 3
-barriers). The products read x's slices from the ring with ldmatrix. A thread holds a column's words
-in pairs (features k and k + 1), and `_slice_codes` turns a pair's nibbles of one slice into the
-mma operand's bf16x2 register (128 + code, two weights) with one byte permute and one LOP3, where the
-per-element form (shift, mask, 16-bit conversion, OR, then packing) took about nine integer
-instructions a pair; the bf16 arithmetic after it (minus 128, times the scale plus the offset) is
-the same instructions (tests/test_gluon_matmul_ptx.py).
+barriers). In launches of one row tile x's pieces are 8 bytes and go through L1 (`X_VIA_L1_ROWS`),
+where the other programs on the SM find them (16 copy instructions). The products read x's slices
+from the ring with ldmatrix. A thread holds a column's words in pairs (features k and k + 1), and
+`_slice_codes` turns a pair's nibbles of one slice into the mma operand's bf16x2 register (128 +
+code, two weights) with one byte permute and one LOP3, where the per-element form (shift, mask,
+16-bit conversion, OR, then packing) took about nine integer instructions a pair; the bf16
+arithmetic after it (minus 128, times the scale plus the offset) is the same instructions
+(tests/test_gluon_matmul_ptx.py).
 
 Launch: with programmatic dependent launch (server/small_m_matmul.py `pdl_launch`) the kernel starts
 while the one before it runs. Its first group's weight words, scales and offsets are read-only, so
@@ -71,6 +73,18 @@ STAGES = 2
 # 3.252 at 16, 4.096 -> 3.981 at 32, the same bits; L2 prefetches of the program's whole K slice on
 # top of it were slower (2.244 / 3.456 / 4.144 ms).
 PREFETCH = True
+# x's copies go through L1 (cp.async.ca, in 8-byte pieces: Triton copies 16-byte pieces around L1) in
+# launches of at most X_VIA_L1_ROWS rows (one row tile); the weights, read once, stay 16-byte .cg.
+# Every program of a launch copies the x rows of its K slice, so the programs an SM holds share them
+# through L1 instead of each fetching them from L2: what a 16-row launch paid over a one-row one (the
+# profile in docs/bars.md, 12-07). The same bits either way (tests/test_step_kernel_rows.py). On an
+# H100, three runs of `python -m bench.step_ab --base-tree . --base-set
+# server.gluon_matmul.X_VIA_L1_ROWS=0 --head-set server.gluon_matmul.X_VIA_L1_ROWS=16` (one round
+# each; bench/results/step_ab-x-l1-h100.md): a 16-token verify 3.88-3.89 -> 3.62-3.63 ms, an
+# 8-token step 3.43 -> 3.29, a one-token step 3.15-3.16 -> 3.12, chained plain decode 317.4-317.7
+# -> 322.1-323.4 tokens/s. With two row tiles or more (32 and 64 rows) x through L1 was slower
+# (4.58 -> 4.72 and 6.87 -> 7.17 ms; twice the copy instructions for twice the rows): 0 for never.
+X_VIA_L1_ROWS = 16
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
 # (columns a program, warps) the kernel is written for. The accumulator's layout gives each warp 8
@@ -225,7 +239,8 @@ if HAS_GLUON:
                          M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
-                         EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False, REDUCE: gl.constexpr = True):
+                         EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False, REDUCE: gl.constexpr = True,
+                         X_L1: gl.constexpr = False):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
         (the partials' rows a K slice), XROWS = x_rows(TILES). REDUCE False (split-K only;
         SmallMLinear.slices): each K slice stores its partial ([SPLIT, M, N] contiguous) and the
@@ -235,7 +250,10 @@ if HAS_GLUON:
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=2)
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NW, 1], [1, 0])     # 16-byte copies
-        XL: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [NW, 1], [1, 0])
+        if X_L1:  # 8-byte pieces: Triton lowers them to cp.async.ca (through L1), 16-byte ones to .cg
+            XL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
+        else:
+            XL: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [NW, 1], [1, 0])
         SL: gl.constexpr = gl.BlockedLayout([2], [32], [NW], [0])
         W_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
         X_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0])

@@ -19,14 +19,14 @@ from tests.test_stacked_step_ptx import sm90_ptx
 pytest.importorskip("triton")
 
 
-def _ptx(tiles: int, split: int, epilogue: int = 0) -> tuple[str, str]:
+def _ptx(tiles: int, split: int, epilogue: int = 0, x_l1: bool = False) -> tuple[str, str]:
     from server import gluon_matmul
     from server.gpu_kernels import _small_m_kernel
 
     if not gluon_matmul.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
     ours = dict(SPLIT=split, TILES=tiles, ROWS=16 * tiles, XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=64, STAGES=2,
-                EPILOGUE=epilogue, PREFETCH=False)
+                EPILOGUE=epilogue, PREFETCH=False, X_L1=x_l1)
     theirs = dict(INT4=True, SPLIT=split, MAGIC=True, TILES=tiles, ROWS=16 * tiles, BLOCK_M=16, BLOCK_N=64,
                   BLOCK_K=128, EPILOGUE=epilogue)
     sig = lambda consts: dict(MATMUL_SIG, **{key: "constexpr" for key in consts})
@@ -63,6 +63,25 @@ def test_a_pair_of_weights_decodes_in_two_integer_instructions(tiles):
 def _copies(ptx: str) -> Counter:
     """Asynchronous copies by width in bytes."""
     return Counter(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx))
+
+
+def _copies_by_cache(ptx: str) -> Counter:
+    """Asynchronous copies by (cache operator, width in bytes)."""
+    return Counter(re.findall(r"cp\.async\.(c[ag])\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx))
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_x_through_l1_changes_only_xs_copies(tiles):
+    """X_L1 (server/gluon_matmul.py `X_VIA_L1_ROWS`): x's copies go through L1 (.ca, 8-byte pieces,
+    twice as many as the 16-byte .cg ones they replace); the weights' copies and the arithmetic are
+    unchanged."""
+    around, _ = _ptx(tiles, split=1)
+    through, _ = _ptx(tiles, split=1, x_l1=True)
+    before, after = _copies_by_cache(around), _copies_by_cache(through)
+    x_wide = before[("cg", "0x10")] - after[("cg", "0x10")]
+    assert x_wide > 0 and after[("ca", "0x8")] == 2 * x_wide and before[("ca", "0x8")] == 0
+    assert after[("ca", "0x4")] == before[("ca", "0x4")]   # scales and offsets
+    assert _arithmetic(through) == _arithmetic(around)
 
 
 @pytest.mark.parametrize("tiles", [1, 3])

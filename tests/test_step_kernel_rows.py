@@ -109,6 +109,29 @@ def test_gluon_tilings_and_rings_give_the_same_bits(n, k, monkeypatch):
             assert torch.equal(other(x[:m]), lin(x[:m])), f"N={n} K={k} n{block_n} s{stages}: {m} rows"
 
 
+@pytest.mark.parametrize("n,k", [(3072, 2560), (20480, 2560), (2560, 10240), (256, 2560)])
+def test_gluon_x_through_l1_gives_the_same_bits(n, k, monkeypatch):
+    """x copied in 8-byte pieces through L1 (server/gluon_matmul.py `X_VIA_L1_ROWS`) instead of 16-byte
+    ones around it, on every tiling: the same shared-memory contents, so the same bits."""
+    from server import gluon_matmul, small_m_matmul
+
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
+    lin = int4_linear(n, k, seed=n + k)
+    if not lin.gluon:
+        pytest.skip("Gluon does not run here")
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    for block_n, warps in gluon_matmul.TILINGS:
+        if n % block_n:
+            continue
+        other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
+                             split=lin.split)
+        for m in (1, 2, 3, 8, 15, 16):   # one row tile: the launches that copy x through L1
+            monkeypatch.setattr(gluon_matmul, "X_VIA_L1_ROWS", 0)
+            want = other(x[:m])
+            monkeypatch.setattr(gluon_matmul, "X_VIA_L1_ROWS", MAX_ROWS)
+            assert torch.equal(other(x[:m]), want), f"N={n} K={k} n{block_n} w{warps}: {m} rows"
+
+
 @pytest.mark.parametrize("tiling", [(64, 2), (128, 4)])
 @pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 10240)])
 def test_wide_tiling_from_some_rows_gives_the_same_bits(n, k, tiling, monkeypatch):
