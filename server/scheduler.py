@@ -3,14 +3,16 @@
 Contract: `Scheduler(workers=1, max_waiting=64)`: `workers` threads each run one job at a time,
 taking jobs in arrival order (the engine's `parallel` lanes: server/engine.py; each request's
 output is the one it gets alone, server/batcher.py says why). `Scheduler.submit(work)` returns a
-`Job`, or raises `QueueFull` when `max_waiting` jobs already wait (the server answers 429 with
-Retry-After); `work(cancelled)` is a synchronous callable returning an iterator (the engine's
-`generate`), run on a worker thread; `async for item in job` receives what it yields, in order,
-and re-raises what it raises. `job.cancel()` (a client disconnected) drops a job still waiting and
-stops a running one at its next step: the worker checks the flag between items and also hands it
-to the engine as its `cancelled` callback; the other jobs never notice. `running` and `waiting`
-count the jobs of each kind. `cancel_all()` (the server is stopping) cancels every job and makes
-`submit` raise `ShuttingDown` from then on.
+`Job`, or raises `QueueFull` when `workers + max_waiting` jobs are already running or waiting (the
+server answers 429 with Retry-After): a job an idle worker is about to take does not count against
+`max_waiting`, so `max_waiting=0` still runs `workers` jobs at once. `work(cancelled)` is a
+synchronous callable returning an iterator (the engine's `generate`), run on a worker thread;
+`async for item in job` receives what it yields, in order, and re-raises what it raises.
+`job.cancel()` (a client disconnected) drops a job still waiting at once (its slot is free for the
+next request, and its iteration ends) and stops a running one at its next step: the worker checks
+the flag between items and also hands it to the engine as its `cancelled` callback; the other jobs
+never notice. `running` and `waiting` count the jobs of each kind. `cancel_all()` (the server is
+stopping) cancels every job and makes `submit` raise `ShuttingDown` from then on.
 """
 from __future__ import annotations
 
@@ -21,19 +23,27 @@ import time
 from typing import Any, Callable, Iterator
 
 _ITEM, _END = 0, 1
+# A job's state, changed only under its scheduler's lock: it waits in the queue, a worker runs it,
+# or it left the queue without running (cancelled while waiting) or ended.
+WAITING, RUNNING, DONE = "waiting", "running", "done"
 
 
 class Job:
-    def __init__(self, work: Callable[[Callable[[], bool]], Iterator[Any]], loop: asyncio.AbstractEventLoop):
+    def __init__(self, work: Callable[[Callable[[], bool]], Iterator[Any]], loop: asyncio.AbstractEventLoop,
+                 on_cancel: Callable[["Job"], None] | None = None):
         self.work = work
         self.loop = loop
         self.items: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
+        self._on_cancel = on_cancel
+        self.state = WAITING
         self.submitted = time.perf_counter()
         self.started: float | None = None      # perf_counter when the worker picked it up
 
     def cancel(self) -> None:
         self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
 
     @property
     def cancelled(self) -> bool:
@@ -94,17 +104,29 @@ class Scheduler:
         self._threads = []
 
     def submit(self, work: Callable[[Callable[[], bool]], Iterator[Any]]) -> Job:
-        job = Job(work, asyncio.get_running_loop())
+        job = Job(work, asyncio.get_running_loop(), on_cancel=self._drop_waiting)
         with self._lock:
             if self.stopping:
                 raise ShuttingDown("the server is shutting down")
-            if self.waiting >= self.max_waiting:
-                raise QueueFull(f"{self.waiting} requests are waiting (at most {self.max_waiting}) and "
-                                f"{self.running} running")
+            # Jobs past the idle workers are the ones that wait: waiting + running - workers of them.
+            if self.waiting + self.running >= self.workers + self.max_waiting:
+                raise QueueFull(f"{self.waiting + self.running - self.workers} requests are waiting "
+                                f"(at most {self.max_waiting}) and {self.running} running")
             self.waiting += 1
             self._live.add(job)
         self._queue.put(job)
         return job
+
+    def _drop_waiting(self, job: Job) -> None:
+        """A cancelled job that has not started leaves the count and ends now; the worker that later
+        takes it from the queue skips it."""
+        with self._lock:
+            if job.state != WAITING:
+                return
+            job.state = DONE
+            self.waiting -= 1
+            self._live.discard(job)
+        job._put(_END, None)
 
     def cancel_all(self) -> None:
         """Cancel every waiting and running request (the server is stopping): each running one ends
@@ -125,12 +147,16 @@ class Scheduler:
             if job is None:
                 return
             with self._lock:
+                if job.state != WAITING:   # dropped while it waited (`_drop_waiting`)
+                    continue
                 self.waiting -= 1
-            if job.cancelled:
+                job.state = RUNNING
+                self.running += 1
+            if job.cancelled:   # cancelled between its flag and `_drop_waiting`'s lock
+                with self._lock:
+                    self.running -= 1
                 self._ended(job, None)
                 continue
-            with self._lock:
-                self.running += 1
             job.started = time.perf_counter()
             error = None
             try:
@@ -153,5 +179,6 @@ class Scheduler:
 
     def _ended(self, job: Job, error: BaseException | None) -> None:
         with self._lock:
+            job.state = DONE
             self._live.discard(job)
         job._put(_END, error)

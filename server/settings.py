@@ -53,7 +53,8 @@ class Settings:
     watch_index: float = field(default=5.0, metadata={
         "help": "seconds between checks for a rebuilt index (0: only on SIGHUP or POST /admin/reload-index)"})
     max_waiting: int = field(default=64, metadata={
-        "help": "requests that may wait for a running one to finish; past it the server answers 429 with Retry-After"})
+        "help": "requests that may wait while --parallel run (0: none wait); past it the server answers 429 with "
+                "Retry-After"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     drafter: DrafterConfig = field(default_factory=DrafterConfig, metadata={"cli": False})
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"cli": False})

@@ -261,6 +261,48 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving():
         assert 'sailfish_requests_total{endpoint="chat",outcome="rejected"}' in httpx.get(url + "/metrics").text
 
 
+def test_idle_lanes_take_a_burst_and_a_waiting_client_that_leaves_frees_its_place():
+    """Requests sent at once to idle lanes are not refused as waiting (with --max-waiting 0 every
+    request was), and a waiting request whose client disconnects frees its place at once instead of
+    holding it (and inflating Retry-After) until a lane came free."""
+    from tests.test_server_protocol import ScriptedEngine, _serve
+
+    engine = ScriptedEngine(delay=0.05)   # each request about a second
+    engine.parallel = 2
+    service, thread = _serve(engine, max_waiting=0)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with thread as url:
+        results: list = []
+
+        def ask():
+            results.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code)
+
+        burst = [threading.Thread(target=ask) for _ in range(3)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join()
+        assert sorted(results) == [200, 200, 429], results   # both lanes served, the third refused
+    engine = ScriptedEngine(delay=0.05)
+    service, thread = _serve(engine, max_waiting=1)
+    with thread as url:
+        running = threading.Thread(target=ask)
+        running.start()
+        while service.scheduler.running < 1:
+            time.sleep(0.01)
+        with pytest.raises(httpx.ReadTimeout):   # waits behind it, then its client gives up
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.3)
+        deadline = time.time() + 5
+        while service.scheduler.waiting and time.time() < deadline:
+            time.sleep(0.01)
+        assert service.scheduler.waiting == 0 and service.scheduler.running == 1
+        late = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)   # its place is free
+        running.join()
+        assert late.status_code == 200, late.text
+        health = httpx.get(url + "/health").json()
+        assert health["waiting"] == 0 and health["running"] == 0
+
+
 def test_rows_waiting_for_a_running_forward_sleep_until_it_ends():
     """Rows that arrive while a forward runs, and whose linger runs out before it ends, sleep until
     its end wakes them (server/batcher.py `_wait_s`); they used to look again every 0.1 ms, taking

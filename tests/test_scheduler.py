@@ -1,0 +1,105 @@
+"""server/scheduler.py's admission and counts, on its own (real threads, no model): a burst at idle
+workers is admitted up to workers + max_waiting, max_waiting=0 still runs every worker, a job
+cancelled while it waits frees its slot at once and ends, and the counts return to zero."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from server.scheduler import QueueFull, Scheduler
+
+
+def _held(release: threading.Event, started: list):
+    """work for a job: says it started, then yields one item once `release` is set."""
+    def work(cancelled):
+        started.append(1)
+        release.wait(30)
+        yield "done"
+    return work
+
+
+async def _drain(job) -> list:
+    return [item async for item in job]
+
+
+def _burst(workers: int, max_waiting: int, jobs: int) -> tuple[int, int]:
+    """Submit `jobs` jobs at once to idle workers: (admitted, refused); every admitted one finishes."""
+    async def main():
+        scheduler = Scheduler(workers, max_waiting)
+        scheduler.start()
+        release, started, admitted, refused = threading.Event(), [], [], 0
+        try:
+            for _ in range(jobs):
+                try:
+                    admitted.append(scheduler.submit(_held(release, started)))
+                except QueueFull:
+                    refused += 1
+            release.set()
+            assert [await _drain(job) for job in admitted] == [["done"]] * len(admitted)
+            assert scheduler.waiting == 0 and scheduler.running == 0
+        finally:
+            release.set()
+            scheduler.stop()
+        return len(admitted), refused
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("workers,max_waiting", [(4, 2), (4, 0), (1, 1), (2, 5)])
+def test_a_burst_at_idle_workers_is_admitted_up_to_workers_plus_max_waiting(workers, max_waiting):
+    """Jobs bound for idle workers do not count against max_waiting (they used to: 4 idle workers
+    with max_waiting 2 admitted 2 of 4 jobs sent at once, and max_waiting 0 refused every job)."""
+    jobs = workers + max_waiting + 3
+    assert _burst(workers, max_waiting, jobs) == (workers + max_waiting, 3)
+
+
+def test_a_job_cancelled_while_waiting_frees_its_slot_and_ends():
+    async def main():
+        scheduler = Scheduler(1, 1)
+        scheduler.start()
+        release, started = threading.Event(), []
+        try:
+            running = scheduler.submit(_held(release, started))
+            while not started:   # the worker holds the first job
+                await asyncio.sleep(0.01)
+            waiting = scheduler.submit(_held(release, started))
+            with pytest.raises(QueueFull):
+                scheduler.submit(_held(release, started))
+            assert (scheduler.running, scheduler.waiting) == (1, 1)
+            waiting.cancel()   # its client went away
+            assert scheduler.waiting == 0
+            assert await asyncio.wait_for(_drain(waiting), 5) == []   # it ends without running
+            replacement = scheduler.submit(_held(release, started))   # the slot is free again
+            waiting.cancel()   # a second cancel changes nothing
+            assert (scheduler.running, scheduler.waiting) == (1, 1)
+            release.set()
+            assert await _drain(running) == ["done"] and await _drain(replacement) == ["done"]
+            assert len(started) == 2   # the cancelled job never ran
+            assert (scheduler.running, scheduler.waiting) == (0, 0)
+        finally:
+            release.set()
+            scheduler.stop()
+    asyncio.run(main())
+
+
+def test_cancel_all_ends_waiting_jobs_at_once():
+    async def main():
+        scheduler = Scheduler(1, 4)
+        scheduler.start()
+        release, started = threading.Event(), []
+        try:
+            running = scheduler.submit(_held(release, started))
+            while not started:
+                await asyncio.sleep(0.01)
+            waiting = [scheduler.submit(_held(release, started)) for _ in range(3)]
+            scheduler.cancel_all()
+            assert scheduler.waiting == 0
+            assert [await asyncio.wait_for(_drain(job), 5) for job in waiting] == [[], [], []]
+            release.set()
+            assert await _drain(running) == ["done"]   # a running job ends at its next item
+            assert len(started) == 1 and scheduler.running == 0
+        finally:
+            release.set()
+            scheduler.stop()
+    asyncio.run(main())
