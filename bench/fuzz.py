@@ -232,7 +232,10 @@ def hostile_requests(seed: int = 0):
                 yield Probe("oversized", "POST", chat, b'{"x": "' + b"a" * (33 * 2**20) + b'"}')
         elif roll < 0.96:
             body = json.dumps(valid_chat(rng) | {"stream": rng.random() < 0.5}).encode()
-            yield Probe("disconnect", "POST", rng.choice([chat, "/v1/completions"]), body, disconnect=True)
+            path = rng.choice([chat, "/v1/completions", "/v1/messages", "/v1/responses"])
+            # half send the whole request, half a body shorter than its Content-Length (gone mid-upload)
+            short = {"content-length": str(len(body) + rng.randint(1, 4096))} if rng.random() < 0.5 else {}
+            yield Probe("disconnect", "POST", path, body, headers=short, disconnect=True)
         else:
             body = valid_chat(rng) if rng.random() < 0.7 else valid_completion(rng)
             yield Probe("valid", "POST", chat if "messages" in body else "/v1/completions", json.dumps(body).encode())

@@ -61,6 +61,7 @@ Translation, field by field:
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -595,7 +596,7 @@ def routes(service: Service, read_json: Callable[[Request], Awaitable[Any]], gua
     size-limited reader), `guarded` answers a handler's errors (app.py's), here in Anthropic's shape."""
     async def messages(request: Request) -> Response:
         req = parse_request(await read_json(request), service.sampling_defaults)
-        prep, events = service.chat_events(req, request.receive, endpoint="messages")
+        prep, events = await service.chat_events(req, request.receive, endpoint="messages")
         stream = message_events(new_message_id(), service.model_id, len(prep.prompt_ids), events, req.stop)
         if req.stream:
             return StreamingResponse(_sse(stream, service), media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -603,7 +604,7 @@ def routes(service: Service, read_json: Callable[[Request], Awaitable[Any]], gua
 
     async def count_tokens(request: Request) -> Response:
         req = parse_request(await read_json(request), service.sampling_defaults, require_max_tokens=False)
-        return JSONResponse({"input_tokens": service.count_chat_tokens(req)})
+        return JSONResponse({"input_tokens": await asyncio.to_thread(service.count_chat_tokens, req)})
 
     guard = functools.partial(guarded, answer=lambda e: error_response(e.status, e.message), logger=log)
     return [Route(MESSAGES_PATH, guard(messages), methods=["POST"]),

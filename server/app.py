@@ -27,7 +27,7 @@ import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -55,12 +55,16 @@ async def _json_body(request: Request):
         raise APIError(413, f"the request body has {declared} bytes; the limit is {MAX_BODY_BYTES}", None,
                        "request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes", None,
-                           "request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes", None,
+                               "request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect as e:   # the client went away mid-upload: its error, not the server's (no 500)
+        raise APIError(499, "the client disconnected while sending the request body", None,
+                       "client_disconnected") from e
     return parse_body(b"".join(chunks))
 
 

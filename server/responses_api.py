@@ -346,7 +346,7 @@ def _echoed_tools(tools: list[dict], body: dict) -> list[dict]:
 async def create_response(service: Service, req: ResponsesRequest, receive=None) -> dict | AsyncIterator[str]:
     """A Response object, or its SSE event stream when `req.chat.stream`."""
     try:
-        _, events = service.chat_events(req.chat, receive, endpoint="responses")
+        _, events = await service.chat_events(req.chat, receive, endpoint="responses")
     except APIError as e:
         raise _in_responses_terms(e) from None
     stream = _response_events(service.model_id, req, events)

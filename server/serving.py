@@ -7,11 +7,14 @@ path, `Service._generate`: a stream of events (content deltas; `Reasoning` delta
 thinking; each tool call as a start once its name is complete, its arguments' JSON fragments as they
 are generated, and an end; one `Finish` with finish_reason, the stop string that ended it, and usage)
 that a streaming response formats
-as chunks and a non-streaming one gathers whole. `chat_events(req, receive, endpoint)` hands out that
-event stream for another wire format (server.anthropic_api, the Messages API), and
-`count_chat_tokens(req)` the length of the prompt a chat request renders to. Every generation runs on
-one of the scheduler's workers (as many as the engine's lanes: requests at once, the rest waiting in
-arrival order) and stops when the client disconnects or the server stops (a 503).
+as chunks and a non-streaming one gathers whole. `await chat_events(req, receive, endpoint)` hands out
+that event stream for another wire format (server.anthropic_api, the Messages API), and
+`count_chat_tokens(req)` the length of the prompt a chat request renders to. A prompt is rendered and
+tokenized (and the grammar compiler built, on the first constrained request) on a worker thread of
+the event loop's pool, never on the loop itself: a long prompt or that first compile stalled every
+other stream while it ran. Every generation runs on one of the scheduler's workers (as many as the
+engine's lanes: requests at once, the rest waiting in arrival order) and stops when the client
+disconnects or the server stops (a 503).
 `load_engine(settings)` builds the engine the CLI serves: model, index and drafter, logging what it
 chose.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -200,6 +204,7 @@ class Service:
         self.prompt_tokens = PromptTokens(engine.tokenizer)
         self._compiler = None  # server.grammar.GrammarCompiler, built on the first constrained request
         self._compiler_error: str | None = None
+        self._compiler_lock = threading.Lock()   # requests are prepared on several threads: one build
         model = getattr(engine, "model", None)
         self.sampling_defaults = (sampling_defaults(getattr(model, "generation_config", None))
                                   if settings.generation_defaults else {})
@@ -293,28 +298,29 @@ class Service:
     def _grammar_compiler(self):
         """The tokenizer's grammar compiler, built on the first constrained request (a few seconds);
         None when llguidance cannot read the tokenizer (the reason is logged once)."""
-        if self._compiler is None and self._compiler_error is None:
-            from server.grammar import GrammarCompiler
+        with self._compiler_lock:
+            if self._compiler is None and self._compiler_error is None:
+                from server.grammar import GrammarCompiler
 
-            t0 = time.perf_counter()
-            try:
-                vocab = getattr(self.engine, "vocab_size", None)
-                self._compiler = GrammarCompiler.for_tokenizer(self.engine.tokenizer, vocab_size=vocab)
-                log.info("grammar compiler for the tokenizer built in %.1f s", time.perf_counter() - t0)
-            except Exception as e:  # llguidance refuses tokenizers it cannot read, in its own ways
-                self._compiler_error = f"{type(e).__name__}: {e}"[:300]
-                log.warning("constrained decoding unavailable: %s", self._compiler_error)
-        return self._compiler
+                t0 = time.perf_counter()
+                try:
+                    vocab = getattr(self.engine, "vocab_size", None)
+                    self._compiler = GrammarCompiler.for_tokenizer(self.engine.tokenizer, vocab_size=vocab)
+                    log.info("grammar compiler for the tokenizer built in %.1f s", time.perf_counter() - t0)
+                except Exception as e:  # llguidance refuses tokenizers it cannot read, in its own ways
+                    self._compiler_error = f"{type(e).__name__}: {e}"[:300]
+                    log.warning("constrained decoding unavailable: %s", self._compiler_error)
+            return self._compiler
 
-    def chat_events(self, req: ChatCompletionRequest, receive=None,
-                    endpoint: str = "chat") -> tuple[_Prepared, AsyncIterator[Event]]:
-        """The prepared prompt and the events of the request's generation (a non-streaming request
-        watches `receive` for a disconnect); `endpoint` labels its metrics."""
-        prep = self.prepare_chat(req)
+    async def chat_events(self, req: ChatCompletionRequest, receive=None,
+                          endpoint: str = "chat") -> tuple[_Prepared, AsyncIterator[Event]]:
+        """The prepared prompt (prepared off the event loop) and the events of the request's generation
+        (a non-streaming request watches `receive` for a disconnect); `endpoint` labels its metrics."""
+        prep = await asyncio.to_thread(self.prepare_chat, req)
         return prep, self._generate(endpoint, prep, None if req.stream else receive, capture=req)
 
     async def chat(self, req: ChatCompletionRequest, receive=None) -> dict | AsyncIterator[str]:
-        _, events = self.chat_events(req, receive)
+        _, events = await self.chat_events(req, receive)
         rid = new_id("chatcmpl")
         if req.stream:
             return self._sse(rid, self._chat_chunks(req, rid, events))
@@ -351,7 +357,7 @@ class Service:
         tok = self.engine.tokenizer
         if isinstance(req.prompt, str):
             self._check_characters(len(req.prompt), "prompt")
-        prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
+        prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else await asyncio.to_thread(tok.encode, req.prompt)
         vocab = getattr(self.engine, "vocab_size", None)
         if isinstance(req.prompt, list) and vocab is not None and max(prompt_ids) >= vocab:
             raise APIError(400, f"token id {max(prompt_ids)} in 'prompt' is outside the vocabulary (0..{vocab - 1})",

@@ -9,6 +9,7 @@ model path is in test_server_model.py.
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import threading
@@ -654,6 +655,57 @@ def test_oversized_body_is_a_413_and_deep_tool_results_render_as_text(server):
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c", "content": deep}]})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions"])
+def test_a_client_gone_mid_upload_is_not_a_server_error(server, path):
+    """A body shorter than its Content-Length, then the socket closed: the client's disconnect, not an
+    unhandled exception (it was counted in sailfish_internal_errors_total and logged with a trace)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(server[2])
+    errors = lambda: re.search(r"^sailfish_internal_errors_total (\d+)", httpx.get(server[2] + "/metrics").text, re.M)
+    before = int(errors().group(1))
+    body = json.dumps({"model": "m", "messages": HI}).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body) + 100}\r\n\r\n".encode() + body)
+    time.sleep(0.3)   # the server sees the close
+    assert int(errors().group(1)) == before
+    assert httpx.post(server[2] + "/v1/chat/completions", json={"model": "m", "messages": HI}).status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "SLOW"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "SLOW"}]}),
+    ("/v1/responses", {"model": "m", "input": "SLOW"}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "SLOW"}]})])
+def test_preparing_a_prompt_does_not_hold_the_event_loop(path, body):
+    """Rendering and tokenizing a prompt (and building the grammar compiler, on the first constrained
+    request) run off the event loop: while one request's preparation takes 1.5 s, /health and other
+    streams answer (on the loop a 2M-character prompt stalled every stream for 1.4 s, the first
+    compile for 3 s)."""
+    engine = ScriptedEngine()
+    service, thread = _serve(engine)
+    prepare = service._chat_prompt if path.endswith("count_tokens") else service.prepare_chat
+
+    def slow(req):
+        if "SLOW" in json.dumps(req.messages):
+            time.sleep(1.5)
+        return prepare(req)
+    setattr(service, "_chat_prompt" if path.endswith("count_tokens") else "prepare_chat", slow)
+    with thread as url:
+        answer: list = []
+        t = threading.Thread(target=lambda: answer.append(httpx.post(url + path, json=body, timeout=30)))
+        t.start()
+        time.sleep(0.3)   # its preparation has begun
+        t0 = time.perf_counter()
+        health = httpx.get(url + "/health", timeout=30)
+        waited = time.perf_counter() - t0
+        t.join()
+    assert health.status_code == 200 and answer[0].status_code == 200, answer[0].text
+    assert waited < 0.8, f"/health waited {waited:.2f} s behind a prompt's preparation"
 
 
 def test_tiny_temperature_is_greedy_and_token_ids_are_checked():
