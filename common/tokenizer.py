@@ -58,23 +58,39 @@ def conversation_turns(fmt: ChatFormat, tok, messages: list[dict], tools: list[d
     return turns
 
 
-def indexed_turns(fmt: ChatFormat, tok, conversations, anchor_tokens: int, lead_chars: int = 256) -> list[list[int]]:
+def indexed_turns(fmt: ChatFormat, tok, conversations, anchor_tokens: int, lead_chars: int = 256,
+                  on_error=None) -> list[list[int]]:
     """What the index stores per assistant turn: the last `anchor_tokens` prompt tokens + the turn.
 
     Fast path for the built-in format: each turn is tokenized with only `lead_chars` characters of
     the text before it (token boundaries are local, so the ids match a whole-conversation
     tokenization), all turns of the batch in one call to the fast tokenizer.
+    `on_error(conversation, exception)`: a conversation the format cannot render (a chat template's
+    own refusal, say) is handed to it and left out; without it the exception propagates.
     """
+    def rendered(render, conv):
+        if on_error is None:
+            return render()
+        try:
+            return render()
+        except Exception as e:   # whatever a template raises about one conversation
+            on_error(conv, e)
+            return None
+
     if fmt.uses_template or not getattr(tok, "is_fast", False):
         out = []
         for conv in conversations:
-            for ctx, target in fmt.turn_token_ids(tok, conv.messages, conv.tools):
+            turns = rendered(lambda: fmt.turn_token_ids(tok, conv.messages, conv.tools), conv)
+            for ctx, target in turns or []:
                 if target:
                     out.append(ctx[-anchor_tokens:] + target if anchor_tokens else target)
         return out
     pieces: list[tuple[str, int]] = []
     for conv in conversations:
-        text, spans = fmt.render_with_spans(conv.messages, conv.tools)
+        done = rendered(lambda: fmt.render_with_spans(conv.messages, conv.tools), conv)
+        if done is None:
+            continue
+        text, spans = done
         for a, b in spans:
             lead = max(0, a - lead_chars)
             pieces.append((text[lead:b], a - lead))

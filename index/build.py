@@ -130,7 +130,10 @@ def build_index(
         else:
             unreadable = len(summary.report.unreadable)
             convs = bfcl_index_conversations(summary.report) if key == BFCL_SOURCE else list(iter_conversations([key], summary.report))
-            turns.extend(np.asarray(t, dtype=np.uint32) for t in indexed_turns(fmt, tok, convs, params.anchor_tokens))
+            unrendered = lambda conv, e: summary.report.skip(conv.source, conv.line,
+                                                              f"cannot be rendered ({type(e).__name__}: {e})")
+            turns.extend(np.asarray(t, dtype=np.uint32)
+                         for t in indexed_turns(fmt, tok, convs, params.anchor_tokens, on_error=unrendered))
             summary.read_sources += 1
             summary.conversations += len(convs)
             old = {"conversations": len(convs)}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from common.chat_format import MAX_VALUE_DEPTH, json_depth
 from common.json_text import lone_surrogate_at, may_hold_lone_surrogate
 
 
@@ -88,6 +89,11 @@ class ReadReport:
         return "\n".join(out)
 
 
+# A trace line's nesting: a record's envelope (messages, a call, its function) around values the chat
+# format renders up to MAX_VALUE_DEPTH deep; deeper lines are skipped before any reader recurses.
+MAX_LINE_DEPTH = 2 * MAX_VALUE_DEPTH
+
+
 class BadLine(ValueError):
     """A line (or message inside it) that does not have the expected shape."""
 
@@ -107,16 +113,21 @@ def strip_ansi_deep(value: Any) -> Any:
 
 
 def normalize_arguments(arguments: Any) -> str:
-    """Tool-call arguments as a JSON string, ANSI stripped. Unparseable strings stay as text."""
+    """Tool-call arguments as a JSON string, ANSI stripped. Unparseable strings, and JSON strings nested
+    deeper than the chat format renders (MAX_VALUE_DEPTH), stay as text; such an object is a BadLine."""
     if arguments is None:
         return "{}"
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
+            return strip_ansi(arguments)
+        if json_depth(parsed) > MAX_VALUE_DEPTH:
             return strip_ansi(arguments)
         return json.dumps(strip_ansi_deep(parsed), ensure_ascii=False)
     if isinstance(arguments, (dict, list)):
+        if json_depth(arguments) > MAX_VALUE_DEPTH:
+            raise BadLine(f"arguments nested deeper than {MAX_VALUE_DEPTH} levels")
         return json.dumps(strip_ansi_deep(arguments), ensure_ascii=False)
     raise BadLine(f"arguments of type {type(arguments).__name__}")
 
@@ -205,7 +216,7 @@ def _detect(lines: list[str]) -> str | None:
     for line in lines:
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(obj, dict):
             continue
@@ -301,6 +312,8 @@ def parse_openai_tools(raw: Any) -> list[dict]:
         params = fn.get("parameters") or {"type": "object"}
         if not isinstance(params, dict):
             raise BadLine(f"tool {i}: parameters is not an object")
+        if json_depth(params) > MAX_VALUE_DEPTH:   # the chat format refuses to render it
+            raise BadLine(f"tool {i}: parameters nested deeper than {MAX_VALUE_DEPTH} levels")
         f = {"name": fn["name"], "parameters": params}
         if isinstance(fn.get("description"), str):
             f["description"] = fn["description"]
@@ -318,6 +331,12 @@ def _json_lines(source: str, lines: list[str], report: ReadReport) -> Iterator[t
             value = json.loads(line)
         except ValueError as e:
             report.skip(source, no, f"invalid JSON: {e.msg}")
+            continue
+        except RecursionError:
+            report.skip(source, no, "JSON nested too deeply to read")
+            continue
+        if json_depth(value, MAX_LINE_DEPTH) > MAX_LINE_DEPTH:
+            report.skip(source, no, f"JSON nested deeper than {MAX_LINE_DEPTH} levels")
             continue
         where = lone_surrogate_at(value) if may_hold_lone_surrogate(line) else None
         if where is not None:
@@ -399,7 +418,7 @@ class _ClaudeThread:
                 raise BadLine("user content block is not an object")
             if b.get("type") == "tool_result":
                 tid = b.get("tool_use_id")
-                if tid not in self.tool_names:
+                if not isinstance(tid, str) or tid not in self.tool_names:
                     skip(f"tool_result for unknown tool_use_id {tid!r}")
                     continue
                 self.messages.append({"role": "tool", "tool_call_id": tid,

@@ -225,7 +225,7 @@ def _load_index(path: str | os.PathLike, expected_fingerprint: str | None) -> Ng
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise IndexLoadError(f"{gen} is not a Sailfish n-gram index")
     if meta.get("version") != FORMAT_VERSION:
-        raise IndexLoadError(f"index format version {meta.get('version')} at {gen}; this Sailfish reads {FORMAT_VERSION}: rebuild it")
+        raise IndexLoadError(f"index format version {meta.get('version')!r} at {gen}; this Sailfish reads {FORMAT_VERSION}: rebuild it")
     for name in _DATA_FILES:
         record = meta["files"].get(name)
         actual = _file_record(gen / name) if (gen / name).exists() else None
@@ -235,6 +235,7 @@ def _load_index(path: str | os.PathLike, expected_fingerprint: str | None) -> Ng
             raise IndexLoadError(f"index file {name} in {gen} is truncated or altered ({actual['bytes']} bytes, expected {record['bytes']}); rebuild the index")
         if actual["crc32"] != record["crc32"]:
             raise IndexLoadError(f"index file {name} in {gen} is corrupted (CRC mismatch); rebuild the index")
+    _check_meta_fields(meta, gen)
     if expected_fingerprint is not None and meta["fingerprint"] != expected_fingerprint:
         raise IndexLoadError(
             f"index at {gen} was built for a different tokenizer (fingerprint {meta['fingerprint'][:12]}, "
@@ -250,7 +251,32 @@ def _load_index(path: str | os.PathLike, expected_fingerprint: str | None) -> Ng
         raise IndexLoadError(f"index at {gen} is inconsistent ({counts.shape[0]} counts for {len(trie)} keys)")
     corpus = _memmap_or_empty(gen / CORPUS_FILE, np.uint32)
     offsets = _memmap_or_empty(gen / OFFSETS_FILE, np.uint64)
+    if any(v["turn_end"] > max(0, offsets.shape[0] - 1) for v in meta.get("sources", {}).values()):
+        raise IndexLoadError(f"index metadata at {gen} names turns past its corpus; rebuild the index")
     return NgramIndex(path=gen, trie=trie, counts=counts, corpus=corpus, offsets=offsets, meta=meta)
+
+
+def _check_meta_fields(meta: dict, gen: Path) -> None:
+    """The metadata's fields that readers use have the shapes a build writes (the data files have CRCs;
+    the metadata has none, so an edited or damaged one is caught here rather than in a reader)."""
+    def refuse(what: str):
+        raise IndexLoadError(f"index metadata at {gen} is malformed ({what}); rebuild the index")
+
+    if not isinstance(meta.get("fingerprint"), str):
+        refuse("no tokenizer fingerprint")
+    params = meta.get("params")
+    fields = BuildParams().as_dict()
+    if not isinstance(params, dict) or set(params) != set(fields) or not all(
+            type(params[k]) is int and params[k] > 0 for k in fields):
+        refuse(f"build parameters {params!r:.80}, expected positive integers {sorted(fields)}")
+    if not isinstance(meta.get("stats", {}), dict):
+        refuse("stats is not a map")
+    sources = meta.get("sources", {})
+    if not isinstance(sources, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("signature"), str)
+            and type(v.get("turn_start")) is int and type(v.get("turn_end")) is int
+            and 0 <= v["turn_start"] <= v["turn_end"] for k, v in sources.items()):
+        refuse("a source record without its signature and turn range")
 
 
 def _memmap_or_empty(path: Path, dtype) -> np.ndarray:

@@ -90,7 +90,11 @@ class IndexReloader:
                 except IndexLoadError:
                     continue
                 if generation != self.in_service() and generation != self._refused:
-                    self.reload()  # a refusal records the generation it refused
+                    try:
+                        self.reload()  # a refusal records the generation it refused
+                    except Exception:   # the watcher outlives whatever one generation does to it
+                        log.exception("index reload of %s failed; the index in service stays", generation.name)
+                        self._refused = generation
         threading.Thread(target=loop, name="index-watch", daemon=True).start()
 
     def stop(self) -> None:

@@ -40,6 +40,28 @@ def test_build_counts_bad_lines_and_indexes_both_formats(tmp_path, capsys):
     assert corpus_text  # tokens were indexed
 
 
+def test_a_conversation_the_format_cannot_render_is_reported_not_fatal(tmp_path, capsys, monkeypatch):
+    """One conversation the chat format refuses to render (a template's own refusal, or a value the
+    reader let through) used to abort the whole build: it is now a skipped, reported line, on the
+    fast path and on the per-turn path alike."""
+    from common.chat_format import ChatFormat
+
+    real = ChatFormat.render_with_spans
+
+    def refuse_one(self, messages, tools):
+        if "REFUSE" in json.dumps(messages):
+            raise ValueError("this template cannot render it")
+        return real(self, messages, tools)
+    monkeypatch.setattr(ChatFormat, "render_with_spans", refuse_one)
+    refused = json.loads(_openai_lines()[0])
+    refused["messages"][0]["content"] = "REFUSE this"
+    traces = tmp_path / "chat.jsonl"
+    traces.write_text("\n".join([_openai_lines()[0], json.dumps(refused), _openai_lines()[0]]) + "\n")
+    assert main(["build", "--traces", str(traces), "--out", str(tmp_path / "idx"), "--quiet"]) == 0
+    assert "chat.jsonl:2: cannot be rendered (ValueError: this template cannot render it)" in capsys.readouterr().out
+    assert load_index(tmp_path / "idx").meta["stats"]["turns"] == 4   # two of the three conversations
+
+
 def test_no_usable_turns_is_an_error_and_writes_nothing(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{broken\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")

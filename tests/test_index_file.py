@@ -59,6 +59,27 @@ def test_broken_files_are_refused_with_a_message(tmp_path, damage, monkeypatch):
         load_index(tmp_path, "fp")
 
 
+@pytest.mark.parametrize("edit", [
+    lambda m: m.pop("params"), lambda m: m["params"].update(extra=1), lambda m: m["params"].update(key_tokens="64"),
+    lambda m: m["params"].update(anchor_tokens=0), lambda m: m.update(fingerprint=None), lambda m: m.update(stats=3),
+    lambda m: m.update(sources=7), lambda m: m.update(sources={"a.jsonl": {"signature": "s"}}),
+    lambda m: m.update(sources={"a.jsonl": {"signature": "s", "turn_start": 0, "turn_end": 99}})],
+    ids=["no-params", "extra-param", "string-param", "zero-param", "no-fingerprint", "stats", "sources",
+         "source-fields", "source-past-corpus"])
+def test_metadata_of_the_wrong_shape_is_refused_on_load(tmp_path, edit):
+    """The metadata has no CRC: a field a reader uses, missing or of the wrong shape, is refused when the
+    index loads (it broke the server's start, /admin/reload-index, the watcher and every incremental
+    build with a KeyError or TypeError deep in a reader)."""
+    import msgpack
+
+    gen = write_index(tmp_path, TURNS, "fp", BuildParams())
+    meta = msgpack.unpackb((gen / index_file.META_FILE).read_bytes())
+    edit(meta)
+    (gen / index_file.META_FILE).write_bytes(msgpack.packb(meta))
+    with pytest.raises(IndexLoadError, match="malformed|past its corpus"):
+        load_index(tmp_path, "fp")
+
+
 def test_missing_index_says_how_to_build_one(tmp_path):
     with pytest.raises(IndexLoadError, match="make index"):
         load_index(tmp_path / "nothing")

@@ -120,3 +120,47 @@ def test_the_watcher_reloads_and_health_says_so_and_a_refused_generation_is_read
             assert service.reloader.in_service() == good and len(loads) == 2  # the good one, the bad one once
     finally:
         service.reloader.stop()
+
+
+def test_the_watcher_outlives_a_generation_that_breaks_the_reload(target, tmp_path, monkeypatch):
+    """An unexpected exception while putting a generation in service (here make_drafter's) is logged
+    and that generation is not read again; the watcher thread lives on (it died, so no later build
+    was picked up until a manual reload) and the next good generation goes into service."""
+    import time
+
+    import server.reload
+    from ngram.drafter import NgramDrafter
+
+    fingerprint = tokenizer_fingerprint(target.tokenizer)
+    index_dir = tmp_path / "index"
+    settings = Settings(index=index_dir, trace_log=False)
+    engine = Engine(target, NgramDrafter(None, settings.drafter), EngineConfig(cost_curve=np.ones(17)))
+    service = Service(engine, settings, "no usable index: drafting from the live context")
+    real_make = server.reload.make_drafter
+    calls = []
+
+    def make_drafter(index, *args):
+        calls.append(index.path)
+        if len(calls) == 1:
+            raise RuntimeError("a reader this generation breaks")
+        return real_make(index, *args)
+    monkeypatch.setattr(server.reload, "make_drafter", make_drafter)
+
+    def wait_for(done):
+        for _ in range(200):
+            if done():
+                return True
+            time.sleep(0.05)
+        return False
+
+    service.reloader.watch(0.05)
+    try:
+        _index_generation(index_dir, fingerprint, 1)
+        assert wait_for(lambda: calls)
+        time.sleep(0.4)   # several polls: the broken generation is not read again
+        assert len(calls) == 1 and service.reloader.in_service() is None
+        _index_generation(index_dir, fingerprint, 2)
+        assert wait_for(lambda: service.reloader.in_service() is not None)
+        assert len(calls) == 2 and service.reloader.in_service() == calls[1]
+    finally:
+        service.reloader.stop()

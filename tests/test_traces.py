@@ -165,6 +165,47 @@ def test_claude_code_sidechain_is_separate_and_bad_events_are_counted(tmp_path):
         (6, "tool_result"), (7, "invalid"), (8, "assistant")]
 
 
+def _nested(depth: int, leaf=1):
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_hostile_nesting_and_ids_skip_their_line_and_keep_the_rest(tmp_path):
+    """Each of these aborted a whole build with a traceback: a tool_use_id that is a list (unhashable),
+    a line nested 100,000 deep (RecursionError in the JSON reader), tool-call arguments 900 deep
+    (RecursionError stripping ANSI), and tool parameters 70 deep (the chat format refuses to render
+    them). Each is now a skipped, reported line; deep arguments sent as a JSON string stay text."""
+    good = {"messages": [{"role": "user", "content": "list"},
+                         {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "a b"},
+                         {"role": "assistant", "content": "done"}]}
+    deep_args = json.loads(json.dumps(good))
+    deep_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"x": _nested(900)}
+    deep_string_args = json.loads(json.dumps(good))
+    deep_string_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"x": _nested(90)})
+    deep_params = dict(good, tools=[{"type": "function", "function": {"name": "ls", "parameters": {
+        "type": "object", "properties": {"p": _nested(70, {"type": "string"})}}}}])
+    f = write_jsonl(tmp_path / "t.jsonl", [good, "[" * 100_000, good, deep_args, deep_params, deep_string_args])
+    convs, report = read(f)
+    assert len(convs) == 3   # good twice, and the one whose deep arguments stay a string
+    assert json.loads(convs[2].messages[1]["tool_calls"][0]["function"]["arguments"]) == {"x": _nested(90)}
+    reasons = {line: reason for _, line, reason in report.skipped}
+    assert set(reasons) == {2, 4, 5}
+    assert "deep" in reasons[2] and "deeper than" in reasons[4] and "parameters nested deeper" in reasons[5]
+
+    def ev(kind, content, **kw):
+        return {"type": kind, "sessionId": "s", "message": {"role": kind, "content": content, **kw}}
+    rows = [ev("user", "go"), ev("assistant", [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}], id="m1"),
+            ev("user", [{"type": "tool_result", "tool_use_id": ["t1"], "content": "x"}]),
+            ev("user", [{"type": "tool_result", "tool_use_id": {"id": "t1"}, "content": "x"}]),
+            ev("user", [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}])]
+    convs, report = read(write_jsonl(tmp_path / "session.jsonl", rows))
+    assert [m["role"] for m in convs[0].messages] == ["user", "assistant", "tool"]
+    assert [(line, reason.split()[0]) for _, line, reason in report.skipped] == [(3, "tool_result"), (4, "tool_result")]
+
+
 def test_directory_is_searched_recursively(tmp_path):
     (tmp_path / "deep" / "er").mkdir(parents=True)
     write_jsonl(tmp_path / "deep" / "er" / "x.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
