@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 
@@ -24,26 +25,43 @@ async def _drain(job) -> list:
     return [item async for item in job]
 
 
-def _burst(workers: int, max_waiting: int, jobs: int) -> tuple[int, int]:
-    """Submit `jobs` jobs at once to idle workers: (admitted, refused); every admitted one finishes."""
+def _run(workers: int, max_waiting: int, body) -> Any:
+    """asyncio.run(body(scheduler, release, started)) on a started Scheduler, stopped after; `release`
+    lets held jobs finish (set on the way out too), `started` counts the jobs that began running."""
     async def main():
         scheduler = Scheduler(workers, max_waiting)
         scheduler.start()
-        release, started, admitted, refused = threading.Event(), [], [], 0
+        release, started = threading.Event(), []
         try:
-            for _ in range(jobs):
-                try:
-                    admitted.append(scheduler.submit(_held(release, started)))
-                except QueueFull:
-                    refused += 1
-            release.set()
-            assert [await _drain(job) for job in admitted] == [["done"]] * len(admitted)
-            assert scheduler.waiting == 0 and scheduler.running == 0
+            return await body(scheduler, release, started)
         finally:
             release.set()
             scheduler.stop()
-        return len(admitted), refused
     return asyncio.run(main())
+
+
+async def _one_running(scheduler: Scheduler, release: threading.Event, started: list):
+    """A job submitted and held running on a worker."""
+    job = scheduler.submit(_held(release, started))
+    while not started:
+        await asyncio.sleep(0.01)
+    return job
+
+
+def _burst(workers: int, max_waiting: int, jobs: int) -> tuple[int, int]:
+    """Submit `jobs` jobs at once to idle workers: (admitted, refused); every admitted one finishes."""
+    async def body(scheduler, release, started):
+        admitted, refused = [], 0
+        for _ in range(jobs):
+            try:
+                admitted.append(scheduler.submit(_held(release, started)))
+            except QueueFull:
+                refused += 1
+        release.set()
+        assert [await _drain(job) for job in admitted] == [["done"]] * len(admitted)
+        assert scheduler.waiting == 0 and scheduler.running == 0
+        return len(admitted), refused
+    return _run(workers, max_waiting, body)
 
 
 @pytest.mark.parametrize("workers,max_waiting", [(4, 2), (4, 0), (1, 1), (2, 5)])
@@ -55,51 +73,33 @@ def test_a_burst_at_idle_workers_is_admitted_up_to_workers_plus_max_waiting(work
 
 
 def test_a_job_cancelled_while_waiting_frees_its_slot_and_ends():
-    async def main():
-        scheduler = Scheduler(1, 1)
-        scheduler.start()
-        release, started = threading.Event(), []
-        try:
-            running = scheduler.submit(_held(release, started))
-            while not started:   # the worker holds the first job
-                await asyncio.sleep(0.01)
-            waiting = scheduler.submit(_held(release, started))
-            with pytest.raises(QueueFull):
-                scheduler.submit(_held(release, started))
-            assert (scheduler.running, scheduler.waiting) == (1, 1)
-            waiting.cancel()   # its client went away
-            assert scheduler.waiting == 0
-            assert await asyncio.wait_for(_drain(waiting), 5) == []   # it ends without running
-            replacement = scheduler.submit(_held(release, started))   # the slot is free again
-            waiting.cancel()   # a second cancel changes nothing
-            assert (scheduler.running, scheduler.waiting) == (1, 1)
-            release.set()
-            assert await _drain(running) == ["done"] and await _drain(replacement) == ["done"]
-            assert len(started) == 2   # the cancelled job never ran
-            assert (scheduler.running, scheduler.waiting) == (0, 0)
-        finally:
-            release.set()
-            scheduler.stop()
-    asyncio.run(main())
+    async def body(scheduler, release, started):
+        running = await _one_running(scheduler, release, started)
+        waiting = scheduler.submit(_held(release, started))
+        with pytest.raises(QueueFull):
+            scheduler.submit(_held(release, started))
+        assert (scheduler.running, scheduler.waiting) == (1, 1)
+        waiting.cancel()   # its client went away
+        assert scheduler.waiting == 0
+        assert await asyncio.wait_for(_drain(waiting), 5) == []   # it ends without running
+        replacement = scheduler.submit(_held(release, started))   # the slot is free again
+        waiting.cancel()   # a second cancel changes nothing
+        assert (scheduler.running, scheduler.waiting) == (1, 1)
+        release.set()
+        assert await _drain(running) == ["done"] and await _drain(replacement) == ["done"]
+        assert len(started) == 2   # the cancelled job never ran
+        assert (scheduler.running, scheduler.waiting) == (0, 0)
+    _run(1, 1, body)
 
 
 def test_cancel_all_ends_waiting_jobs_at_once():
-    async def main():
-        scheduler = Scheduler(1, 4)
-        scheduler.start()
-        release, started = threading.Event(), []
-        try:
-            running = scheduler.submit(_held(release, started))
-            while not started:
-                await asyncio.sleep(0.01)
-            waiting = [scheduler.submit(_held(release, started)) for _ in range(3)]
-            scheduler.cancel_all()
-            assert scheduler.waiting == 0
-            assert [await asyncio.wait_for(_drain(job), 5) for job in waiting] == [[], [], []]
-            release.set()
-            assert await _drain(running) == ["done"]   # a running job ends at its next item
-            assert len(started) == 1 and scheduler.running == 0
-        finally:
-            release.set()
-            scheduler.stop()
-    asyncio.run(main())
+    async def body(scheduler, release, started):
+        running = await _one_running(scheduler, release, started)
+        waiting = [scheduler.submit(_held(release, started)) for _ in range(3)]
+        scheduler.cancel_all()
+        assert scheduler.waiting == 0
+        assert [await asyncio.wait_for(_drain(job), 5) for job in waiting] == [[], [], []]
+        release.set()
+        assert await _drain(running) == ["done"]   # a running job ends at its next item
+        assert len(started) == 1 and scheduler.running == 0
+    _run(1, 4, body)
