@@ -45,7 +45,7 @@ Translation, field by field:
   cannot be enforced and the prompt has no switch that turns thinking on (in Claude Code:
   MAX_THINKING_TOKENS=0). Whatever the model does think (Gemma 4's thinking channel) is answered as
   `thinking` blocks (`signature` ""), before the text and tool_use blocks it precedes.
-- Accepted and without effect: `metadata`; `cache_control` (top level and on any block or tool:
+- Accepted and without effect: `metadata` (`user_id`, a string, alone); `cache_control` (top level and on any block or tool:
   Sailfish's prefix cache is automatic); `service_tier` (there is one tier); `output_config.effort`
   (a hint; `output_config.format` gets a 400); `context_management` whose edits all clear thinking
   (there is none to clear; other edits get a 400). The `anthropic-version` and `anthropic-beta`
@@ -161,7 +161,7 @@ def _check_anthropic_ranges(body: dict) -> None:
     """Where Anthropic's ranges are narrower than the OpenAI route's checks (temperature 0-1, not
     0-2; top_k not negative, where -1 means "off" on the OpenAI route): refused as Anthropic refuses."""
     temperature, top_k = body.get("temperature"), body.get("top_k")
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 1:
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
         raise _bad("temperature: must be between 0 and 1", "temperature")
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
         raise _bad("top_k: must be at least 0", "top_k")
@@ -172,6 +172,11 @@ def _check_no_effect_fields(body: dict) -> None:
     something Sailfish does not do is refused."""
     for name in ("metadata", "cache_control", "output_config", "context_management"):
         _opt(body, name, dict, None, "an object")
+    metadata = body.get("metadata") or {}
+    if set(metadata) - {"user_id"}:   # Anthropic's metadata holds user_id alone
+        raise _bad(f"metadata.{sorted(set(metadata) - {'user_id'})[0]}: Extra inputs are not permitted", "metadata")
+    if metadata.get("user_id") is not None and not isinstance(metadata["user_id"], str):
+        raise _bad("metadata.user_id: must be a string", "metadata")
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise _bad("service_tier: must be 'auto' or 'standard_only'", "service_tier")
     output_config = body.get("output_config") or {}

@@ -229,26 +229,25 @@ class Service:
 
     # ------------------------------------------------------------ chat
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict]]:
-        """(prompt ids, the tools the model sees) of a chat request."""
-        offered = req.tools if req.tool_choice != "none" else []
-        text = self.chat_format.render_prompt(req.messages, offered, req.tool_choice)
-        self._check_characters(len(text), "messages")
-        return self.prompt_tokens.encode(text), offered
-
-    def count_chat_tokens(self, req: ChatCompletionRequest) -> int:
-        """The prompt tokens `req` renders to (not checked against the context: a count, not a request)."""
-        return len(self._chat_prompt(req)[0])
-
-    def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
-        fmt = self.chat_format
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict], Any, str | dict]:
+        """(prompt ids, the tools the model sees, the grammar constraint or None, the tool_choice the
+        prompt is rendered with) of a chat request: one rendering for generation and for counting."""
         offered = req.tools if req.tool_choice != "none" else []
         constraint = self._constraint(req, offered)
         # An enforced call is the grammar's to write from its first token: no forced prefix then.
         tool_choice = "auto" if constraint is not None and offered else req.tool_choice
-        text = fmt.render_prompt(req.messages, offered, tool_choice)
+        text = self.chat_format.render_prompt(req.messages, offered, tool_choice)
         self._check_characters(len(text), "messages")
-        prompt_ids = self.prompt_tokens.encode(text)
+        return self.prompt_tokens.encode(text), offered, constraint, tool_choice
+
+    def count_chat_tokens(self, req: ChatCompletionRequest) -> int:
+        """The prompt tokens `req` renders to, as its generation's prompt (not checked against the
+        context: a count, not a request)."""
+        return len(self._chat_prompt(req)[0])
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
+        fmt = self.chat_format
+        prompt_ids, offered, constraint, tool_choice = self._chat_prompt(req)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens, req.max_tokens_field)
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,

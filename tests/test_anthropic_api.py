@@ -300,7 +300,10 @@ def test_malformed_bodies_unknown_routes_and_the_server_keeps_serving(server, cl
     ({"messages": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}, "type: must be a string"),
     ({"system": [{"type": ["text"], "text": "x"}]}, "type: must be a string"),
     ({"temperature": 1.5}, "temperature"),   # Anthropic's range is 0-1 (the OpenAI route's 0-2)
+    ({"temperature": -1}, "temperature: must be between 0 and 1"),   # said "at most 2" before
     ({"top_k": -1}, "top_k"),
+    ({"metadata": {"user_id": 123}}, "metadata.user_id: must be a string"),   # accepted before
+    ({"metadata": {"user_id": "u", "foo": "bar"}}, "metadata.foo: Extra inputs are not permitted"),
 ])
 def test_what_anthropic_refuses_is_a_400_not_a_500(server, fields, says):
     body = {"model": "m", "max_tokens": 10, "messages": HI, **fields}

@@ -145,3 +145,19 @@ def test_a_required_call_is_enforced_under_a_chat_template_that_writes_gemma_cal
             r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], tools=TOOLS,
                                                tool_choice="required", parallel_tool_calls=False, max_tokens=64)
             assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+
+
+def test_count_tokens_counts_the_prompt_an_enforced_call_is_generated_from(servers):
+    """count_tokens renders as generation does: under tool_choice any / tool the grammar writes the call
+    from its first token, so the prompt has no forced call prefix (the count had it: 103 against 95)."""
+    import httpx
+
+    base = str(servers[0].base_url).rstrip("/").removesuffix("/v1")
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "required": ["city"],
+                                                      "properties": {"city": {"type": "string"}}}}]
+    messages = [{"role": "user", "content": "Call get_weather for Paris now."}]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}):
+        body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": choice}
+        counted = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=300).json()["input_tokens"]
+        usage = httpx.post(base + "/v1/messages", json=dict(body, max_tokens=4), timeout=300).json()["usage"]
+        assert counted == usage["input_tokens"] + usage["cache_read_input_tokens"], choice
