@@ -69,11 +69,11 @@ def indexed_turns(fmt: ChatFormat, tok, conversations, anchor_tokens: int, lead_
     own refusal, say) is handed to it and left out; without it the exception propagates.
     """
     def rendered(render, conv):
-        if on_error is None:
-            return render()
         try:
             return render()
         except Exception as e:   # whatever a template raises about one conversation
+            if on_error is None:
+                raise
             on_error(conv, e)
             return None
 

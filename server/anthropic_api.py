@@ -173,8 +173,9 @@ def _check_no_effect_fields(body: dict) -> None:
     for name in ("metadata", "cache_control", "output_config", "context_management"):
         _opt(body, name, dict, None, "an object")
     metadata = body.get("metadata") or {}
-    if set(metadata) - {"user_id"}:   # Anthropic's metadata holds user_id alone
-        raise _bad(f"metadata.{sorted(set(metadata) - {'user_id'})[0]}: Extra inputs are not permitted", "metadata")
+    extra = sorted(set(metadata) - {"user_id"})   # Anthropic's metadata holds user_id alone
+    if extra:
+        raise _bad(f"metadata.{extra[0]}: Extra inputs are not permitted", "metadata")
     if metadata.get("user_id") is not None and not isinstance(metadata["user_id"], str):
         raise _bad("metadata.user_id: must be a string", "metadata")
     if body.get("service_tier") not in (None, "auto", "standard_only"):

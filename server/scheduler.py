@@ -146,17 +146,15 @@ class Scheduler:
             job = self._queue.get()
             if job is None:
                 return
+            if job.cancelled:   # dropped while it waited, or its cancel has yet to drop it: one of us does
+                self._drop_waiting(job)
+                continue
             with self._lock:
-                if job.state != WAITING:   # dropped while it waited (`_drop_waiting`)
+                if job.state != WAITING:   # dropped since (`_drop_waiting`)
                     continue
                 self.waiting -= 1
                 job.state = RUNNING
                 self.running += 1
-            if job.cancelled:   # cancelled between its flag and `_drop_waiting`'s lock
-                with self._lock:
-                    self.running -= 1
-                self._ended(job, None)
-                continue
             job.started = time.perf_counter()
             error = None
             try:
