@@ -10,7 +10,9 @@ attends to, and the CUDA tests prove the bits. The merge (each row's chunk parti
 order) is done by a torch twin in most cases (the interpreter runs the merge kernel slowly); in
 MERGE_CASES the merge kernel runs too, and must agree with the twin. The step's K/V rows handed to
 the launch instead of written before it (new_kv) must give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
-and leave the cache as index_copy_ would. Runs in a subprocess: TRITON_INTERPRET must be set before the
+and leave the cache as index_copy_ would. The chunks the step wrote into, a row block a program
+(server/step_attention.py OWN_BLOCKS) or a token a program, give the same bits (BY_TOKEN_CASES).
+Runs in a subprocess: TRITON_INTERPRET must be set before the
 kernels are defined.
 """
 from __future__ import annotations
@@ -38,6 +40,9 @@ WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 an
 # row blocks, and own-chunk programs of several tokens a row block), and one 16-row tree on the ring
 # that wraps (the interpreter runs the merges slowly: CI time)
 MERGE_CASES = [case for case in CASES if case[3] <= 5] + [(True, 200, 96, 16, True)]
+# The chunks a step wrote into, a row block a program (server/step_attention.py OWN_BLOCKS, as shipped)
+# against one token a program: the same output bits, chains and trees of 5 and 16 rows in every geometry
+BY_TOKEN_CASES = [case for case in CASES if case[3] in (5, 16)]
 
 
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
@@ -47,7 +52,11 @@ def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     outputs = interpreted_cases(__file__, tmp_path)
     assert len(outputs) == len(CASES)
     errors = {}
-    for case, (got, written, unwritten, cache_right, merged) in zip(CASES, outputs):
+    for case, (got, written, unwritten, cache_right, merged, other_setting) in zip(CASES, outputs):
+        if case in BY_TOKEN_CASES:  # OWN_BLOCKS the other way: the same bits
+            assert torch.equal(other_setting, got), (case, float((other_setting - got).abs().max()))
+        else:
+            assert other_setting is None
         if case in MERGE_CASES:
             # The merge kernel: the torch twin's output within float32 rounding.
             assert float((merged - got).abs().max()) < 1e-5, case
@@ -177,6 +186,7 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
     from tests.interpreted import interpreter_takes_numpy_2_scalars
 
     interpreter_takes_numpy_2_scalars()   # the merge kernel loops to its n_used argument
+    from server import step_attention
     from server.step_attention import StepAttention
 
     combine = kernels._step_attention_combine
@@ -189,12 +199,17 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
         kv_len = slots if sliding else start + T
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+        other_setting = None
+        if (sliding, start, slots, T, tree) in BY_TOKEN_CASES:
+            shipped, step_attention.OWN_BLOCKS = step_attention.OWN_BLOCKS, not step_attention.OWN_BLOCKS
+            other_setting = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+            step_attention.OWN_BLOCKS = shipped
         merged = None
         if (sliding, start, slots, T, tree) in MERGE_CASES:
             merged = merged_by_the_kernel(lambda: attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path),
                                           combine)
         if (sliding, start, slots, T, tree) not in WRITE_CASES:
-            outputs.append((i, (got, None, None, None, merged)))
+            outputs.append((i, (got, None, None, None, merged, other_setting)))
             continue
         # The same step with its rows not yet in the cache (those slots hold other numbers), handed
         # to the launch, which writes them: row t at slot start + t.
@@ -212,7 +227,8 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
                          new_kv=(new_k, new_v))
         kernels._write_own_row = write_row
         written = attn(q, stale_k, stale_v, kv_len, qpos, slot_pos, WINDOW, SCALING, path, new_kv=(new_k, new_v))
-        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v), merged)))
+        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v), merged,
+                            other_setting)))
     torch.save(outputs, out)
     return 0
 
