@@ -374,16 +374,10 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
                                           nv_ptr, stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
             if chained == 0:  # a tree's rows that read other keys: token by token, as without OWN_BLOCKS
                 for t in range(t0, t1):
-                    qpos_t = tl.load(qpos_ptr + t)
-                    if SLIDING:
-                        visible_chunk = True
-                    else:
-                        visible_chunk = chunk * BLOCK_S <= qpos_t
-                    if visible_chunk:
-                        _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t,
-                                      chunk, qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
-                                      stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
-                                      stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
+                    _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
+                                        kvh, t, chunk, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
+                                        stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
+                                        stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
     else:
         o = c - n_cache_chunks
         t = a + tl.num_programs(1) * (o // n_own_chunks)
@@ -393,18 +387,30 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
                 _write_own_row(k_ptr, v_ptr, nk_ptr, nv_ptr, kvh, t, start, S, stride_kh, stride_ks, stride_nkt,
                                stride_nkh, stride_nvt, stride_nvh, D, SLIDING)
         if (t < T) & (which < span):
-            chunk = (first + which) % n_all
-            qpos_t = tl.load(qpos_ptr + t)
-            # full layers: chunks past this token's position are masked for its rows, the merge reads none
-            if SLIDING:
-                visible_chunk = True
-            else:
-                visible_chunk = chunk * BLOCK_S <= qpos_t
-            if visible_chunk:
-                _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
-                              qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
-                              stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
-                              stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
+            _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, t,
+                                (first + which) % n_all, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
+                                stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
+                                stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
+
+
+@triton.jit
+def _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
+                        start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows,
+                        n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                        G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
+    """`_own_partials` of token t in a chunk the step wrote into, where the token sees it: full layers
+    skip the chunks past its position (its rows' keys are all masked there, and the merge reads none)."""
+    qpos_t = tl.load(qpos_ptr + t)
+    if SLIDING:
+        visible_chunk = True
+    else:
+        visible_chunk = chunk * BLOCK_S <= qpos_t
+    if visible_chunk:
+        _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
+                      qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
+                      stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
+                      stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
