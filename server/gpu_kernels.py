@@ -373,7 +373,9 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
                                           stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, stride_nkt, stride_nkh,
                                           nv_ptr, stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
             if chained == 0:  # a tree's rows that read other keys: token by token, as without OWN_BLOCKS
-                for t in range(t0, t1):
+                # every token with a row in the block (one that straddles two blocks is done by both, the
+                # same bits twice: where G does not divide BLOCK_R)
+                for t in range((a * BLOCK_R) // G, tl.minimum(((a + 1) * BLOCK_R - 1) // G + 1, T)):
                     _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
                                         kvh, t, chunk, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
                                         stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,

@@ -43,6 +43,10 @@ MERGE_CASES = [case for case in CASES if case[3] <= 5] + [(True, 200, 96, 16, Tr
 # The chunks a step wrote into, a row block a program (server/step_attention.py OWN_BLOCKS, as shipped)
 # against one token a program: the same output bits, chains and trees of 5 and 16 rows in every geometry
 BY_TOKEN_CASES = [case for case in CASES if case[3] in (5, 16)]
+# ... and with 3 query heads a KV head, where a token's rows can straddle two row blocks of 16: trees
+# whose first 8 rows are a chain (as the drafter lays a tree out: its main chain first), so a row block
+# of the chain's rows sits beside one with branches
+ODD_GROUP, ODD_GROUP_CASES = 3, [(False, 70, 256, 16, "chain first"), (True, 150, 200, 40, "chain first")]
 
 
 def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
@@ -50,8 +54,13 @@ def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     import torch
 
     outputs = interpreted_cases(__file__, tmp_path)
-    assert len(outputs) == len(CASES)
+    assert len(outputs) == len(CASES) + len(ODD_GROUP_CASES)
     errors = {}
+    for case, (got, other_setting) in zip(ODD_GROUP_CASES, outputs[len(CASES):]):
+        assert torch.equal(other_setting, got), (case, float((other_setting - got).abs().max()))
+        q, k, v, slot_pos, parents, qpos, path = case_inputs(*case, group=ODD_GROUP)
+        errors[case, ODD_GROUP] = float((got.double() - reference(q, k, v, case[1], parents, slot_pos, WINDOW,
+                                                                    SCALING)).abs().max())
     for case, (got, written, unwritten, cache_right, merged, other_setting) in zip(CASES, outputs):
         if case in BY_TOKEN_CASES:  # OWN_BLOCKS the other way: the same bits
             assert torch.equal(other_setting, got), (case, float((other_setting - got).abs().max()))
@@ -153,7 +162,7 @@ KV_HEADS, GROUP, HEAD_DIM, WINDOW = 2, 4, 64, 40
 SCALING = HEAD_DIM ** -0.5
 
 
-def case_inputs(sliding, start, slots, T, tree):
+def case_inputs(sliding, start, slots, T, tree, group=GROUP):
     """The same random inputs in both processes: q, k, v, the ring's positions (after the step
     wrote positions start..start+T-1), parents (None: a chain), each row's position, its paths."""
     import torch
@@ -163,7 +172,7 @@ def case_inputs(sliding, start, slots, T, tree):
     g = torch.Generator().manual_seed(start * 100 + T)
     k = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=g)
     v = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=g)
-    q = torch.randn(T, KV_HEADS * GROUP, HEAD_DIM, generator=g)
+    q = torch.randn(T, KV_HEADS * group, HEAD_DIM, generator=g)
     slot_pos = None
     if sliding:
         slot_pos = torch.full((slots,), -1, dtype=torch.long)
@@ -171,6 +180,8 @@ def case_inputs(sliding, start, slots, T, tree):
             slot_pos[p % slots] = p
     rng = random.Random(T + slots)
     parents = [-1] + [rng.randrange(max(0, j - 3), j) for j in range(1, T)] if tree else None
+    if tree == "chain first":
+        parents[:8] = range(-1, 7)
     if tree:
         depth, _ = tree_rows(parents, T, T)
         return q, k, v, slot_pos, parents, torch.from_numpy(depth) + start, torch.from_numpy(tree_paths(parents, T, T))
@@ -187,7 +198,15 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
 
     interpreter_takes_numpy_2_scalars()   # the merge kernel loops to its n_used argument
     from server import step_attention
-    from server.step_attention import StepAttention
+
+    class StepAttention(step_attention.StepAttention):
+        """Its scratch NaN before every call: a partial a call leaves unwritten and its merge reads
+        shows, rather than one an earlier call left there."""
+
+        def __call__(self, *args, **kwargs):
+            for scratch in (self.m, self.l, self.acc):
+                scratch.fill_(float("nan"))
+            return super().__call__(*args, **kwargs)
 
     combine = kernels._step_attention_combine
     kernels._step_attention_combine = _Merge()
@@ -229,6 +248,18 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         written = attn(q, stale_k, stale_v, kv_len, qpos, slot_pos, WINDOW, SCALING, path, new_kv=(new_k, new_v))
         outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v), merged,
                             other_setting)))
+    for i, case in enumerate(ODD_GROUP_CASES, len(CASES)):
+        if i % int(shards) != int(shard):
+            continue
+        sliding, start, slots, T, tree = case
+        q, k, v, slot_pos, _, qpos, path = case_inputs(*case, group=ODD_GROUP)
+        attn = StepAttention(KV_HEADS, ODD_GROUP, HEAD_DIM, slots, 64, "cpu")
+        kv_len = slots if sliding else start + T
+        got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+        shipped, step_attention.OWN_BLOCKS = step_attention.OWN_BLOCKS, not step_attention.OWN_BLOCKS
+        other_setting = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
+        step_attention.OWN_BLOCKS = shipped
+        outputs.append((i, (got, other_setting)))
     torch.save(outputs, out)
     return 0
 
