@@ -259,6 +259,9 @@ def _step_span(start, T, S, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
         first = (start % S) // BLOCK_S
         last = ((start + T - 1) % S) // BLOCK_S
         span = (last - first + n_all) % n_all + 1
+        # a step that wraps past the ring's end and on into the chunk it began in (a ring of fewer than
+        # about T + BLOCK_S slots whose last chunk is partial) wrote into every chunk
+        span = tl.where(((start % S) + T > S) & (last >= first), n_all, span)
     else:
         first = start // BLOCK_S
         span = (start + T - 1) // BLOCK_S - first + 1

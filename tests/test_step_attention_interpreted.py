@@ -24,7 +24,10 @@ import pytest
 
 from tests.interpreted import interpreted_cases
 
-GEOMETRIES = ((False, 70, 256), (False, 127, 320), (True, 70, 96), (True, 200, 96), (True, 150, 200))
+# the last: a ring of 130 slots (its last chunk 2 slots) that a step starting at slot 126 wraps past and on
+# into the chunk it began in
+GEOMETRIES = ((False, 70, 256), (False, 127, 320), (True, 70, 96), (True, 200, 96), (True, 150, 200),
+              (True, 126, 130))
 # 64-row steps (chains and trees) in two geometries, a full layer and the ring that wraps: the
 # interpreter's time grows with the rows, and 40-row trees cover a step past 16 rows everywhere
 CASES = [(sliding, start, slots, T, tree)
