@@ -43,8 +43,9 @@ WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 an
 # row blocks, and own-chunk programs of several tokens a row block), and one 16-row tree on the ring
 # that wraps (the interpreter runs the merges slowly: CI time)
 MERGE_CASES = [case for case in CASES if case[3] <= 5] + [(True, 200, 96, 16, True)]
-# The chunks a step wrote into, a row block a program (server/step_attention.py OWN_BLOCKS, as shipped)
-# against one token a program: the same output bits, chains and trees of 5 and 16 rows in every geometry
+# The chunks a step wrote into, a row block a program against one token a program (server/step_attention.py
+# OWN_BLOCKS, the shipped setting and the other): the same output bits, chains and trees of 5 and 16 rows
+# in every geometry
 BY_TOKEN_CASES = [case for case in CASES if case[3] in (5, 16)]
 # ... and with 3 query heads a KV head, where a token's rows can straddle two row blocks of 16: trees
 # whose first 8 rows are a chain (as the drafter lays a tree out: its main chain first), so a row block
