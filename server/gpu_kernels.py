@@ -275,17 +275,14 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
                              stride_nvt, stride_nvh,
                              G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-                             WRITE: tl.constexpr = False, OWN_BLOCKS: tl.constexpr = False):
+                             WRITE: tl.constexpr = False):
     """Every chunk partial of a step, in one launch. Grid: (KV heads, R = query-row blocks,
-    n_cache_chunks + own programs). Program (kvh, a, c) with c < n_cache_chunks is a chunk the step
-    did not write, for query-row block a (`_chunk_partials`). With OWN_BLOCKS there are n_own_chunks
-    own programs: (kvh, a, n_cache_chunks + o) is the o-th chunk the step wrote into, for row block
-    a's rows (`_own_block_partials`: all of them in one tile where they read the chain's keys, else
-    token by token). Without it, n_own_chunks * ceil(T / R): with o = c - n_cache_chunks it is the
-    (o % n_own_chunks)-th chunk the step wrote into, for token a + R * (o // n_own_chunks)
-    (`_own_partials`), so the T tokens' programs tile the row-block axis without idle ones. Programs
-    with nothing to do (a token past the step, a chunk the step wrote or did not write, a chunk past
-    the token's position on a full layer) return at once.
+    n_cache_chunks + n_own_chunks * ceil(T / R)). Program (kvh, a, c) with c < n_cache_chunks is a
+    chunk the step did not write, for query-row block a (`_chunk_partials`); with o = c -
+    n_cache_chunks it is the (o % n_own_chunks)-th chunk the step wrote into, for token
+    a + R * (o // n_own_chunks) (`_own_partials`), so the T tokens' programs tile the row-block
+    axis without idle ones. Programs with nothing to do (a token past the step, a chunk the step
+    wrote or did not write, a chunk past the token's position on a full layer) return at once.
     Each program's arithmetic is what it was as one of two kernels, so the partials are the same
     bits (checked under Triton's interpreter on the 35 cases of tests/test_step_attention_interpreted.py);
     one launch instead of two per layer.
@@ -301,7 +298,7 @@ def _step_attention_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_p
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
                   nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-                  G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE, OWN_BLOCKS)
+                  G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
@@ -312,7 +309,7 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                                       SLOT_POS_FIELD: tl.constexpr, PATH_FIELD: tl.constexpr,
                                       G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
                                       BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-                                      WRITE: tl.constexpr = False, OWN_BLOCKS: tl.constexpr = False):
+                                      WRITE: tl.constexpr = False):
     """`_step_attention_partials` of several sequences' steps of T rows each, in one launch. Grid:
     (segments x KV heads, R, as the lone kernel). Segment s owns query rows s*T.. of q and qpos
     and its scratch rows from s*T*G on; its caches, ring positions and tree paths are the
@@ -337,7 +334,7 @@ def _step_attention_partials_segments(q_ptr, table_ptr, k_field, v_field, qpos_p
                   kvh, tl.program_id(1), tl.program_id(2), T, S, n_cache_chunks, n_own_chunks, window,
                   scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows, n_chunks,
                   nk_ptr + seg * T * stride_nkt, nv_ptr + seg * T * stride_nvt, stride_nkt, stride_nkh, stride_nvt,
-                  stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE, OWN_BLOCKS)
+                  stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
@@ -345,10 +342,9 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
                   T, S, n_cache_chunks, n_own_chunks, window, scaling, stride_qt, stride_qh, stride_kh,
                   stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
                   stride_nvh, G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr, OWN_BLOCKS: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
     """Program (kvh, a, c) of `_step_attention_partials` (its docstring says what each does). With
-    WRITE, the program of token t's first own chunk also writes t's K/V row of head kvh into the cache
-    (OWN_BLOCKS: the program of row block a's first own chunk, for the tokens whose first row is in a)."""
+    WRITE, the program of token t's first own chunk also writes t's K/V row of head kvh into the cache."""
     start = tl.load(qpos_ptr)  # the step's first position (row 0 is the root, depth 0)
     first, span, n_all = _step_span(start, T, S, SLIDING, BLOCK_S)
     if c < n_cache_chunks:  # row block a < R: its rows start before T * G
@@ -360,29 +356,6 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
             _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, a, c,
                             T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, n_rows, n_chunks,
                             G, D, SLIDING, BLOCK_R, BLOCK_S)
-    elif OWN_BLOCKS:
-        which = c - n_cache_chunks
-        t0 = (a * BLOCK_R + G - 1) // G  # the tokens whose first row is in row block a
-        t1 = tl.minimum(((a + 1) * BLOCK_R + G - 1) // G, T)
-        if WRITE:
-            if which == 0:
-                for t in range(t0, t1):
-                    _write_own_row(k_ptr, v_ptr, nk_ptr, nv_ptr, kvh, t, start, S, stride_kh, stride_ks, stride_nkt,
-                                   stride_nkh, stride_nvt, stride_nvh, D, SLIDING)
-        if which < span:
-            chunk = (first + which) % n_all
-            chained = _own_block_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
-                                          kvh, a, chunk, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
-                                          stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, stride_nkt, stride_nkh,
-                                          nv_ptr, stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
-            if chained == 0:  # a tree's rows that read other keys: token by token, as without OWN_BLOCKS
-                # every token with a row in the block (one that straddles two blocks is done by both, the
-                # same bits twice: where G does not divide BLOCK_R)
-                for t in range((a * BLOCK_R) // G, tl.minimum(((a + 1) * BLOCK_R - 1) // G + 1, T)):
-                    _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr,
-                                        kvh, t, chunk, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
-                                        stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
-                                        stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
     else:
         o = c - n_cache_chunks
         t = a + tl.num_programs(1) * (o // n_own_chunks)
@@ -392,30 +365,18 @@ def _step_program(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, path_ptr, m_ptr, 
                 _write_own_row(k_ptr, v_ptr, nk_ptr, nv_ptr, kvh, t, start, S, stride_kh, stride_ks, stride_nkt,
                                stride_nkh, stride_nvt, stride_nvh, D, SLIDING)
         if (t < T) & (which < span):
-            _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, t,
-                                (first + which) % n_all, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh,
-                                stride_ks, stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh,
-                                stride_nvt, stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
-
-
-@triton.jit
-def _own_token_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
-                        start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt, n_rows,
-                        n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-                        G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
-    """`_own_partials` of token t in a chunk the step wrote into, where the token sees it: full layers
-    skip the chunks past its position (its rows' keys are all masked there, and the merge reads none)."""
-    qpos_t = tl.load(qpos_ptr + t)
-    if SLIDING:
-        visible_chunk = True
-    else:
-        visible_chunk = chunk * BLOCK_S <= qpos_t
-    if visible_chunk:
-        _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
-                      qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
-                      stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
-                      stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
+            chunk = (first + which) % n_all
+            qpos_t = tl.load(qpos_ptr + t)
+            # full layers: chunks past this token's position are masked for its rows, the merge reads none
+            if SLIDING:
+                visible_chunk = True
+            else:
+                visible_chunk = chunk * BLOCK_S <= qpos_t
+            if visible_chunk:
+                _own_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, m_ptr, l_ptr, acc_ptr, kvh, t, chunk,
+                              qpos_t, start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks,
+                              stride_pt, n_rows, n_chunks, nk_ptr, nv_ptr, stride_nkt, stride_nkh, stride_nvt,
+                              stride_nvh, G, D, SLIDING, BLOCK_R, BLOCK_S, WRITE)
 
 
 @triton.jit
@@ -463,62 +424,6 @@ def _chunk_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, qpos_ptr, m_ptr, l_ptr, a
     tl.store(m_ptr + ml, m, mask=row_ok)
     tl.store(l_ptr + ml, l, mask=row_ok)
     tl.store(acc_ptr + ml[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-
-
-@triton.jit
-def _own_block_partials(q_ptr, k_ptr, v_ptr, slot_pos_ptr, path_ptr, qpos_ptr, m_ptr, l_ptr, acc_ptr, kvh, rb, chunk,
-                        start, T, S, window, scaling, stride_qt, stride_qh, stride_kh, stride_ks, stride_pt,
-                        n_rows, n_chunks, nk_ptr, stride_nkt, stride_nkh, nv_ptr, stride_nvt, stride_nvh,
-                        G: tl.constexpr, D: tl.constexpr, SLIDING: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, WRITE: tl.constexpr):
-    """A chunk the step wrote into, for query-row block rb's rows (row = token t * G + head g) in one
-    tile, where every row reads the chain's keys: each visible column of the step's positions s + j
-    is its own row j (path[t, j] == j), as on a chain and on a tree's rows along its first chain.
-    Then each row's partial is the one `_own_partials` computes for its token (the same columns,
-    keys, visibility and `_chunk_partial`: a row's arithmetic does not depend on the rows beside it
-    in the tile), written for the rows whose token sees the chunk (full layers: chunk start <= its
-    position). Returns whether it did; where a row reads another key (a tree's branch), it writes
-    nothing and the caller goes token by token."""
-    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    t = r // G
-    row_ok = t < T
-    qpos = tl.load(qpos_ptr + t, mask=row_ok, other=-1)
-    s_idx = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_ok = s_idx < S
-    if SLIDING:
-        kp = tl.load(slot_pos_ptr + s_idx, mask=s_ok, other=-1)
-        visible = (kp[None, :] <= qpos[:, None]) & (kp[None, :] > qpos[:, None] - window) & (kp[None, :] >= 0)
-    else:
-        kp = s_idx
-        visible = s_idx[None, :] <= qpos[:, None]
-    visible = visible & s_ok[None, :]
-    own = (kp >= start) & (kp < start + T) & s_ok
-    j = tl.minimum(tl.maximum(kp - start, 0), T - 1)
-    read = row_ok[:, None] & own[None, :] & visible
-    path_row = tl.load(path_ptr + t[:, None] * stride_pt + j[None, :], mask=read, other=0)
-    chained = tl.sum(tl.where(read & (path_row != j[None, :]), 1, 0)) == 0
-    if chained:
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * G + r % G)[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        if WRITE:  # the step's positions from its new rows (row j), as _own_partials picks them
-            k_rows = tl.where(own, nk_ptr + j * stride_nkt + kvh * stride_nkh, k_ptr + kvh * stride_kh + s_idx * stride_ks)
-            v_rows = tl.where(own, nv_ptr + j * stride_nvt + kvh * stride_nvh, v_ptr + kvh * stride_kh + s_idx * stride_ks)
-            k = tl.load(k_rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)
-            v = tl.load(v_rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)
-        else:  # position s + j sits in slot (s + j) mod the ring: this very slot
-            k = tl.load(k_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + kvh * stride_kh + s_idx[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-        m, l, acc = _chunk_partial(q, k, v, visible, scaling)
-        if SLIDING:
-            sees = row_ok
-        else:
-            sees = row_ok & (chunk * BLOCK_S <= qpos)
-        ml = (kvh * n_rows + r) * n_chunks + chunk
-        tl.store(m_ptr + ml, m, mask=sees)
-        tl.store(l_ptr + ml, l, mask=sees)
-        tl.store(acc_ptr + ml[:, None] * D + d[None, :], acc, mask=sees[:, None])
-    return chained
 
 
 @triton.jit

@@ -23,16 +23,13 @@ invariance, as server/small_m_matmul.py explains): keys are cut into fixed, posi
 of BLOCK_S slots (full layers: slot = position; sliding: the ring's slots), and a row's partial
 over a chunk (max, sum of exponentials, unnormalized output) is computed on its own. Chunks the
 step did not write hold the same keys for every row: one program does 16 query rows
-(`_chunk_partials`). In the chunks the step wrote into (at most 2, 3 on a ring that wraps) a
-row reads the step's keys by depth (column of position s + j = the ancestor at depth j), so a tree
-node's columns are the ones its path's chain row has, and for a chain every column reads its own
-slot. There one program does a row block's 16 rows where every one of them reads the chain's keys
-(`_own_block_partials`: a chain's rows, a tree's along its first chain), and a row block that holds
-a tree's branch is done one token at a time (`_own_partials`, the step's keys gathered into the
-chunk by the token's path; `OWN_BLOCKS` False: every own chunk so). All call one partial function,
-so a chain row's bits do not depend on which kind of program did a chunk: a 64-token verify equals
-64 one-token steps, and a tree row equals its path's chain row. All kinds run in one launch
-(`_step_attention_partials`); a second kernel merges one row's chunks in chunk order. Full
+(`_chunk_partials`). The chunks the step wrote into (at most 2, 3 on a ring that wraps) are
+done one token at a time (`_own_partials`): the step's keys are gathered into the chunk by
+depth (column of position s + j = the ancestor at depth j), so a tree node's columns are the ones
+its path's chain row has, and for a chain every column reads its own slot. Both call one partial
+function, so a chain row's bits do not depend on which kind of program did a chunk: a 64-token
+verify equals 64 one-token steps, and a tree row equals its path's chain row. Both kinds run in one
+launch (`_step_attention_partials`); a second kernel merges one row's chunks in chunk order. Full
 layers skip the chunks past each query's position, so a step reads the keys up to the context, not
 the whole cache.
 
@@ -45,13 +42,6 @@ from __future__ import annotations
 import torch
 
 BLOCK_R = 16   # query rows (token x head of one KV head) per program
-# The chunks a step wrote into: one program a row block and chunk, its rows in one tile where they read
-# the chain's keys (every row of a chain; a tree's rows along its first chain), instead of one program
-# a token, whose tile holds that token's G rows among BLOCK_R (server/gpu_kernels.py
-# `_own_block_partials`). The same bits: a row's partial does not depend on the rows beside it
-# (tests/test_step_attention_interpreted.py, under Triton's interpreter). Off until a GPU run checks
-# its bits and times it (no device was lent when it was written); False: one token a program.
-OWN_BLOCKS = False
 
 
 def _block_s(head_dim: int) -> int:
@@ -103,7 +93,7 @@ class StepAttention:
             T, slots, chunks, own_chunks, window, scaling, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             path.stride(0), self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
             G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
-            OWN_BLOCKS=OWN_BLOCKS, num_warps=_warps(D), **self._launch)
+            num_warps=_warps(D), **self._launch)
         self._merge(qpos, out, T, chunks, sliding, D)
         return out
 
@@ -134,7 +124,7 @@ class StepAttention:
             stride_pt, stride_table, self.n_rows, self.n_chunks, nk, nv, nk.stride(0), nk.stride(1), nv.stride(0),
             nv.stride(1), SLOT_POS_FIELD=slot_pos_field, PATH_FIELD=path_field,
             G=self.group, D=D, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=self.block_s, WRITE=new_kv is not None,
-            OWN_BLOCKS=OWN_BLOCKS, num_warps=_warps(D), **self._launch)
+            num_warps=_warps(D), **self._launch)
         self._merge(qpos, out, R, chunks, sliding, D)
         return out
 
@@ -146,8 +136,7 @@ class StepAttention:
         # last chunk is partial and the span wraps past it)
         own_chunks = -(-(T - 1) // self.block_s) + 1 + int(sliding)
         row_blocks = -(-(T * self.group) // BLOCK_R)
-        # OWN_BLOCKS: a program a row block and own chunk; else each row block's share of the T tokens' own chunks
-        own_programs = own_chunks if OWN_BLOCKS else own_chunks * -(-T // row_blocks)
+        own_programs = own_chunks * -(-T // row_blocks)  # each row block's share of the T tokens' own chunks
         return chunks, own_chunks, (row_blocks, chunks + own_programs)
 
     def _merge(self, qpos: torch.Tensor, out: torch.Tensor, rows: int, chunks: int, sliding: bool, D: int) -> None:

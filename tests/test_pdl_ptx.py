@@ -25,9 +25,9 @@ MATMUL_SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*bf16", "offset_p
 
 def _kernels():
     from server import gpu_kernels as k
-    from server.step_attention import BLOCK_R, OWN_BLOCKS, _block_s
+    from server.step_attention import BLOCK_R, _block_s
 
-    att = dict(G=4, D=256, SLIDING=True, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(256), OWN_BLOCKS=OWN_BLOCKS)
+    att = dict(G=4, D=256, SLIDING=True, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(256))
     seg = dict(att, SLOT_POS_FIELD=30, PATH_FIELD=31)
     combine_sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "qpos_ptr": "*i64", "out_ptr": "*bf16",
                    "stride_ot": "i32", "n_rows": "i32", "n_chunks": "i32", "n_used": "i32"}

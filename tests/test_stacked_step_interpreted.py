@@ -3,9 +3,7 @@ run by Triton's interpreter on the CPU against the lone step's kernels and plain
 
 - `StepAttention.segments`: each segment's rows, over its own cache, ring and tree paths found
   through a table of addresses, equal what the lone kernel gives that step alone, exactly (the
-  same programs; the merge is the torch twin of tests/test_step_attention_interpreted.py; the
-  lone kernel under the other server/step_attention.py `OWN_BLOCKS` setting, which gives the same
-  bits), with
+  same programs; the merge is the torch twin of tests/test_step_attention_interpreted.py), with
   chains and trees, different start positions and a shared kv_len larger than a segment's own. The
   merge kernel itself agrees with the twin on the stacked rows.
 - With the steps' K/V rows handed to the launch (not yet in the caches), the same rows, and the
@@ -90,11 +88,8 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
 
     interpreter_takes_numpy_2_scalars()   # the merge loops to its n_used argument
     from server.batch_step import padded_rows
-    from server import step_attention
     from server.step_attention import StepAttention
     from tests.test_step_attention_interpreted import _Merge, merged_by_the_kernel
-
-    shipped = step_attention.OWN_BLOCKS
 
     combine = kernels._step_attention_combine
     kernels._step_attention_combine = _Merge()
@@ -108,13 +103,9 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
                   for i, (start, tree) in enumerate(segs)]
         kv_len = max(start + T for start, _ in segs)
         alone = []
-        # each step alone under the other OWN_BLOCKS setting (the own chunks a row block or a token a
-        # program): the stacked launch runs the shipped one, and the two give the same bits
-        step_attention.OWN_BLOCKS = not shipped
         for (start, _), (q, k, v, slot_pos, qpos, path) in zip(segs, inputs):
             attn = StepAttention(2, 4, 64, slots, 64, "cpu")
             alone.append(attn(q, k, v, start + T, qpos, slot_pos if sliding else None, window, scaling, path))
-        step_attention.OWN_BLOCKS = shipped
         table = torch.tensor([[k.data_ptr(), v.data_ptr(), sp.data_ptr(), path.data_ptr()]
                               for q, k, v, sp, qpos, path in inputs], dtype=torch.int64)
         R = len(segs) * T

@@ -105,9 +105,9 @@ def _segments_signature(consts: dict) -> dict:
 @pytest.mark.parametrize("sliding,head_dim", [(False, 512), (True, 256)])
 def test_stacked_attention_loads_keys_as_wide_as_the_lone_kernel(sliding, head_dim):
     from server import gpu_kernels as kernels
-    from server.step_attention import BLOCK_R, OWN_BLOCKS, _block_s
+    from server.step_attention import BLOCK_R, _block_s
 
-    consts = dict(G=4, D=head_dim, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(head_dim), OWN_BLOCKS=OWN_BLOCKS)
+    consts = dict(G=4, D=head_dim, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(head_dim))
     lone = _ptx_accesses(kernels._step_attention_partials, _lone_signature(consts), consts)
     seg_consts = dict(consts, SLOT_POS_FIELD=30, PATH_FIELD=31)
     stacked = _ptx_accesses(kernels._step_attention_partials_segments, _segments_signature(seg_consts), seg_consts)
@@ -125,9 +125,9 @@ def test_writing_new_kv_rows_adds_only_row_stores_and_loads(stacked, sliding, he
     is the rows' copy: loads and stores of at least two elements a thread (a row of D contiguous
     elements over the program's threads), none one element at a time."""
     from server import gpu_kernels as kernels
-    from server.step_attention import BLOCK_R, OWN_BLOCKS, _block_s
+    from server.step_attention import BLOCK_R, _block_s
 
-    consts = dict(G=4, D=head_dim, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(head_dim), OWN_BLOCKS=OWN_BLOCKS)
+    consts = dict(G=4, D=head_dim, SLIDING=sliding, BLOCK_R=BLOCK_R, BLOCK_S=_block_s(head_dim))
     if stacked:
         consts.update(SLOT_POS_FIELD=30, PATH_FIELD=31)
         fn, signature = kernels._step_attention_partials_segments, _segments_signature

@@ -10,9 +10,8 @@ attends to, and the CUDA tests prove the bits. The merge (each row's chunk parti
 order) is done by a torch twin in most cases (the interpreter runs the merge kernel slowly); in
 MERGE_CASES the merge kernel runs too, and must agree with the twin. The step's K/V rows handed to
 the launch instead of written before it (new_kv) must give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
-and leave the cache as index_copy_ would. The chunks the step wrote into, a row block a program
-(server/step_attention.py OWN_BLOCKS) or a token a program, give the same bits (BY_TOKEN_CASES).
-Runs in a subprocess: TRITON_INTERPRET must be set before the
+and leave the cache as index_copy_ would. With 3 query heads a KV head a token's rows straddle two
+row blocks (ODD_GROUP_CASES): against the reference too. Runs in a subprocess: TRITON_INTERPRET must be set before the
 kernels are defined.
 """
 from __future__ import annotations
@@ -43,13 +42,9 @@ WRITE_CASES = [case for case in CASES if case[3] in (5, 40) or (case[3] == 16 an
 # row blocks, and own-chunk programs of several tokens a row block), and one 16-row tree on the ring
 # that wraps (the interpreter runs the merges slowly: CI time)
 MERGE_CASES = [case for case in CASES if case[3] <= 5] + [(True, 200, 96, 16, True)]
-# The chunks a step wrote into, a row block a program against one token a program (server/step_attention.py
-# OWN_BLOCKS, the shipped setting and the other): the same output bits, chains and trees of 5 and 16 rows
-# in every geometry
-BY_TOKEN_CASES = [case for case in CASES if case[3] in (5, 16)]
-# ... and with 3 query heads a KV head, where a token's rows can straddle two row blocks of 16: trees
-# whose first 8 rows are a chain (as the drafter lays a tree out: its main chain first), so a row block
-# of the chain's rows sits beside one with branches
+# With 3 query heads a KV head, where a token's rows can straddle two row blocks of 16: trees whose
+# first 8 rows are a chain (as the drafter lays a tree out: its main chain first), so a row block of the
+# chain's rows sits beside one with branches
 ODD_GROUP, ODD_GROUP_CASES = 3, [(False, 70, 256, 16, "chain first"), (True, 150, 200, 40, "chain first")]
 
 
@@ -60,16 +55,11 @@ def test_step_attention_rows_attend_to_their_chains_keys(tmp_path):
     outputs = interpreted_cases(__file__, tmp_path)
     assert len(outputs) == len(CASES) + len(ODD_GROUP_CASES)
     errors = {}
-    for case, (got, other_setting) in zip(ODD_GROUP_CASES, outputs[len(CASES):]):
-        assert torch.equal(other_setting, got), (case, float((other_setting - got).abs().max()))
+    for case, got in zip(ODD_GROUP_CASES, outputs[len(CASES):]):
         q, k, v, slot_pos, parents, qpos, path = case_inputs(*case, group=ODD_GROUP)
         errors[case, ODD_GROUP] = float((got.double() - reference(q, k, v, case[1], parents, slot_pos, WINDOW,
                                                                     SCALING)).abs().max())
-    for case, (got, written, unwritten, cache_right, merged, other_setting) in zip(CASES, outputs):
-        if case in BY_TOKEN_CASES:  # OWN_BLOCKS the other way: the same bits
-            assert torch.equal(other_setting, got), (case, float((other_setting - got).abs().max()))
-        else:
-            assert other_setting is None
+    for case, (got, written, unwritten, cache_right, merged) in zip(CASES, outputs):
         if case in MERGE_CASES:
             # The merge kernel: the torch twin's output within float32 rounding.
             assert float((merged - got).abs().max()) < 1e-5, case
@@ -222,17 +212,12 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         attn = StepAttention(KV_HEADS, GROUP, HEAD_DIM, slots, 64, "cpu")
         kv_len = slots if sliding else start + T
         got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
-        other_setting = None
-        if (sliding, start, slots, T, tree) in BY_TOKEN_CASES:
-            shipped, step_attention.OWN_BLOCKS = step_attention.OWN_BLOCKS, not step_attention.OWN_BLOCKS
-            other_setting = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
-            step_attention.OWN_BLOCKS = shipped
         merged = None
         if (sliding, start, slots, T, tree) in MERGE_CASES:
             merged = merged_by_the_kernel(lambda: attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path),
                                           combine)
         if (sliding, start, slots, T, tree) not in WRITE_CASES:
-            outputs.append((i, (got, None, None, None, merged, other_setting)))
+            outputs.append((i, (got, None, None, None, merged)))
             continue
         # The same step with its rows not yet in the cache (those slots hold other numbers), handed
         # to the launch, which writes them: row t at slot start + t.
@@ -250,8 +235,7 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
                          new_kv=(new_k, new_v))
         kernels._write_own_row = write_row
         written = attn(q, stale_k, stale_v, kv_len, qpos, slot_pos, WINDOW, SCALING, path, new_kv=(new_k, new_v))
-        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v), merged,
-                            other_setting)))
+        outputs.append((i, (got, written, unwritten, torch.equal(stale_k, k) and torch.equal(stale_v, v), merged)))
     for i, case in enumerate(ODD_GROUP_CASES, len(CASES)):
         if i % int(shards) != int(shard):
             continue
@@ -259,11 +243,7 @@ def main(out: str, shard: str = "0", shards: str = "1") -> int:
         q, k, v, slot_pos, _, qpos, path = case_inputs(*case, group=ODD_GROUP)
         attn = StepAttention(KV_HEADS, ODD_GROUP, HEAD_DIM, slots, 64, "cpu")
         kv_len = slots if sliding else start + T
-        got = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
-        shipped, step_attention.OWN_BLOCKS = step_attention.OWN_BLOCKS, not step_attention.OWN_BLOCKS
-        other_setting = attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)
-        step_attention.OWN_BLOCKS = shipped
-        outputs.append((i, (got, other_setting)))
+        outputs.append((i, attn(q, k, v, kv_len, qpos, slot_pos, WINDOW, SCALING, path)))
     torch.save(outputs, out)
     return 0
 
