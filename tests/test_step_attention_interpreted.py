@@ -11,8 +11,8 @@ order) is done by a torch twin in most cases (the interpreter runs the merge ker
 MERGE_CASES the merge kernel runs too, and must agree with the twin. The step's K/V rows handed to
 the launch instead of written before it (new_kv) must give the same bits, with the launch's writes left out too (then no read can see a value it just wrote),
 and leave the cache as index_copy_ would. With 3 query heads a KV head a token's rows straddle two
-row blocks (ODD_GROUP_CASES): against the reference too. Runs in a subprocess: TRITON_INTERPRET must be set before the
-kernels are defined.
+row blocks (ODD_GROUP_CASES): against the reference too. Runs in a subprocess: TRITON_INTERPRET must
+be set before the kernels are defined.
 """
 from __future__ import annotations
 
