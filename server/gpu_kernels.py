@@ -258,10 +258,10 @@ def _step_span(start, T, S, SLIDING: tl.constexpr, BLOCK_S: tl.constexpr):
     if SLIDING:
         first = (start % S) // BLOCK_S
         last = ((start + T - 1) % S) // BLOCK_S
-        span = (last - first + n_all) % n_all + 1
-        # a step that wraps past the ring's end and on into the chunk it began in (a ring of fewer than
-        # about T + BLOCK_S slots whose last chunk is partial) wrote into every chunk
-        span = tl.where(((start % S) + T > S) & (last >= first), n_all, span)
+        # a step that wraps past the ring's end covers first..n_all - 1 and 0..last, which on a ring of
+        # fewer than about T + BLOCK_S slots whose last chunk is partial reaches back into `first`: every chunk
+        wraps = (start % S) + T > S
+        span = tl.where(wraps, tl.minimum(n_all - first + last + 1, n_all), last - first + 1)
     else:
         first = start // BLOCK_S
         span = (start + T - 1) // BLOCK_S - first + 1
