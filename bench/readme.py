@@ -41,6 +41,10 @@ SECTIONS = [
      "788 tokens/s, 4 streams 2.67x, 16 streams 3.58x)",
      "python -m bench.gpu_concurrency --streams 1,4,16 --turn 64 --rows auto (on the GPU machine)",
      "gpu_concurrency-stop64-h100.md", []),
+    ("... and again after a lone stream's forwards got faster (x through L1, stop 65; H100, 12-07 evening: one "
+     "stream 794 tokens/s, 4 streams 2.56x with p50 1.52x solo, 16 streams 3.50x)",
+     "python -m bench.gpu_concurrency --streams 1,4,16 --turn 64 --rows auto --rounds 2 --no-costs (on the GPU machine)",
+     "gpu_concurrency-stop68-h100.md", []),
     ("The same, 1 and 4 streams, the per-layer table read by the GPU in place (mapped: server/host_rows.py; "
      "H200, 12-04 night)",
      "python -m bench.gpu_concurrency --ple host --streams 1,4 --turn 64 --rows auto --rounds 2 --no-costs "
