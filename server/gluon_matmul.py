@@ -85,6 +85,21 @@ PREFETCH = True
 # -> 322.1-323.4 tokens/s. With two row tiles or more (32 and 64 rows) x through L1 was slower
 # (4.58 -> 4.72 and 6.87 -> 7.17 ms; twice the copy instructions for twice the rows): 0 for never.
 X_VIA_L1_ROWS = 16
+# The weight words, scales and offsets loaded straight into the registers the products read (layout B),
+# a group ahead, instead of copied into the shared ring and read back; x alone goes through shared
+# memory, in two buffers of their own with the loop taking two groups a pass, so that the copies into
+# one and the reads of the other touch different allocations. Why: a one-row launch is bound by each
+# warp's serial instruction stream (Nsight Compute, stop 64: 5.3 cycles an issued instruction, of it
+# 1.2 waiting on fixed-latency results, 0.9 on the copies, 0.7 at barriers; an SM's issue slots 45%
+# used), and with one ring allocation the compiler puts a second barrier in every group (the copies
+# into one slot and the reads of another look like a hazard to it). In the sm_90a code: one barrier a
+# group instead of two, no weight copies or shared-memory reads of weights, 237 instructions a group
+# against 250 (tests/test_gluon_matmul_ptx.py checks the PTX). Built in stop 68 and not yet run on a
+# GPU (the session's device time ran out): off until `python -m bench.step_ab --base-tree .
+# --base-set server.gluon_matmul.W_DIRECT=False --head-set server.gluon_matmul.W_DIRECT=True` and
+# tests/test_step_kernel_rows.py's bit tests have run with it. With it off the kernel compiles to
+# the same sm_90a instructions as before it existed.
+W_DIRECT = False
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
 # (columns a program, warps) the kernel is written for. The accumulator's layout gives each warp 8
@@ -178,6 +193,35 @@ if HAS_GLUON:
             "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _group_products(xs, packed, scale, offset, acc0, acc1, acc2, acc3, TILES: gl.constexpr, XROWS: gl.constexpr,
+                        BLOCK_N: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, XT: gl.constexpr):
+        """One K group: its eight 16-feature slices decoded from `packed` (layout B) and multiplied by
+        x's slices from `xs` (one ring buffer), summed from zero, then added to each row tile's sum."""
+        g0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        g1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        g2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        g3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
+        high = packed >> 4      # the odd slices' nibbles moved to the bytes' low halves
+        for j in gl.static_range(8):
+            code = _slice_codes(high if j % 2 else packed, j // 2) - 128.0
+            w = (code * scale + offset).to(XT)
+            g0 = mma_v2(xs.slice(j * XROWS, 16, 0).load(A), w, g0)
+            if TILES > 1:
+                g1 = mma_v2(xs.slice(j * XROWS + 16, 16, 0).load(A), w, g1)
+            if TILES > 2:
+                g2 = mma_v2(xs.slice(j * XROWS + 32, 16, 0).load(A), w, g2)
+            if TILES > 3:
+                g3 = mma_v2(xs.slice(j * XROWS + 48, 16, 0).load(A), w, g3)
+        acc0 += g0
+        if TILES > 1:
+            acc1 += g1
+        if TILES > 2:
+            acc2 += g2
+        if TILES > 3:
+            acc3 += g3
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
     def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE: gl.constexpr,
                     BLOCK_N: gl.constexpr, ACC: gl.constexpr):
         """As server/gpu_kernels.py `_store_out`: y, gelu(gate) * up (GELU_PAIRS) or gelu(y) * u
@@ -240,7 +284,7 @@ if HAS_GLUON:
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
                          EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False, REDUCE: gl.constexpr = True,
-                         X_L1: gl.constexpr = False):
+                         X_L1: gl.constexpr = False, W_DIRECT: gl.constexpr = False):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
         (the partials' rows a K slice), XROWS = x_rows(TILES). REDUCE False (split-K only;
         SmallMLinear.slices): each K slice stores its partial ([SPLIT, M, N] contiguous) and the
@@ -264,6 +308,8 @@ if HAS_GLUON:
         pid_k = gl.program_id(1)
         w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], W_SHARED)
         x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 8 * XROWS, 16], X_SHARED)
+        x_s0 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
+        x_s1 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
         scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
         offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
         n_groups = k_per_split // 128
@@ -274,21 +320,62 @@ if HAS_GLUON:
         # `ready` is 1 once the kernel before this one has ended: every read of what an earlier kernel
         # wrote (x, u) and every write to what it may still read (the shared partials, the counters)
         # depends on its value, so the compiler cannot move one above the wait (it did move copies).
-        for s in gl.static_range(STAGES - 1):
-            weights_live = s < n_groups
+        if W_DIRECT:  # the first group's words, scales and offsets, in the registers the products read
+            w_at = gl.arange(0, 16, layout=gl.SliceLayout(1, B))[:, None] * N + \
+                _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, B))[None, :]
+            s_at = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, B))
             if not PREFETCH:
-                weights_live = weights_live & (ready != 0)
-            _copy_weights(w_s, scale_s, offset_s, s, w_ptr, scale_ptr, offset_ptr, k_begin + s * 128, weights_live,
-                          N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
+                w_at = w_at * ready
+            # the program's first group's pointers; a later group's are these plus a scalar
+            w_at = w_ptr + (k_begin // 8) * N + w_at
+            o_at = offset_ptr + (k_begin // 128) * N + s_at
+            s_at = scale_ptr + (k_begin // 128) * N + s_at
+            w_next, scale_next, offset_next = gl.load(w_at), gl.load(s_at), gl.load(o_at)
+        else:
+            for s in gl.static_range(STAGES - 1):
+                weights_live = s < n_groups
+                if not PREFETCH:
+                    weights_live = weights_live & (ready != 0)
+                _copy_weights(w_s, scale_s, offset_s, s, w_ptr, scale_ptr, offset_ptr, k_begin + s * 128,
+                              weights_live, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
         if PREFETCH:
             ready = _wait_prior(PDL)
-        for s in gl.static_range(STAGES - 1):
-            _copy_x(x_s, s, x_ptr, k_begin + s * 128, (s < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
+        if W_DIRECT:
+            _copy_x(x_s0, 0, x_ptr, k_begin, ready != 0, M, stride_xm, XROWS, XL)
+        else:
+            for s in gl.static_range(STAGES - 1):
+                _copy_x(x_s, s, x_ptr, k_begin + s * 128, (s < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
         acc0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
-        for i in range(0, n_groups):
+        if W_DIRECT:
+            # Two x buffers of their own, a group each, the loop taking two groups a pass: the reads of
+            # one and the copies into the other then touch different allocations, so the compiler adds
+            # no barrier between them (with one ring allocation it put a second one in every group).
+            for i in range(0, n_groups, 2):
+                cp.wait_group(0)            # this thread's copies of group i are done ...
+                gl.thread_barrier()         # ... and every thread's, and nobody still reads x_s1
+                _copy_x(x_s1, 0, x_ptr, k_begin + (i + 1) * 128, (i + 1 < n_groups) & (ready != 0), M,
+                        stride_xm, XROWS, XL)
+                packed, scale, offset = w_next, gl.expand_dims(scale_next, 0), gl.expand_dims(offset_next, 0)
+                ahead = gl.minimum(i + 1, n_groups - 1)   # past the last group: itself again
+                w_next = gl.load(w_at + ahead * 16 * N)
+                scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
+                acc0, acc1, acc2, acc3 = _group_products(x_s0.index(0), packed, scale, offset, acc0, acc1, acc2, acc3,
+                                                         TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
+                if i + 1 < n_groups:
+                    cp.wait_group(0)
+                    gl.thread_barrier()
+                    _copy_x(x_s0, 0, x_ptr, k_begin + (i + 2) * 128, (i + 2 < n_groups) & (ready != 0), M,
+                            stride_xm, XROWS, XL)
+                    packed, scale, offset = w_next, gl.expand_dims(scale_next, 0), gl.expand_dims(offset_next, 0)
+                    ahead = gl.minimum(i + 2, n_groups - 1)
+                    w_next = gl.load(w_at + ahead * 16 * N)
+                    scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
+                    acc0, acc1, acc2, acc3 = _group_products(x_s1.index(0), packed, scale, offset, acc0, acc1, acc2,
+                                                             acc3, TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
+        for i in range(0, 0 if W_DIRECT else n_groups):
             slot = i % STAGES
             cp.wait_group(STAGES - 2)   # this thread's copies of group i are done ...
             gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
@@ -300,29 +387,8 @@ if HAS_GLUON:
             packed = w_s.index(slot).load(B)
             scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
             offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
-            xs = x_s.index(slot)
-            g0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
-            g1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
-            g2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
-            g3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
-            high = packed >> 4      # the odd slices' nibbles moved to the bytes' low halves
-            for j in gl.static_range(8):
-                code = _slice_codes(high if j % 2 else packed, j // 2) - 128.0
-                w = (code * scale + offset).to(x_ptr.dtype.element_ty)
-                g0 = mma_v2(xs.slice(j * XROWS, 16, 0).load(A), w, g0)
-                if TILES > 1:
-                    g1 = mma_v2(xs.slice(j * XROWS + 16, 16, 0).load(A), w, g1)
-                if TILES > 2:
-                    g2 = mma_v2(xs.slice(j * XROWS + 32, 16, 0).load(A), w, g2)
-                if TILES > 3:
-                    g3 = mma_v2(xs.slice(j * XROWS + 48, 16, 0).load(A), w, g3)
-            acc0 += g0
-            if TILES > 1:
-                acc1 += g1
-            if TILES > 2:
-                acc2 += g2
-            if TILES > 3:
-                acc3 += g3
+            acc0, acc1, acc2, acc3 = _group_products(x_s.index(slot), packed, scale, offset, acc0, acc1, acc2, acc3,
+                                                     TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
         cp.wait_group(0)
         cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
         rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))

@@ -132,6 +132,32 @@ def test_gluon_x_through_l1_gives_the_same_bits(n, k, monkeypatch):
             assert torch.equal(other(x[:m]), want), f"N={n} K={k} n{block_n} w{warps}: {m} rows"
 
 
+@pytest.mark.parametrize("n,k", [(3072, 2560), (20480, 2560), (2560, 10240), (256, 2560), (2560, 256)])
+def test_gluon_direct_weights_give_the_same_bits(n, k, monkeypatch):
+    """The weights loaded straight into registers (server/gluon_matmul.py `W_DIRECT`) instead of through
+    the shared ring, on every tiling, every row count, plain, gelu pairs and split-K slices: the same
+    words decoded by the same operations, so the same bits (one K group a slice included: 2560 x 256)."""
+    from server import gluon_matmul, small_m_matmul
+
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
+    lin = int4_linear(n, k, seed=n + k)
+    if not lin.gluon:
+        pytest.skip("Gluon does not run here")
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    for block_n, warps in gluon_matmul.TILINGS:
+        if n % block_n:
+            continue
+        other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
+                             split=lin.split)
+        kinds = [("plain", other), ("pairs", other.gelu_pairs())]
+        for m in ROW_COUNTS:
+            for kind, run in kinds + [("slices", other.slices)]:
+                monkeypatch.setattr(gluon_matmul, "W_DIRECT", False)
+                want = run(x[:m]).clone()
+                monkeypatch.setattr(gluon_matmul, "W_DIRECT", True)
+                assert torch.equal(run(x[:m]), want), f"N={n} K={k} n{block_n} w{warps} {kind}: {m} rows"
+
+
 @pytest.mark.parametrize("tiling", [(64, 2), (128, 4)])
 @pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 10240)])
 def test_wide_tiling_from_some_rows_gives_the_same_bits(n, k, tiling, monkeypatch):
