@@ -126,7 +126,7 @@ def x_rows(tiles: int) -> int:
 if HAS_GLUON:
     from triton.language.extra.cuda import gdc_launch_dependents
 
-    from server.gpu_kernels import _gelu   # a Triton helper: Gluon calls it as it is (one gelu formula)
+    from server.gpu_kernels import _add_group, _gelu   # Triton helpers: Gluon calls them as they are
 
     # prmt selectors: byte b of the first word into byte 0, byte b of the second word into byte 2
     _PAIR_SELECTOR = gl.constexpr(tuple(hex(b | b << 4 | (4 + b) << 8 | (4 + b) << 12) for b in range(4)))
@@ -212,14 +212,7 @@ if HAS_GLUON:
                 g2 = mma_v2(xs.slice(j * XROWS + 32, 16, 0).load(A), w, g2)
             if TILES > 3:
                 g3 = mma_v2(xs.slice(j * XROWS + 48, 16, 0).load(A), w, g3)
-        acc0 += g0
-        if TILES > 1:
-            acc1 += g1
-        if TILES > 2:
-            acc2 += g2
-        if TILES > 3:
-            acc3 += g3
-        return acc0, acc1, acc2, acc3
+        return _add_group(acc0, acc1, acc2, acc3, g0, g1, g2, g3, TILES)
 
     @gluon.jit
     def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE: gl.constexpr,

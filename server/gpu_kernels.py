@@ -128,6 +128,20 @@ def _sum_partials(partial_ptr, out_ptr, tile, M, N, pid_n, cols, u_ptr, stride_u
 
 
 @triton.jit
+def _add_group(acc0, acc1, acc2, acc3, g0, g1, g2, g3, TILES: tl.constexpr):
+    """A K group's sums (from zero) added to each row tile's running sum: the int4 step matmuls' one
+    order of addition, here and in server/gluon_matmul.py (Gluon calls this Triton helper as it is)."""
+    acc0 += g0
+    if TILES > 1:
+        acc1 += g1
+    if TILES > 2:
+        acc2 += g2
+    if TILES > 3:
+        acc3 += g3
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
                     M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                     INT4: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr, TILES: tl.constexpr,
@@ -188,13 +202,7 @@ def _small_m_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr,
                     g2 = tl.dot(_x_tile(x_ptr, stride_xm, M, 2, ks, BLOCK_M), w, g2)
                 if TILES > 3:
                     g3 = tl.dot(_x_tile(x_ptr, stride_xm, M, 3, ks, BLOCK_M), w, g3)
-            acc0 += g0
-            if TILES > 1:
-                acc1 += g1
-            if TILES > 2:
-                acc2 += g2
-            if TILES > 3:
-                acc3 += g3
+            acc0, acc1, acc2, acc3 = _add_group(acc0, acc1, acc2, acc3, g0, g1, g2, g3, TILES)
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             if INT8:  # codes [K, N] int8, W = code * scale (the group's scale, one per column)
