@@ -28,6 +28,10 @@ code, two weights) with one byte permute and one LOP3, where the per-element for
 arithmetic after it (minus 128, times the scale plus the offset) is the same instructions
 (tests/test_gluon_matmul_ptx.py).
 
+With `W_DIRECT` (off until a GPU run times it) the weight words, scales and offsets skip the ring: they
+are loaded straight into the registers the products read, a group ahead, and x alone goes through
+shared memory, in two buffers of its own (one barrier a group instead of two).
+
 Launch: with programmatic dependent launch (server/small_m_matmul.py `pdl_launch`) the kernel starts
 while the one before it runs. Its first group's weight words, scales and offsets are read-only, so
 `PREFETCH` copies them before waiting for that kernel; x and the epilogue's u (earlier kernels'
@@ -366,22 +370,24 @@ if HAS_GLUON:
                     ahead = gl.minimum(i + 2, n_groups - 1)
                     w_next = gl.load(w_at + ahead * 16 * N)
                     scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
-                    acc0, acc1, acc2, acc3 = _group_products(x_s1.index(0), packed, scale, offset, acc0, acc1, acc2,
-                                                             acc3, TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
-        for i in range(0, 0 if W_DIRECT else n_groups):
-            slot = i % STAGES
-            cp.wait_group(STAGES - 2)   # this thread's copies of group i are done ...
-            gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
-            ahead = i + STAGES - 1
-            _copy_weights(w_s, scale_s, offset_s, ahead % STAGES, w_ptr, scale_ptr, offset_ptr, k_begin + ahead * 128,
-                          ahead < n_groups, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
-            _copy_x(x_s, ahead % STAGES, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M,
-                    stride_xm, XROWS, XL)
-            packed = w_s.index(slot).load(B)
-            scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
-            offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
-            acc0, acc1, acc2, acc3 = _group_products(x_s.index(slot), packed, scale, offset, acc0, acc1, acc2, acc3,
-                                                     TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
+                    acc0, acc1, acc2, acc3 = _group_products(x_s1.index(0), packed, scale, offset, acc0, acc1,
+                                                             acc2, acc3, TILES, XROWS, BLOCK_N, ACC, A,
+                                                             x_ptr.dtype.element_ty)
+        else:
+            for i in range(0, n_groups):
+                slot = i % STAGES
+                cp.wait_group(STAGES - 2)   # this thread's copies of group i are done ...
+                gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
+                ahead = i + STAGES - 1
+                _copy_weights(w_s, scale_s, offset_s, ahead % STAGES, w_ptr, scale_ptr, offset_ptr,
+                              k_begin + ahead * 128, ahead < n_groups, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
+                _copy_x(x_s, ahead % STAGES, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M,
+                        stride_xm, XROWS, XL)
+                packed = w_s.index(slot).load(B)
+                scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
+                offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
+                acc0, acc1, acc2, acc3 = _group_products(x_s.index(slot), packed, scale, offset, acc0, acc1, acc2,
+                                                         acc3, TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
         cp.wait_group(0)
         cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
         rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
