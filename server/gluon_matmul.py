@@ -321,8 +321,9 @@ if HAS_GLUON:
             w_at = gl.arange(0, 16, layout=gl.SliceLayout(1, B))[:, None] * N + \
                 _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, B))[None, :]
             s_at = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, B))
-            if not PREFETCH:
+            if not PREFETCH:   # every load after the wait: its addresses depend on the value it returns
                 w_at = w_at * ready
+                s_at = s_at * ready
             # the program's first group's pointers; a later group's are these plus a scalar
             w_at = w_ptr + (k_begin // 8) * N + w_at
             o_at = offset_ptr + (k_begin // 128) * N + s_at

@@ -165,9 +165,13 @@ def test_direct_weights_skip_shared_memory_and_a_barrier(tiles, split):
 
 def test_direct_weights_load_only_weights_before_the_wait():
     """PREFETCH with W_DIRECT: the first group's words, scales and offsets are loaded before waiting for
-    the kernel before this one; x (cp.async) and everything else only after."""
+    the kernel before this one; x (cp.async) and everything else only after. Without PREFETCH, nothing
+    before the wait."""
     direct, _ = _ptx(2, 4, w_direct=True, prefetch=True, pdl=True)
     body = direct[direct.index(".entry"):]
     early = body[:body.index("griddepcontrol.wait")]
-    assert Counter(re.findall(r"\b(?:ld|st|atom|red)\.global[.\w]*|cp\.async\.c[ag]", early)) == \
-        Counter({"ld.global.b32": 8, "ld.global.b16": 4})
+    accesses = lambda ptx: Counter(re.findall(r"\b(?:ld|st|atom|red)\.global[.\w]*|cp\.async\.c[ag]", ptx))
+    assert accesses(early) == Counter({"ld.global.b32": 8, "ld.global.b16": 4})
+    late, _ = _ptx(2, 4, w_direct=True, prefetch=False, pdl=True)   # PREFETCH off: nothing before the wait
+    late = late[late.index(".entry"):]
+    assert not accesses(late[:late.index("griddepcontrol.wait")])

@@ -132,11 +132,12 @@ def test_gluon_x_through_l1_gives_the_same_bits(n, k, monkeypatch):
             assert torch.equal(other(x[:m]), want), f"N={n} K={k} n{block_n} w{warps}: {m} rows"
 
 
-@pytest.mark.parametrize("n,k", [(3072, 2560), (20480, 2560), (2560, 10240), (256, 2560), (2560, 256)])
+@pytest.mark.parametrize("n,k", [(3072, 2560), (6144, 2560), (20480, 2560), (2560, 10240), (256, 2560), (2560, 256)])
 def test_gluon_direct_weights_give_the_same_bits(n, k, monkeypatch):
     """The weights loaded straight into registers (server/gluon_matmul.py `W_DIRECT`) instead of through
-    the shared ring, on every tiling, every row count, plain, gelu pairs and split-K slices: the same
-    words decoded by the same operations, so the same bits (one K group a slice included: 2560 x 256)."""
+    the shared ring, on every tiling, every row count, plain, gelu pairs, gelu times and split-K
+    slices: the same words decoded by the same operations, so the same bits. K groups a slice: 1
+    (256 x 2560, 2560 x 256), 2, 5 (6144 x 2560: odd, more than one pass), 10 and 20."""
     from server import gluon_matmul, small_m_matmul
 
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
@@ -149,9 +150,10 @@ def test_gluon_direct_weights_give_the_same_bits(n, k, monkeypatch):
             continue
         other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
                              split=lin.split)
-        kinds = [("plain", other), ("pairs", other.gelu_pairs())]
+        u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
+        kinds = [("plain", other), ("pairs", other.gelu_pairs()), ("slices", other.slices)]
         for m in ROW_COUNTS:
-            for kind, run in kinds + [("slices", other.slices)]:
+            for kind, run in kinds + [("times", lambda x: other(x, gelu_times=u[:x.shape[0]]))]:
                 monkeypatch.setattr(gluon_matmul, "W_DIRECT", False)
                 want = run(x[:m]).clone()
                 monkeypatch.setattr(gluon_matmul, "W_DIRECT", True)
