@@ -219,6 +219,26 @@ if HAS_GLUON:
         return _add_group(acc0, acc1, acc2, acc3, g0, g1, g2, g3, TILES)
 
     @gluon.jit
+    def _direct_group(i, n_groups, x_now, x_next, w_next, scale_next, offset_next, w_at, s_at, o_at, acc0, acc1,
+                      acc2, acc3, x_ptr, k_begin, ready, M, N, stride_xm, TILES: gl.constexpr, XROWS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, XL: gl.constexpr):
+        """W_DIRECT's group i: x's copy of it into `x_now` waited for, the copy of group i + 1 into
+        `x_next` started, group i's words, scales and offsets (loaded a group ahead) taken and group
+        i + 1's loads started (past the last group: the last again), then group i's products. Returns
+        the sums and the next group's words, scales and offsets."""
+        cp.wait_group(0)            # this thread's copies of group i are done ...
+        gl.thread_barrier()         # ... and every thread's, and nobody still reads x_next
+        _copy_x(x_next, 0, x_ptr, k_begin + (i + 1) * 128, (i + 1 < n_groups) & (ready != 0), M, stride_xm,
+                XROWS, XL)
+        packed, scale, offset = w_next, gl.expand_dims(scale_next, 0), gl.expand_dims(offset_next, 0)
+        ahead = gl.minimum(i + 1, n_groups - 1)
+        w_next = gl.load(w_at + ahead * 16 * N)
+        scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
+        acc0, acc1, acc2, acc3 = _group_products(x_now.index(0), packed, scale, offset, acc0, acc1, acc2, acc3,
+                                                 TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
+        return acc0, acc1, acc2, acc3, w_next, scale_next, offset_next
+
+    @gluon.jit
     def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE: gl.constexpr,
                     BLOCK_N: gl.constexpr, ACC: gl.constexpr):
         """As server/gpu_kernels.py `_store_out`: y, gelu(gate) * up (GELU_PAIRS) or gelu(y) * u
@@ -303,12 +323,14 @@ if HAS_GLUON:
             ready = _wait_prior(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], W_SHARED)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 8 * XROWS, 16], X_SHARED)
-        x_s0 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
-        x_s1 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
-        scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
-        offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
+        if W_DIRECT:  # x alone, in two buffers of a group each
+            x_s0 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
+            x_s1 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
+        else:         # the ring: STAGES groups of weight words, x, scales and offsets
+            w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], W_SHARED)
+            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 8 * XROWS, 16], X_SHARED)
+            scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
+            offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
         n_groups = k_per_split // 128
         k_begin = pid_k * k_per_split
         # PREFETCH (with PDL this kernel starts while the one before it runs): the weights are read-only,
@@ -352,28 +374,13 @@ if HAS_GLUON:
             # one and the copies into the other then touch different allocations, so the compiler adds
             # no barrier between them (with one ring allocation it put a second one in every group).
             for i in range(0, n_groups, 2):
-                cp.wait_group(0)            # this thread's copies of group i are done ...
-                gl.thread_barrier()         # ... and every thread's, and nobody still reads x_s1
-                _copy_x(x_s1, 0, x_ptr, k_begin + (i + 1) * 128, (i + 1 < n_groups) & (ready != 0), M,
-                        stride_xm, XROWS, XL)
-                packed, scale, offset = w_next, gl.expand_dims(scale_next, 0), gl.expand_dims(offset_next, 0)
-                ahead = gl.minimum(i + 1, n_groups - 1)   # past the last group: itself again
-                w_next = gl.load(w_at + ahead * 16 * N)
-                scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
-                acc0, acc1, acc2, acc3 = _group_products(x_s0.index(0), packed, scale, offset, acc0, acc1, acc2, acc3,
-                                                         TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
+                acc0, acc1, acc2, acc3, w_next, scale_next, offset_next = _direct_group(
+                    i, n_groups, x_s0, x_s1, w_next, scale_next, offset_next, w_at, s_at, o_at, acc0, acc1, acc2,
+                    acc3, x_ptr, k_begin, ready, M, N, stride_xm, TILES, XROWS, BLOCK_N, ACC, A, XL)
                 if i + 1 < n_groups:
-                    cp.wait_group(0)
-                    gl.thread_barrier()
-                    _copy_x(x_s0, 0, x_ptr, k_begin + (i + 2) * 128, (i + 2 < n_groups) & (ready != 0), M,
-                            stride_xm, XROWS, XL)
-                    packed, scale, offset = w_next, gl.expand_dims(scale_next, 0), gl.expand_dims(offset_next, 0)
-                    ahead = gl.minimum(i + 2, n_groups - 1)
-                    w_next = gl.load(w_at + ahead * 16 * N)
-                    scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
-                    acc0, acc1, acc2, acc3 = _group_products(x_s1.index(0), packed, scale, offset, acc0, acc1,
-                                                             acc2, acc3, TILES, XROWS, BLOCK_N, ACC, A,
-                                                             x_ptr.dtype.element_ty)
+                    acc0, acc1, acc2, acc3, w_next, scale_next, offset_next = _direct_group(
+                        i + 1, n_groups, x_s1, x_s0, w_next, scale_next, offset_next, w_at, s_at, o_at, acc0, acc1,
+                        acc2, acc3, x_ptr, k_begin, ready, M, N, stride_xm, TILES, XROWS, BLOCK_N, ACC, A, XL)
         else:
             for i in range(0, n_groups):
                 slot = i % STAGES

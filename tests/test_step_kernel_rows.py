@@ -145,15 +145,16 @@ def test_gluon_direct_weights_give_the_same_bits(n, k, monkeypatch):
     if not lin.gluon:
         pytest.skip("Gluon does not run here")
     x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
     for block_n, warps in gluon_matmul.TILINGS:
         if n % block_n:
             continue
         other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
                              split=lin.split)
-        u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
-        kinds = [("plain", other), ("pairs", other.gelu_pairs()), ("slices", other.slices)]
+        kinds = [("plain", other), ("pairs", other.gelu_pairs()), ("slices", other.slices),
+                 ("times", lambda rows, lin=other: lin(rows, gelu_times=u[:rows.shape[0]]))]
         for m in ROW_COUNTS:
-            for kind, run in kinds + [("times", lambda x: other(x, gelu_times=u[:x.shape[0]]))]:
+            for kind, run in kinds:
                 monkeypatch.setattr(gluon_matmul, "W_DIRECT", False)
                 want = run(x[:m]).clone()
                 monkeypatch.setattr(gluon_matmul, "W_DIRECT", True)
