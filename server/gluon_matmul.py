@@ -28,9 +28,8 @@ code, two weights) with one byte permute and one LOP3, where the per-element for
 arithmetic after it (minus 128, times the scale plus the offset) is the same instructions
 (tests/test_gluon_matmul_ptx.py).
 
-With `W_DIRECT` (off until a GPU run times it) the weight words, scales and offsets skip the ring: they
-are loaded straight into the registers the products read, a group ahead, and x alone goes through
-shared memory, in two buffers of its own (one barrier a group instead of two).
+With `RING_PAIR` (off until a GPU run times it) the ring's two slots are allocations of their own and
+the loop takes two groups a pass: one barrier a group instead of two.
 
 Launch: with programmatic dependent launch (server/small_m_matmul.py `pdl_launch`) the kernel starts
 while the one before it runs. Its first group's weight words, scales and offsets are read-only, so
@@ -89,21 +88,21 @@ PREFETCH = True
 # -> 322.1-323.4 tokens/s. With two row tiles or more (32 and 64 rows) x through L1 was slower
 # (4.58 -> 4.72 and 6.87 -> 7.17 ms; twice the copy instructions for twice the rows): 0 for never.
 X_VIA_L1_ROWS = 16
-# The weight words, scales and offsets loaded straight into the registers the products read (layout B),
-# a group ahead, instead of copied into the shared ring and read back; x alone goes through shared
-# memory, in two buffers of their own with the loop taking two groups a pass, so that the copies into
-# one and the reads of the other touch different allocations. Why: a one-row launch is bound by each
-# warp's serial instruction stream (Nsight Compute, stop 64: 5.3 cycles an issued instruction, of it
-# 1.2 waiting on fixed-latency results, 0.9 on the copies, 0.7 at barriers; an SM's issue slots 45%
-# used), and with one ring allocation the compiler puts a second barrier in every group (the copies
-# into one slot and the reads of another look like a hazard to it). In the sm_90a code: one barrier a
-# group instead of two, no weight copies or shared-memory reads of weights, 237 instructions a group
-# against 250 (tests/test_gluon_matmul_ptx.py checks the PTX). Built in stop 68 and not yet run on a
-# GPU (the session's device time ran out): off until `python -m bench.step_ab --base-tree .
-# --base-set server.gluon_matmul.W_DIRECT=False --head-set server.gluon_matmul.W_DIRECT=True` and
-# tests/test_step_kernel_rows.py's bit tests have run with it. With it off the kernel compiles to
-# the same sm_90a instructions as before it existed.
-W_DIRECT = False
+# The ring's two slots (STAGES 2) as two allocations, the loop taking two groups a pass, so that the
+# copies into one slot and the reads of the other touch different allocations. Why: a one-row launch
+# is bound by each warp's serial instruction stream (Nsight Compute, stop 64: 5.3 cycles an issued
+# instruction, 0.7 of them at barriers), and with one ring allocation the compiler puts a second
+# barrier in every group (the copies into one slot and the reads of another look like a hazard to
+# it). Stop 68's W_DIRECT (the weights loaded straight into the mma's registers, x alone in two
+# buffers: one barrier a group too, 237 instructions a group against 250, but 118 registers a thread
+# against 68) was slower and is gone (docs/bars.md); this keeps the ring's registers and drops only
+# the barrier (sm_90a: one barrier and about 233 instructions a group against two and 250; 88
+# registers against 68 at one row tile). One round of `python -m bench.step_ab --base-tree .
+# --base-set server.gluon_matmul.RING_PAIR=False --head-set server.gluon_matmul.RING_PAIR=True --rows
+# 8 32` on an H200 (bench/results/step_ab-ring-pair-h200.md) was mixed: a one-token step 3.03 ->
+# 3.08 ms, a verify 3.56 -> 3.55, chained decode 333.1 -> 337.0 tokens/s, the same bits at 8 and 32
+# rows. Off until more rounds and tests/test_step_kernel_rows.py's bit test (not finished yet) say.
+RING_PAIR = False
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
 # (columns a program, warps) the kernel is written for. The accumulator's layout gives each warp 8
@@ -219,24 +218,24 @@ if HAS_GLUON:
         return _add_group(acc0, acc1, acc2, acc3, g0, g1, g2, g3, TILES)
 
     @gluon.jit
-    def _direct_group(i, n_groups, x_now, x_next, w_next, scale_next, offset_next, w_at, s_at, o_at, acc0, acc1,
-                      acc2, acc3, x_ptr, k_begin, ready, M, N, stride_xm, TILES: gl.constexpr, XROWS: gl.constexpr,
-                      BLOCK_N: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, XL: gl.constexpr):
-        """W_DIRECT's group i: x's copy of it into `x_now` waited for, the copy of group i + 1 into
-        `x_next` started, group i's words, scales and offsets (loaded a group ahead) taken and group
-        i + 1's loads started (past the last group: the last again), then group i's products. Returns
-        the sums and the next group's words, scales and offsets."""
+    def _paired_group(i, n_groups, w_now, x_now, scale_now, offset_now, w_next, x_next, scale_next, offset_next,
+                      acc0, acc1, acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n,
+                      stride_xm, TILES: gl.constexpr, XROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                      EPILOGUE: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                      WL: gl.constexpr, XL: gl.constexpr, SL: gl.constexpr):
+        """RING_PAIR's group i: its copies into the `now` buffers waited for, group i + 1's copies into
+        the `next` buffers started (nothing past the last group), then group i's products."""
         cp.wait_group(0)            # this thread's copies of group i are done ...
-        gl.thread_barrier()         # ... and every thread's, and nobody still reads x_next
-        _copy_x(x_next, 0, x_ptr, k_begin + (i + 1) * 128, (i + 1 < n_groups) & (ready != 0), M, stride_xm,
-                XROWS, XL)
-        packed, scale, offset = w_next, gl.expand_dims(scale_next, 0), gl.expand_dims(offset_next, 0)
-        ahead = gl.minimum(i + 1, n_groups - 1)
-        w_next = gl.load(w_at + ahead * 16 * N)
-        scale_next, offset_next = gl.load(s_at + ahead * N), gl.load(o_at + ahead * N)
-        acc0, acc1, acc2, acc3 = _group_products(x_now.index(0), packed, scale, offset, acc0, acc1, acc2, acc3,
-                                                 TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
-        return acc0, acc1, acc2, acc3, w_next, scale_next, offset_next
+        gl.thread_barrier()         # ... and every thread's, and nobody still reads the next buffers
+        ahead = i + 1
+        _copy_weights(w_next, scale_next, offset_next, 0, w_ptr, scale_ptr, offset_ptr, k_begin + ahead * 128,
+                      ahead < n_groups, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
+        _copy_x(x_next, 0, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
+        packed = w_now.index(0).load(B)
+        scale = gl.expand_dims(scale_now.index(0).load(gl.SliceLayout(0, B)), 0)
+        offset = gl.expand_dims(offset_now.index(0).load(gl.SliceLayout(0, B)), 0)
+        return _group_products(x_now.index(0), packed, scale, offset, acc0, acc1, acc2, acc3, TILES, XROWS,
+                               BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
 
     @gluon.jit
     def _store_tile(out_ptr, acc, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE: gl.constexpr,
@@ -301,7 +300,7 @@ if HAS_GLUON:
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
                          EPILOGUE: gl.constexpr = 0, PREFETCH: gl.constexpr = False, REDUCE: gl.constexpr = True,
-                         X_L1: gl.constexpr = False, W_DIRECT: gl.constexpr = False):
+                         X_L1: gl.constexpr = False, PAIRED: gl.constexpr = False):
         """y[:M] = x @ W^T for one (column tile, K slice); see the module docstring. ROWS = TILES * 16
         (the partials' rows a K slice), XROWS = x_rows(TILES). REDUCE False (split-K only;
         SmallMLinear.slices): each K slice stores its partial ([SPLIT, M, N] contiguous) and the
@@ -323,14 +322,16 @@ if HAS_GLUON:
             ready = _wait_prior(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        if W_DIRECT:  # x alone, in two buffers of a group each
-            x_s0 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
+        # the ring: STAGES groups of weight words, x, scales and offsets (PAIRED: two of one group each)
+        w_s = gl.allocate_shared_memory(gl.int32, [1 if PAIRED else STAGES, 16, BLOCK_N], W_SHARED)
+        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1 if PAIRED else STAGES, 8 * XROWS, 16], X_SHARED)
+        scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [1 if PAIRED else STAGES, BLOCK_N], S_SHARED)
+        offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [1 if PAIRED else STAGES, BLOCK_N], S_SHARED)
+        if PAIRED:
+            w_s1 = gl.allocate_shared_memory(gl.int32, [1, 16, BLOCK_N], W_SHARED)
             x_s1 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
-        else:         # the ring: STAGES groups of weight words, x, scales and offsets
-            w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], W_SHARED)
-            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 8 * XROWS, 16], X_SHARED)
-            scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
-            offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [STAGES, BLOCK_N], S_SHARED)
+            scale_s1 = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [1, BLOCK_N], S_SHARED)
+            offset_s1 = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [1, BLOCK_N], S_SHARED)
         n_groups = k_per_split // 128
         k_begin = pid_k * k_per_split
         # PREFETCH (with PDL this kernel starts while the one before it runs): the weights are read-only,
@@ -339,48 +340,34 @@ if HAS_GLUON:
         # `ready` is 1 once the kernel before this one has ended: every read of what an earlier kernel
         # wrote (x, u) and every write to what it may still read (the shared partials, the counters)
         # depends on its value, so the compiler cannot move one above the wait (it did move copies).
-        if W_DIRECT:  # the first group's words, scales and offsets, in the registers the products read
-            w_at = gl.arange(0, 16, layout=gl.SliceLayout(1, B))[:, None] * N + \
-                _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, B))[None, :]
-            s_at = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, B))
-            if not PREFETCH:   # every load after the wait: its addresses depend on the value it returns
-                w_at = w_at * ready
-                s_at = s_at * ready
-            # the program's first group's pointers; a later group's are these plus a scalar
-            w_at = w_ptr + (k_begin // 8) * N + w_at
-            o_at = offset_ptr + (k_begin // 128) * N + s_at
-            s_at = scale_ptr + (k_begin // 128) * N + s_at
-            w_next, scale_next, offset_next = gl.load(w_at), gl.load(s_at), gl.load(o_at)
-        else:
-            for s in gl.static_range(STAGES - 1):
-                weights_live = s < n_groups
-                if not PREFETCH:
-                    weights_live = weights_live & (ready != 0)
-                _copy_weights(w_s, scale_s, offset_s, s, w_ptr, scale_ptr, offset_ptr, k_begin + s * 128,
-                              weights_live, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
+        for s in gl.static_range(STAGES - 1):   # PAIRED: STAGES is 2, slot 0 is the first pair's
+            weights_live = s < n_groups
+            if not PREFETCH:
+                weights_live = weights_live & (ready != 0)
+            _copy_weights(w_s, scale_s, offset_s, s, w_ptr, scale_ptr, offset_ptr, k_begin + s * 128,
+                          weights_live, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
         if PREFETCH:
             ready = _wait_prior(PDL)
-        if W_DIRECT:
-            _copy_x(x_s0, 0, x_ptr, k_begin, ready != 0, M, stride_xm, XROWS, XL)
-        else:
-            for s in gl.static_range(STAGES - 1):
-                _copy_x(x_s, s, x_ptr, k_begin + s * 128, (s < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
+        for s in gl.static_range(STAGES - 1):
+            _copy_x(x_s, s, x_ptr, k_begin + s * 128, (s < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
         acc0 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc1 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc2 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
         acc3 = gl.zeros([16, BLOCK_N], gl.float32, ACC)
-        if W_DIRECT:
-            # Two x buffers of their own, a group each, the loop taking two groups a pass: the reads of
-            # one and the copies into the other then touch different allocations, so the compiler adds
-            # no barrier between them (with one ring allocation it put a second one in every group).
+        if PAIRED:
+            # The ring's two slots in allocations of their own, the loop taking two groups a pass: the
+            # copies into one and the reads of the other then touch different allocations, so the
+            # compiler adds no barrier between them (in one allocation it puts a second one in every group).
             for i in range(0, n_groups, 2):
-                acc0, acc1, acc2, acc3, w_next, scale_next, offset_next = _direct_group(
-                    i, n_groups, x_s0, x_s1, w_next, scale_next, offset_next, w_at, s_at, o_at, acc0, acc1, acc2,
-                    acc3, x_ptr, k_begin, ready, M, N, stride_xm, TILES, XROWS, BLOCK_N, ACC, A, XL)
+                acc0, acc1, acc2, acc3 = _paired_group(
+                    i, n_groups, w_s, x_s, scale_s, offset_s, w_s1, x_s1, scale_s1, offset_s1, acc0, acc1, acc2,
+                    acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm, TILES,
+                    XROWS, BLOCK_N, EPILOGUE, ACC, A, B, WL, XL, SL)
                 if i + 1 < n_groups:
-                    acc0, acc1, acc2, acc3, w_next, scale_next, offset_next = _direct_group(
-                        i + 1, n_groups, x_s1, x_s0, w_next, scale_next, offset_next, w_at, s_at, o_at, acc0, acc1,
-                        acc2, acc3, x_ptr, k_begin, ready, M, N, stride_xm, TILES, XROWS, BLOCK_N, ACC, A, XL)
+                    acc0, acc1, acc2, acc3 = _paired_group(
+                        i + 1, n_groups, w_s1, x_s1, scale_s1, offset_s1, w_s, x_s, scale_s, offset_s, acc0, acc1,
+                        acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm,
+                        TILES, XROWS, BLOCK_N, EPILOGUE, ACC, A, B, WL, XL, SL)
         else:
             for i in range(0, n_groups):
                 slot = i % STAGES

@@ -19,7 +19,7 @@ from tests.test_stacked_step_ptx import sm90_ptx
 pytest.importorskip("triton")
 
 
-def _ptx(tiles: int, split: int, epilogue: int = 0, x_l1: bool = False, w_direct: bool = False,
+def _ptx(tiles: int, split: int, epilogue: int = 0, x_l1: bool = False, paired: bool = False,
          prefetch: bool = False, pdl: bool = False) -> tuple[str, str]:
     from server import gluon_matmul
     from server.gpu_kernels import _small_m_kernel
@@ -27,7 +27,7 @@ def _ptx(tiles: int, split: int, epilogue: int = 0, x_l1: bool = False, w_direct
     if not gluon_matmul.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
     ours = dict(SPLIT=split, TILES=tiles, ROWS=16 * tiles, XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=64, STAGES=2,
-                EPILOGUE=epilogue, PREFETCH=prefetch, X_L1=x_l1, W_DIRECT=w_direct, PDL=pdl)
+                EPILOGUE=epilogue, PREFETCH=prefetch, X_L1=x_l1, PAIRED=paired, PDL=pdl)
     theirs = dict(INT4=True, SPLIT=split, MAGIC=True, TILES=tiles, ROWS=16 * tiles, BLOCK_M=16, BLOCK_N=64,
                   BLOCK_K=128, EPILOGUE=epilogue)
     sig = lambda consts: dict(MATMUL_SIG, **{key: "constexpr" for key in consts})
@@ -124,54 +124,38 @@ def test_gelu_pairs_split_off_in_registers(split):
     assert stored(plain) > 0 and 2 * stored(pairs) == stored(plain)
 
 
-# server/gluon_matmul.py W_DIRECT (off by default until a GPU run times it): the weight words, scales and
-# offsets loaded straight into the registers the products read, x alone through shared memory.
+# server/gluon_matmul.py RING_PAIR (off by default until a GPU run times it): the ring's two slots as
+# allocations of their own, the loop taking two groups a pass.
 
-def _elementwise(ptx: str, groups: int = 1) -> Counter:
-    """The products and the decoding's bf16 arithmetic by operation, per element (a bf16x2 instruction
-    counts twice: ptxas pairs scalar bf16 operations into the same HADD2 / HFMA2), per K group."""
-    counts = Counter()
-    for op, pair in re.findall(r"\b(mma\.sync[.\w]*|fma\.rn\.bf16|add\.bf16|sub\.bf16|mul\.rn\.bf16)(x2)?\b", ptx):
-        counts[op] += 2 if pair and not op.startswith("mma") else 1
-    return Counter({op: n // groups for op, n in counts.items()})
-
-
-@pytest.mark.parametrize("tiles", [1, 2, 4])
-def test_direct_weights_keep_the_triton_kernels_products_and_decoding(tiles):
-    """Its loop takes two groups a pass, each with the ring kernel's products and decoding (so the same
-    bits, as tests/test_step_kernel_rows.py checks on a GPU)."""
-    direct, theirs = _ptx(tiles, split=1, w_direct=True)
-    ring, _ = _ptx(tiles, split=1)
-    assert _elementwise(direct, groups=2) == _elementwise(theirs) == _elementwise(ring)
-    assert _elementwise(ring)["fma.rn.bf16"] > 0
-    assert len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", direct)) == \
-        2 * len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", ring))
-
-
-@pytest.mark.parametrize("tiles,split", [(1, 1), (2, 4)])
-def test_direct_weights_skip_shared_memory_and_a_barrier(tiles, split):
-    """No copies of scales or offsets into shared memory (the 4-byte ones), but 32-bit and 16-bit loads
-    of the words, scales and offsets; and one barrier a group where the ring kernel has two: with x in two
-    buffers of their own, the copies into one and the reads of the other touch different
-    allocations, so the compiler adds no barrier between them."""
-    direct, _ = _ptx(tiles, split, w_direct=True)
+@pytest.mark.parametrize("tiles,split", [(1, 1), (2, 4), (4, 1)])
+def test_paired_ring_has_one_barrier_a_group(tiles, split):
+    """Two groups a pass, each with the ring kernel's products, decoding and copies, and one barrier a
+    group where the one-allocation ring has two (the compiler's own between the copies into one slot
+    and the reads of the other)."""
+    paired, _ = _ptx(tiles, split, paired=True)
     ring, _ = _ptx(tiles, split)
-    assert _copies(direct)["0x4"] == 0 < _copies(ring)["0x4"]
-    assert re.search(r"\bld\.global\.b32\b", direct) and re.search(r"\bld\.global\.b16\b", direct)
+    twice = lambda counts: Counter({op: 2 * n for op, n in counts.items()})
+    assert _arithmetic(paired) == twice(_arithmetic(ring))
+    assert len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", paired)) == \
+        2 * len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", ring))
+    # the loop's copies twice (two groups a pass); the first group's, before the loop, once in both
+    loop_copies = lambda ptx: sum(_copies(ptx).values())
+    assert loop_copies(paired) - loop_copies(ring) == loop_copies(ring) - _first_copies(ring)
     barriers = lambda ptx: len(re.findall(r"\bbar\.sync", ptx))
-    mmas = lambda ptx: len(re.findall(r"\bmma\.sync", ptx))
-    assert mmas(direct) == 2 * mmas(ring) and barriers(direct) == barriers(ring)
+    assert barriers(paired) == barriers(ring)
 
 
-def test_direct_weights_load_only_weights_before_the_wait():
-    """PREFETCH with W_DIRECT: the first group's words, scales and offsets are loaded before waiting for
-    the kernel before this one; x (cp.async) and everything else only after. Without PREFETCH, nothing
-    before the wait."""
-    direct, _ = _ptx(2, 4, w_direct=True, prefetch=True, pdl=True)
-    body = direct[direct.index(".entry"):]
-    early = body[:body.index("griddepcontrol.wait")]
-    accesses = lambda ptx: Counter(re.findall(r"\b(?:ld|st|atom|red)\.global[.\w]*|cp\.async\.c[ag]", ptx))
-    assert accesses(early) == Counter({"ld.global.b32": 8, "ld.global.b16": 4})
-    late, _ = _ptx(2, 4, w_direct=True, prefetch=False, pdl=True)   # PREFETCH off: nothing before the wait
-    late = late[late.index(".entry"):]
-    assert not accesses(late[:late.index("griddepcontrol.wait")])
+def _first_copies(ptx: str) -> int:
+    """The copies issued before the K loop (the first group's)."""
+    body = ptx[ptx.index(".entry"):]
+    return sum(_copies(body[:body.index("bar.sync")]).values())
+
+
+def test_paired_ring_copies_only_weights_before_the_wait():
+    """PREFETCH with RING_PAIR, as the ring: the first group's words, scales and offsets are copied before
+    waiting for the kernel before this one; x and everything else only after."""
+    paired, _ = _ptx(2, 4, paired=True, prefetch=True, pdl=True)
+    ring, _ = _ptx(2, 4, prefetch=True, pdl=True)
+    early = lambda ptx: Counter(re.findall(r"\b(?:ld|st|atom|red)\.global[.\w]*|cp\.async\.c[ag][.\w]*",
+                                           ptx[ptx.index(".entry"):][:ptx[ptx.index(".entry"):].index("griddepcontrol.wait")]))
+    assert early(paired) == early(ring) and sum(early(ring).values()) > 0

@@ -133,11 +133,11 @@ def test_gluon_x_through_l1_gives_the_same_bits(n, k, monkeypatch):
 
 
 @pytest.mark.parametrize("n,k", [(3072, 2560), (6144, 2560), (20480, 2560), (2560, 10240), (256, 2560), (2560, 256)])
-def test_gluon_direct_weights_give_the_same_bits(n, k, monkeypatch):
-    """The weights loaded straight into registers (server/gluon_matmul.py `W_DIRECT`) instead of through
-    the shared ring, on every tiling, every row count, plain, gelu pairs, gelu times and split-K
-    slices: the same words decoded by the same operations, so the same bits. K groups a slice: 1
-    (256 x 2560, 2560 x 256), 2, 5 (6144 x 2560: odd, more than one pass), 10 and 20."""
+def test_gluon_paired_ring_gives_the_same_bits(n, k, monkeypatch):
+    """The ring's two slots in allocations of their own (server/gluon_matmul.py `RING_PAIR`), on every
+    tiling, every row count, plain, gelu pairs, gelu times and split-K slices: the same copies and
+    products in the same order, so the same bits. K groups a slice: 1 (256 x 2560, 2560 x 256), 2,
+    5 (6144 x 2560: odd, more than one pass), 10 and 20."""
     from server import gluon_matmul, small_m_matmul
 
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
@@ -155,9 +155,9 @@ def test_gluon_direct_weights_give_the_same_bits(n, k, monkeypatch):
                  ("times", lambda rows, lin=other: lin(rows, gelu_times=u[:rows.shape[0]]))]
         for m in ROW_COUNTS:
             for kind, run in kinds:
-                monkeypatch.setattr(gluon_matmul, "W_DIRECT", False)
+                monkeypatch.setattr(gluon_matmul, "RING_PAIR", False)
                 want = run(x[:m]).clone()
-                monkeypatch.setattr(gluon_matmul, "W_DIRECT", True)
+                monkeypatch.setattr(gluon_matmul, "RING_PAIR", True)
                 assert torch.equal(run(x[:m]), want), f"N={n} K={k} n{block_n} w{warps} {kind}: {m} rows"
 
 
