@@ -322,6 +322,7 @@ if HAS_GLUON:
             ready = _wait_prior(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
+        gl.static_assert(not PAIRED or STAGES == 2, "RING_PAIR pairs a ring of two slots")
         # the ring: STAGES groups of weight words, x, scales and offsets (PAIRED: two of one group each)
         w_s = gl.allocate_shared_memory(gl.int32, [1 if PAIRED else STAGES, 16, BLOCK_N], W_SHARED)
         x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1 if PAIRED else STAGES, 8 * XROWS, 16], X_SHARED)
