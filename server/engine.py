@@ -94,6 +94,14 @@ class GenerationParams:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    # Stop strings matched only outside the tool calls in the generated text, where `call_markers`
+    # (open, close) says where calls are: a request's own stop sequences are about the text, and one
+    # that turns up inside a call's arguments would cut the call into an unusable one (a grammar-enforced
+    # call too). `stop_strings` (the format's end markers) end generation anywhere. `in_call`: the
+    # prompt ends inside a call (a forced call's start). Without markers these apply everywhere.
+    text_stop_strings: tuple[str, ...] = ()
+    call_markers: tuple[str, str] | None = None
+    in_call: bool = False
     draft: bool = True          # False = plain decoding, the baseline
     sampling: SamplingParams = SamplingParams()  # greedy by default; sampled requests are drafted too
     prefix_cache: bool = True   # False: compute the whole prompt and keep nothing
@@ -139,11 +147,16 @@ class GenerationChunk:
 
 class TextStream:
     """Incremental detokenization with stop strings. Deltas are decoded against a few tokens of
-    left context so that leading spaces and multi-byte characters come out exactly once."""
+    left context so that leading spaces and multi-byte characters come out exactly once.
+    `text_stops` are stop strings that match only outside tool calls (GenerationParams)."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_tail: list[int]):
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_tail: list[int],
+                 text_stops: tuple[str, ...] = (), call_markers: tuple[str, str] | None = None,
+                 in_call: bool = False):
         self._decode = _raw_decode(tokenizer)
         self.stop_strings = tuple(s for s in stop_strings if s)
+        self.text_stops = tuple(s for s in text_stops if s)
+        self.call_markers, self.starts_in_call = call_markers, in_call
         self.ids = list(prompt_tail)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -162,13 +175,9 @@ class TextStream:
         before = len(self.text)
         self.text += full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        hits = []
-        for stop in self.stop_strings:
-            i = self.text.find(stop, max(0, before - len(stop) + 1))
-            if i >= 0:
-                hits.append((i, stop))
-        if hits:
-            cut, self.stopped_by = min(hits, key=lambda hit: hit[0])
+        hit = first_stop(self.text, before, self.stop_strings, self.text_stops, self.call_markers, self.starts_in_call)
+        if hit is not None:
+            cut, self.stopped_by = hit
             self.text = self.text[:cut]
             return True
         return False
@@ -177,7 +186,7 @@ class TextStream:
         """The text not handed out yet, holding back a tail that may still become a stop string."""
         end = len(self.text)
         if not final:
-            for stop in self.stop_strings:
+            for stop in self.stop_strings + self.text_stops:
                 for j in range(min(len(stop) - 1, end - self.emitted), 0, -1):
                     if self.text.endswith(stop[:j]):
                         end = min(end, len(self.text) - j)
@@ -185,6 +194,27 @@ class TextStream:
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
+
+
+def first_stop(text: str, since: int, stops: tuple[str, ...], text_stops: tuple[str, ...] = (),
+               call_markers: tuple[str, str] | None = None, in_call: bool = False) -> tuple[int, str] | None:
+    """(where, which) of the first stop string in `text` that ends past text[:since] (what was
+    searched before), or None: any of `stops`, or one of `text_stops` outside a tool call (after a
+    call's open marker and before its close; before the first marker, inside where `in_call`)."""
+    def inside(at: int) -> bool:
+        if call_markers is None:
+            return False
+        opened, closed = (text.rfind(marker, 0, at) for marker in call_markers)
+        return in_call if opened == closed == -1 else opened > closed
+
+    hits = []
+    for stop in filter(None, stops + text_stops):
+        i = text.find(stop, max(0, since - len(stop) + 1))
+        while i >= 0 and stop in text_stops and stop not in stops and inside(i):
+            i = text.find(stop, i + 1)
+        if i >= 0:
+            hits.append((i, stop))
+    return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
 def _raw_decode(tokenizer) -> Callable[[list[int]], str]:
@@ -463,7 +493,8 @@ class Engine:
             yield GenerationChunk([], "", "length", stats)
             return
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
-        text = TextStream(self.tokenizer, tuple(params.stop_strings), prompt_ids[-4:])
+        text = TextStream(self.tokenizer, tuple(params.stop_strings), prompt_ids[-4:], tuple(params.text_stop_strings),
+                          params.call_markers, params.in_call)
         drafter = self._drafter
         session = None
         if drafter is not None and params.draft:

@@ -55,8 +55,8 @@ from typing import Any, AsyncIterator
 
 from common.progress import phase
 from common.prompt_tokens import PromptTokens
-from common.chat_format import (CONTENT, REASONING, ArgumentsDelta, CallEnded, CallStarted, ChatFormat,
-                                ThinkingStreamParser, ToolCallStreamer)
+from common.chat_format import (CALL_CLOSE, CALL_OPEN, CONTENT, REASONING, ArgumentsDelta, CallEnded, CallStarted,
+                                ChatFormat, ThinkingStreamParser, ToolCallStreamer)
 from server.engine import GenerationParams
 from server.grammar import GrammarError
 from server.metrics import Metrics
@@ -250,10 +250,15 @@ class Service:
         prompt_ids, offered, constraint, tool_choice = self._chat_prompt(req)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens, req.max_tokens_field)
+        forced = fmt.forced_call(tool_choice)
+        # The request's stop strings end the text, not a tool call: in the Gemma call syntax, whose
+        # markers are known, they are not matched inside a call's arguments (GenerationParams).
+        calls = (CALL_OPEN, CALL_CLOSE) if fmt.writes_gemma_calls else None
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
-                                  stop_strings=tuple(fmt.stop_strings()) + req.stop, draft=True,
-                                  sampling=req.sampling, constraint=constraint)
-        return _Prepared(prompt_ids, params, offered, fmt.forced_call(tool_choice), separate_reasoning=True)
+                                  stop_strings=tuple(fmt.stop_strings()) + (() if calls else req.stop),
+                                  text_stop_strings=req.stop if calls else (), call_markers=calls,
+                                  in_call=bool(forced), draft=True, sampling=req.sampling, constraint=constraint)
+        return _Prepared(prompt_ids, params, offered, forced, separate_reasoning=True)
 
     def _constraint(self, req: ChatCompletionRequest, offered: list[dict]):
         """The grammar the reply must follow (server.grammar), or None: a JSON response_format, or a

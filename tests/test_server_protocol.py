@@ -21,7 +21,7 @@ import pytest
 
 from bench.live_server import ServerThread
 from server.app import create_app
-from server.engine import GenerationChunk, RequestStats
+from server.engine import GenerationChunk, RequestStats, first_stop
 from server.serving import Service
 from server.settings import Settings
 
@@ -96,9 +96,11 @@ class ScriptedEngine:
             self.prompts.append(prompt)
         text = self.script(prompt)
         finish, stop_string = "stop", None
-        cut = [(text.find(s), s) for s in params.stop_strings if s and s in text]
+        # where the real engine's TextStream would cut (server.engine.first_stop)
+        cut = first_stop(text, 0, tuple(params.stop_strings), tuple(params.text_stop_strings), params.call_markers,
+                         params.in_call)
         if cut:
-            at, stop_string = min(cut, key=lambda hit: hit[0])
+            at, stop_string = cut
             text = text[:at]
         pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
         if len(pieces) > params.max_tokens:

@@ -83,6 +83,33 @@ def test_required_tool_choice_yields_tool_calls_20_of_20(servers):
             assert calls[0].function.name == "read_file" and "path" in json.loads(calls[0].function.arguments)
 
 
+def test_a_stop_sequence_does_not_cut_an_enforced_call(servers):
+    """A request's stop strings end the text, not a tool call: ':' and '}' stand in every Gemma call
+    (`call:read_file{path:...}`), and the enforced call still comes back whole, through the openai
+    and the anthropic clients (it came back cut: Messages answered `input: {}` with stop_reason
+    "stop_sequence")."""
+    import anthropic
+
+    drafted, _ = servers
+    ask = [{"role": "user", "content": ASKS[0]}]
+    r = drafted.chat.completions.create(model="m", messages=ask, tools=TOOLS, max_tokens=64, stop=[":", "}"],
+                                        tool_choice={"type": "function", "function": {"name": "read_file"}})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0].message
+    assert calls[0].function.name == "read_file" and "path" in json.loads(calls[0].function.arguments)
+    base = str(drafted.base_url).rstrip("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=300)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    # one call (the base model, let make more, writes calls until max_tokens)
+    for choice in ({"type": "tool", "name": "read_file"}, {"type": "any", "disable_parallel_tool_use": True}):
+        m = client.messages.create(model="m", max_tokens=64, messages=ask, tools=tools, tool_choice=choice,
+                                   stop_sequences=[":", "}"])
+        assert (m.stop_reason, m.stop_sequence, m.content[-1].type) == ("tool_use", None, "tool_use"), m
+        if choice["type"] == "tool":
+            assert m.content[-1].name == "read_file" and "path" in m.content[-1].input
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}])
 def test_drafted_constrained_equals_plain_constrained(servers, sampling):
     drafted, plain = servers

@@ -88,3 +88,32 @@ def test_decode_falls_back_where_transformers_adds_to_it(tokenizer):
     assert _raw_decode(own)(ids) == "own"
     slow = _TransformersDecode(tokenizer)  # no Rust tokenizer at all: its decode
     assert _raw_decode(slow)(ids) == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _cut(text: str, stops=(), text_stops=(), calls=("<|tool_call>", "<tool_call|>"), in_call=False):
+    """Feed `text` byte by byte as the engine does (it stops at the first True): the text kept and the stop."""
+    from tests.test_server_protocol import ByteTokenizer
+
+    stream = TextStream(ByteTokenizer(), stops, [], text_stops, calls, in_call)
+    next((b for b in text.encode() if stream.add(b)), None)
+    return stream.take(final=True), stream.stopped_by
+
+
+def test_a_requests_stop_strings_do_not_cut_a_tool_call():
+    """A request's stop strings (`text_stops`) end the text, not a call: inside a call's markers they are
+    not matched (a call cut there came back as an empty call), before and after one they are; the
+    format's end markers (`stops`) end generation anywhere, a call included; without markers (a
+    chat template's own call syntax) a request's stop strings match everywhere, as before."""
+    call = "<|tool_call>call:read_file{path:<|\"|>a: b<|\"|>}<tool_call|>"
+    assert _cut(call + " done: yes", text_stops=(":",)) == (call + " done", ":")
+    assert _cut("Sure: " + call, text_stops=(":",)) == ("Sure", ":")
+    assert _cut(call + call, text_stops=(":", "}")) == (call + call, None)
+    # the prompt ended inside a call (a forced call's start): inside until its close marker
+    assert _cut("read_file{path:1}<tool_call|>ok: x", text_stops=(":",), in_call=True) == \
+        ("read_file{path:1}<tool_call|>ok", ":")
+    assert _cut("read_file{path:1}<tool_call|>ok: x", text_stops=(":",)) == ("read_file{path", ":")
+    # the format's end markers end generation inside a call too
+    assert _cut("<|tool_call>call:f{a<turn|>", stops=("<turn|>",), text_stops=(":",)) == ("<|tool_call>call:f{a", "<turn|>")
+    assert _cut(call, text_stops=(":",), calls=None) == ("<|tool_call>call", ":")
+    # the first stop in the text wins, whichever list it is in
+    assert _cut("ab END: x", stops=("END",), text_stops=(":",)) == ("ab ", "END")
