@@ -52,8 +52,9 @@ Translation, field by field:
   headers are accepted with any value. Any other field gets a 400.
 - `stop_reason`: "tool_use" when the answer has tool calls, all finished, "max_tokens" at the length limit,
   "stop_sequence" (with `stop_sequence`) when one of the request's stop sequences ended it, else
-  "end_turn". Stop sequences end the text, not a tool call: inside a call (the Gemma call syntax)
-  they are not matched, so a call is never cut into an unusable one (server/engine.py `first_stop`). A tool_use block cut off by max_tokens streams its unfinished JSON; its `input` in the
+  "end_turn". Under tool_choice any / tool (or strict tools) stop sequences end the text, not the
+  enforced call: inside it they are not matched (server/engine.py `first_stop`); under auto a call
+  they match in is cut and answered as cut ("stop_sequence"). A tool_use block cut off by max_tokens streams its unfinished JSON; its `input` in the
   whole message is what Anthropic's SDK reads from that partial JSON (`partial_json_object`: an
   unfinished string is dropped with its key, open brackets are closed), so both agree. `usage`: `input_tokens` the prompt tokens computed, `cache_read_input_tokens` those
   reused from the prefix cache, `cache_creation_input_tokens` 0 (keeping a prefix costs nothing

@@ -251,9 +251,12 @@ class Service:
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         self._check_context(len(prompt_ids), "messages", req.max_tokens, req.max_tokens_field)
         forced = fmt.forced_call(tool_choice)
-        # The request's stop strings end the text, not a tool call: in the Gemma call syntax, whose
-        # markers are known, they are not matched inside a call's arguments (GenerationParams).
-        calls = (CALL_OPEN, CALL_CLOSE) if fmt.writes_gemma_calls else None
+        # A call the request enforces (tool_choice required or named, strict tools: by a grammar, or by
+        # a forced call start) is not cut by the request's stop strings: they end the text around it
+        # (GenerationParams), since a cut call would break the enforcing field's promise. An
+        # unenforced call is cut like text and answered as cut ("stop"; Messages: "stop_sequence").
+        enforced = req.response_format is None and (constraint is not None or bool(forced))
+        calls = (CALL_OPEN, CALL_CLOSE) if enforced and fmt.writes_gemma_calls else None
         params = GenerationParams(max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                                   stop_strings=tuple(fmt.stop_strings()) + (() if calls else req.stop),
                                   text_stop_strings=req.stop if calls else (), call_markers=calls,

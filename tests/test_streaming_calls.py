@@ -221,9 +221,10 @@ def test_chat_arguments_stream_in_fragments_that_make_the_whole_arguments(client
 
 
 def test_a_stop_string_inside_a_call_ends_it_unfinished_as_stop_not_as_a_call(client, claude):
-    """A stop sequence that matches inside a call's arguments cuts the call: the same unfinished call
-    in the stream and the whole answer, and the finish says the stop sequence ended it ("stop", or
-    Anthropic's "stop_sequence" naming it), never a finished call's "tool_calls" / "tool_use"."""
+    """A stop sequence that matches inside an unenforced call's arguments (tool_choice auto) cuts the
+    call: the same unfinished call in the stream and the whole answer, and the finish says the stop
+    sequence ended it ("stop", or Anthropic's "stop_sequence" naming it), never a finished call's
+    "tool_calls" / "tool_use". (A call the request enforces is not cut: tests/test_structured_output.py.)"""
     stop = "line\t2"
     whole = client.chat.completions.create(model="m", messages=WRITE, tools=[WRITE_TOOL], stop=[stop]).choices[0]
     choices = _chat_stream(client, stop=[stop])

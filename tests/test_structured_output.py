@@ -84,10 +84,11 @@ def test_required_tool_choice_yields_tool_calls_20_of_20(servers):
 
 
 def test_a_stop_sequence_does_not_cut_an_enforced_call(servers):
-    """A request's stop strings end the text, not a tool call: ':' and '}' stand in every Gemma call
-    (`call:read_file{path:...}`), and the enforced call still comes back whole, through the openai
-    and the anthropic clients (it came back cut: Messages answered `input: {}` with stop_reason
-    "stop_sequence")."""
+    """A request's stop strings end the text, not a call it enforces: ':' and '}' stand in every Gemma
+    call (`call:read_file{path:...}`), and the enforced call still comes back whole, through the
+    openai and the anthropic clients (it came back cut: Messages answered `input: {}` with
+    stop_reason "stop_sequence"). Under auto a call is cut like text
+    (tests/test_streaming_calls.py)."""
     import anthropic
 
     drafted, _ = servers
