@@ -95,10 +95,10 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     # Stop strings matched only outside the tool calls in the generated text, where `call_markers`
-    # (open, close) says where calls are: a request's own stop sequences are about the text, and one
-    # that turns up inside a call's arguments would cut the call into an unusable one (a grammar-enforced
-    # call too). `stop_strings` (the format's end markers) end generation anywhere. `in_call`: the
-    # prompt ends inside a call (a forced call's start). Without markers these apply everywhere.
+    # (open, close) says where calls are: the request's own, when it enforces its calls (server/serving.py
+    # prepare_chat: a cut call would break that promise). `stop_strings` (the format's end markers, and a
+    # request's own otherwise) end generation anywhere. `in_call`: the prompt ends inside a call (a
+    # forced call's start). Without markers these apply everywhere.
     text_stop_strings: tuple[str, ...] = ()
     call_markers: tuple[str, str] | None = None
     in_call: bool = False
