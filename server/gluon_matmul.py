@@ -218,23 +218,26 @@ if HAS_GLUON:
         return _add_group(acc0, acc1, acc2, acc3, g0, g1, g2, g3, TILES)
 
     @gluon.jit
-    def _paired_group(i, n_groups, w_now, x_now, scale_now, offset_now, w_next, x_next, scale_next, offset_next,
-                      acc0, acc1, acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n,
-                      stride_xm, TILES: gl.constexpr, XROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                      EPILOGUE: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                      WL: gl.constexpr, XL: gl.constexpr, SL: gl.constexpr):
-        """RING_PAIR's group i: its copies into the `now` buffers waited for, group i + 1's copies into
-        the `next` buffers started (nothing past the last group), then group i's products."""
-        cp.wait_group(0)            # this thread's copies of group i are done ...
-        gl.thread_barrier()         # ... and every thread's, and nobody still reads the next buffers
-        ahead = i + 1
-        _copy_weights(w_next, scale_next, offset_next, 0, w_ptr, scale_ptr, offset_ptr, k_begin + ahead * 128,
+    def _ring_group(i, n_groups, w_now, x_now, scale_now, offset_now, slot, w_next, x_next, scale_next, offset_next,
+                    acc0, acc1, acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n,
+                    stride_xm, AHEAD: gl.constexpr, TILES: gl.constexpr, XROWS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, EPILOGUE: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr,
+                    B: gl.constexpr, WL: gl.constexpr, XL: gl.constexpr, SL: gl.constexpr):
+        """Group i: its copies into buffer `slot` of the `now` buffers waited for (the AHEAD - 1 groups
+        after it may still be copying), group i + AHEAD's copies into buffer (i + AHEAD) % (the `next`
+        buffers' slots) started (nothing past the last group), then group i's products. The ring passes
+        one set of buffers as both; RING_PAIR passes its two allocations, swapped every group."""
+        cp.wait_group(AHEAD - 1)    # this thread's copies of group i are done ...
+        gl.thread_barrier()         # ... and every thread's, and nobody still reads the buffer refilled next
+        ahead = i + AHEAD
+        into = ahead % w_next.shape[0]
+        _copy_weights(w_next, scale_next, offset_next, into, w_ptr, scale_ptr, offset_ptr, k_begin + ahead * 128,
                       ahead < n_groups, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
-        _copy_x(x_next, 0, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
-        packed = w_now.index(0).load(B)
-        scale = gl.expand_dims(scale_now.index(0).load(gl.SliceLayout(0, B)), 0)
-        offset = gl.expand_dims(offset_now.index(0).load(gl.SliceLayout(0, B)), 0)
-        return _group_products(x_now.index(0), packed, scale, offset, acc0, acc1, acc2, acc3, TILES, XROWS,
+        _copy_x(x_next, into, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M, stride_xm, XROWS, XL)
+        packed = w_now.index(slot).load(B)
+        scale = gl.expand_dims(scale_now.index(slot).load(gl.SliceLayout(0, B)), 0)
+        offset = gl.expand_dims(offset_now.index(slot).load(gl.SliceLayout(0, B)), 0)
+        return _group_products(x_now.index(slot), packed, scale, offset, acc0, acc1, acc2, acc3, TILES, XROWS,
                                BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
 
     @gluon.jit
@@ -324,10 +327,11 @@ if HAS_GLUON:
         pid_k = gl.program_id(1)
         gl.static_assert(not PAIRED or STAGES == 2, "RING_PAIR pairs a ring of two slots")
         # the ring: STAGES groups of weight words, x, scales and offsets (PAIRED: two of one group each)
-        w_s = gl.allocate_shared_memory(gl.int32, [1 if PAIRED else STAGES, 16, BLOCK_N], W_SHARED)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1 if PAIRED else STAGES, 8 * XROWS, 16], X_SHARED)
-        scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [1 if PAIRED else STAGES, BLOCK_N], S_SHARED)
-        offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [1 if PAIRED else STAGES, BLOCK_N], S_SHARED)
+        SLOTS: gl.constexpr = 1 if PAIRED else STAGES
+        w_s = gl.allocate_shared_memory(gl.int32, [SLOTS, 16, BLOCK_N], W_SHARED)
+        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [SLOTS, 8 * XROWS, 16], X_SHARED)
+        scale_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [SLOTS, BLOCK_N], S_SHARED)
+        offset_s = gl.allocate_shared_memory(scale_ptr.dtype.element_ty, [SLOTS, BLOCK_N], S_SHARED)
         if PAIRED:
             w_s1 = gl.allocate_shared_memory(gl.int32, [1, 16, BLOCK_N], W_SHARED)
             x_s1 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, 8 * XROWS, 16], X_SHARED)
@@ -360,30 +364,21 @@ if HAS_GLUON:
             # copies into one and the reads of the other then touch different allocations, so the
             # compiler adds no barrier between them (in one allocation it puts a second one in every group).
             for i in range(0, n_groups, 2):
-                acc0, acc1, acc2, acc3 = _paired_group(
-                    i, n_groups, w_s, x_s, scale_s, offset_s, w_s1, x_s1, scale_s1, offset_s1, acc0, acc1, acc2,
-                    acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm, TILES,
+                acc0, acc1, acc2, acc3 = _ring_group(
+                    i, n_groups, w_s, x_s, scale_s, offset_s, 0, w_s1, x_s1, scale_s1, offset_s1, acc0, acc1, acc2,
+                    acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm, 1, TILES,
                     XROWS, BLOCK_N, EPILOGUE, ACC, A, B, WL, XL, SL)
                 if i + 1 < n_groups:
-                    acc0, acc1, acc2, acc3 = _paired_group(
-                        i + 1, n_groups, w_s1, x_s1, scale_s1, offset_s1, w_s, x_s, scale_s, offset_s, acc0, acc1,
-                        acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm,
+                    acc0, acc1, acc2, acc3 = _ring_group(
+                        i + 1, n_groups, w_s1, x_s1, scale_s1, offset_s1, 0, w_s, x_s, scale_s, offset_s, acc0, acc1,
+                        acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm, 1,
                         TILES, XROWS, BLOCK_N, EPILOGUE, ACC, A, B, WL, XL, SL)
         else:
             for i in range(0, n_groups):
-                slot = i % STAGES
-                cp.wait_group(STAGES - 2)   # this thread's copies of group i are done ...
-                gl.thread_barrier()         # ... and every thread's, and nobody still reads the slot refilled next
-                ahead = i + STAGES - 1
-                _copy_weights(w_s, scale_s, offset_s, ahead % STAGES, w_ptr, scale_ptr, offset_ptr,
-                              k_begin + ahead * 128, ahead < n_groups, N, pid_n, BLOCK_N, WL, SL, EPILOGUE)
-                _copy_x(x_s, ahead % STAGES, x_ptr, k_begin + ahead * 128, (ahead < n_groups) & (ready != 0), M,
-                        stride_xm, XROWS, XL)
-                packed = w_s.index(slot).load(B)
-                scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
-                offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
-                acc0, acc1, acc2, acc3 = _group_products(x_s.index(slot), packed, scale, offset, acc0, acc1, acc2,
-                                                         acc3, TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
+                acc0, acc1, acc2, acc3 = _ring_group(
+                    i, n_groups, w_s, x_s, scale_s, offset_s, i % STAGES, w_s, x_s, scale_s, offset_s, acc0, acc1,
+                    acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm,
+                    STAGES - 1, TILES, XROWS, BLOCK_N, EPILOGUE, ACC, A, B, WL, XL, SL)
         cp.wait_group(0)
         cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
         rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))

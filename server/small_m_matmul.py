@@ -350,8 +350,7 @@ class SmallMLinear:
                 ROWS=tiles * TILE_M, XROWS=x_rows(tiles), BLOCK_N=block_n, STAGES=self.gluon_stages,
                 EPILOGUE=epilogue, PREFETCH=bool(gluon_matmul.PREFETCH and self._launch), REDUCE=reduce,
                 X_L1=m <= gluon_matmul.X_VIA_L1_ROWS, PAIRED=gluon_matmul.RING_PAIR and self.gluon_stages == 2,
-                num_warps=warps,
-                **self._launch)
+                num_warps=warps, **self._launch)
             return out.reshape(*lead, self.out_features)
         from server.gpu_kernels import _small_m_kernel
         _small_m_kernel[(self.n // self.block_n, self.split)](

@@ -56,9 +56,20 @@ def test_a_pair_of_weights_decodes_in_two_integer_instructions(tiles):
     pairs = len(re.findall(r"fma\.rn\.bf16x2", ours))
     assert pairs > 0
     assert len(re.findall(r"prmt\.b32 t, ", ours)) == pairs
-    assert len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", ours)) == pairs
+    assert _decodings(ours) == pairs
     per_element = r"\b(?:shr\.u16|cvt\.u16\.u32)\b"
     assert not re.search(per_element, ours) and re.search(per_element, theirs)
+
+
+def _decodings(ptx: str) -> int:
+    """The LOP3s that finish decoding a pair of weights (`_slice_codes`)."""
+    return len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", ptx))
+
+
+def _before(ptx: str, marker: str) -> str:
+    """The kernel's body up to the first `marker`."""
+    body = ptx[ptx.index(".entry"):]
+    return body[:body.index(marker)]
 
 
 def _copies(ptx: str) -> Counter:
@@ -136,19 +147,13 @@ def test_paired_ring_has_one_barrier_a_group(tiles, split):
     ring, _ = _ptx(tiles, split)
     twice = lambda counts: Counter({op: 2 * n for op, n in counts.items()})
     assert _arithmetic(paired) == twice(_arithmetic(ring))
-    assert len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", paired)) == \
-        2 * len(re.findall(r"lop3\.b32 [^;]*0x000F000F, 0x43004300", ring))
-    # the loop's copies twice (two groups a pass); the first group's, before the loop, once in both
-    loop_copies = lambda ptx: sum(_copies(ptx).values())
-    assert loop_copies(paired) - loop_copies(ring) == loop_copies(ring) - _first_copies(ring)
+    assert _decodings(paired) == 2 * _decodings(ring)
+    # the loop's copies twice (two groups a pass); the first group's, before the loop's first barrier,
+    # once in both
+    copies = lambda ptx: sum(_copies(ptx).values())
+    assert copies(paired) - copies(ring) == copies(ring) - copies(_before(ring, "bar.sync"))
     barriers = lambda ptx: len(re.findall(r"\bbar\.sync", ptx))
     assert barriers(paired) == barriers(ring)
-
-
-def _first_copies(ptx: str) -> int:
-    """The copies issued before the K loop (the first group's)."""
-    body = ptx[ptx.index(".entry"):]
-    return sum(_copies(body[:body.index("bar.sync")]).values())
 
 
 def test_paired_ring_copies_only_weights_before_the_wait():
@@ -157,5 +162,5 @@ def test_paired_ring_copies_only_weights_before_the_wait():
     paired, _ = _ptx(2, 4, paired=True, prefetch=True, pdl=True)
     ring, _ = _ptx(2, 4, prefetch=True, pdl=True)
     early = lambda ptx: Counter(re.findall(r"\b(?:ld|st|atom|red)\.global[.\w]*|cp\.async\.c[ag][.\w]*",
-                                           ptx[ptx.index(".entry"):][:ptx[ptx.index(".entry"):].index("griddepcontrol.wait")]))
+                                           _before(ptx, "griddepcontrol.wait")))
     assert early(paired) == early(ring) and sum(early(ring).values()) > 0

@@ -113,7 +113,8 @@ def test_a_requests_stop_strings_do_not_cut_a_tool_call():
         ("read_file{path:1}<tool_call|>ok", ":")
     assert _cut("read_file{path:1}<tool_call|>ok: x", text_stops=(":",)) == ("read_file{path", ":")
     # the format's end markers end generation inside a call too
-    assert _cut("<|tool_call>call:f{a<turn|>", stops=("<turn|>",), text_stops=(":",)) == ("<|tool_call>call:f{a", "<turn|>")
+    assert _cut("<|tool_call>call:f{a<turn|>", stops=("<turn|>",), text_stops=(":",)) == \
+        ("<|tool_call>call:f{a", "<turn|>")
     assert _cut(call, text_stops=(":",), calls=None) == ("<|tool_call>call", ":")
     # the first stop in the text wins, whichever list it is in
     assert _cut("ab END: x", stops=("END",), text_stops=(":",)) == ("ab ", "END")
