@@ -34,6 +34,12 @@ from __future__ import annotations
 
 import torch
 
+# Warps of a residual norm's program (None: a warp per 256 of the row's padded width, 4 to 16: 16 for
+# E4B's 2560). The row's sums of squares are tree sums across the program's warps, so a count is part
+# of the kernel's bits (the same for every row count, so steps stay batch-invariant). A/B runs:
+# `python -m bench.step_ab --base-tree . --head-set server.step_norms.RESIDUAL_NORM_WARPS=4`.
+RESIDUAL_NORM_WARPS: int | None = None
+
 
 def _launch(residual: torch.Tensor, p: torch.Tensor, w, eps: float, scalar, w_next, eps_next, nxt: bool):
     import triton
@@ -55,9 +61,13 @@ def _launch(residual: torch.Tensor, p: torch.Tensor, w, eps: float, scalar, w_ne
             w_next if w_next is not None else h, h, x, n, p.stride(0), p.stride(1), residual.stride(0),
             h.stride(0), x.stride(0), float(eps), float(eps_next if eps_next is not None else 0.0),
             SLICES=p.shape[0], HAS_W=w is not None, HAS_SCALAR=scalar is not None, NEXT=nxt,
-            HAS_W_NEXT=w_next is not None, BLOCK=block, num_warps=max(4, min(16, block // 256)),
+            HAS_W_NEXT=w_next is not None, BLOCK=block, num_warps=_residual_warps(block),
             **pdl_launch(residual.device))
     return (h, x) if nxt else h
+
+
+def _residual_warps(block: int) -> int:
+    return RESIDUAL_NORM_WARPS or max(4, min(16, block // 256))
 
 
 def summed_residual_norm(residual, p, w, eps, scalar):
