@@ -18,6 +18,8 @@ except ImportError:  # an older Triton: the kernels run without PDL (pdl_launch 
 # Under Triton's interpreter the merge loops run to an argument (it cannot loop to a bound read from
 # memory), with the chunks past a row's last masked; compiled, to the row's last chunk, as they always did.
 _MERGE_TO_ARGUMENT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# Chunks whose maxima the merge reads at once (`_store_merged_row`).
+MERGE_MAX_BLOCK = tl.constexpr(32)
 
 
 @triton.jit
@@ -517,23 +519,48 @@ def _store_merged_row(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, kvh, t, g, last
                       G: tl.constexpr, D: tl.constexpr):
     """out[t, head kvh * G + g] = row t * G + g's chunk partials 0..last merged in chunk order (a fixed
     order). Compiled, the loops run to `last`; under the interpreter (`_MERGE_TO_ARGUMENT`) to n_used,
-    the chunks past `last` masked, which changes no value."""
+    the chunks past `last` masked, which changes no value.
+
+    Latency, not arithmetic, is what a merge costs: a loop that reads a chunk's partials and then uses
+    them waits one memory round trip a chunk. So the maxima are read MERGE_MAX_BLOCK chunks at a time
+    (a maximum is exact in any order), and the sums' loop reads four chunks' partials before it adds
+    the first of them, then adds them one by one in chunk order: the same operations in the
+    same order as a chunk at a time, so the same bits."""
     base = (kvh * n_rows + t * G + g) * n_chunks
     if _MERGE_TO_ARGUMENT:
         end = n_used
     else:
         end = last + 1
+    block = tl.arange(0, MERGE_MAX_BLOCK)
     m_max = -1.0e30
-    for c in range(0, end):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + c, mask=c <= last, other=-1.0e30))
+    for c0 in range(0, end, MERGE_MAX_BLOCK):
+        c = c0 + block
+        m_max = tl.maximum(m_max, tl.max(tl.load(m_ptr + base + c, mask=c <= last, other=-1.0e30), axis=0))
     d = tl.arange(0, D)
     total = tl.zeros((D,), dtype=tl.float32)
     denom = 0.0
-    for c in range(0, end):
-        live = c <= last
-        w = tl.exp(tl.load(m_ptr + base + c, mask=live, other=0.0) - m_max)
-        denom = tl.where(live, denom + w * tl.load(l_ptr + base + c, mask=live, other=0.0), denom)
-        total = tl.where(live, total + w * tl.load(acc_ptr + (base + c) * D + d, mask=live, other=0.0), total)
+    for c0 in range(0, end, 4):
+        live0, live1, live2, live3 = c0 <= last, c0 + 1 <= last, c0 + 2 <= last, c0 + 3 <= last
+        a0 = tl.load(acc_ptr + (base + c0) * D + d, mask=live0, other=0.0)
+        a1 = tl.load(acc_ptr + (base + c0 + 1) * D + d, mask=live1, other=0.0)
+        a2 = tl.load(acc_ptr + (base + c0 + 2) * D + d, mask=live2, other=0.0)
+        a3 = tl.load(acc_ptr + (base + c0 + 3) * D + d, mask=live3, other=0.0)
+        w0 = tl.exp(tl.load(m_ptr + base + c0, mask=live0, other=0.0) - m_max)
+        w1 = tl.exp(tl.load(m_ptr + base + c0 + 1, mask=live1, other=0.0) - m_max)
+        w2 = tl.exp(tl.load(m_ptr + base + c0 + 2, mask=live2, other=0.0) - m_max)
+        w3 = tl.exp(tl.load(m_ptr + base + c0 + 3, mask=live3, other=0.0) - m_max)
+        l0 = tl.load(l_ptr + base + c0, mask=live0, other=0.0)
+        l1 = tl.load(l_ptr + base + c0 + 1, mask=live1, other=0.0)
+        l2 = tl.load(l_ptr + base + c0 + 2, mask=live2, other=0.0)
+        l3 = tl.load(l_ptr + base + c0 + 3, mask=live3, other=0.0)
+        denom = tl.where(live0, denom + w0 * l0, denom)
+        total = tl.where(live0, total + w0 * a0, total)
+        denom = tl.where(live1, denom + w1 * l1, denom)
+        total = tl.where(live1, total + w1 * a1, total)
+        denom = tl.where(live2, denom + w2 * l2, denom)
+        total = tl.where(live2, total + w2 * a2, total)
+        denom = tl.where(live3, denom + w3 * l3, denom)
+        total = tl.where(live3, total + w3 * a3, total)
     tl.store(out_ptr + t * stride_ot + (kvh * G + g) * D + d, (total / denom).to(out_ptr.dtype.element_ty))
 
 

@@ -42,10 +42,16 @@ from __future__ import annotations
 import torch
 
 BLOCK_R = 16   # query rows (token x head of one KV head) per program
+# Keys a chunk holds (BLOCK_S): for heads of at most 256 dimensions (E4B's sliding layers), and wider
+# (its full layers). Part of the bits (a row's partials are per chunk), the same for every step, and
+# read when a StepAttention is built (and by server/fast_memory.py's plan: a full layer's scratch
+# grows as its chunks shrink). A/B runs: `python -m bench.step_ab --base-tree . --head-set
+# "server.step_attention.CHUNK_KEYS=(64, 64)"`.
+CHUNK_KEYS: tuple[int, int] = (128, 64)
 
 
 def _block_s(head_dim: int) -> int:
-    return 64 if head_dim > 256 else 128
+    return CHUNK_KEYS[1] if head_dim > 256 else CHUNK_KEYS[0]
 
 
 def chain_ancestors(n: int) -> list[int]:
