@@ -28,8 +28,8 @@ code, two weights) with one byte permute and one LOP3, where the per-element for
 arithmetic after it (minus 128, times the scale plus the offset) is the same instructions
 (tests/test_gluon_matmul_ptx.py).
 
-With `RING_PAIR` (off until a GPU run times it) the ring's two slots are allocations of their own and
-the loop takes two groups a pass: one barrier a group instead of two.
+With `RING_PAIR` (on; STAGES 2) the ring's two slots are allocations of their own and the loop takes
+two groups a pass: one barrier a group instead of two.
 
 Launch: with programmatic dependent launch (server/small_m_matmul.py `pdl_launch`) the kernel starts
 while the one before it runs. Its first group's weight words, scales and offsets are read-only, so
@@ -97,12 +97,15 @@ X_VIA_L1_ROWS = 16
 # buffers: one barrier a group too, 237 instructions a group against 250, but 118 registers a thread
 # against 68) was slower and is gone (docs/bars.md); this keeps the ring's registers and drops only
 # the barrier (sm_90a: one barrier and about 233 instructions a group against two and 250; 88
-# registers against 68 at one row tile). One round of `python -m bench.step_ab --base-tree .
-# --base-set server.gluon_matmul.RING_PAIR=False --head-set server.gluon_matmul.RING_PAIR=True --rows
-# 8 32` on an H200 (bench/results/step_ab-ring-pair-h200.md) was mixed: a one-token step 3.03 ->
-# 3.08 ms, a verify 3.56 -> 3.55, chained decode 333.1 -> 337.0 tokens/s, the same bits at 8 and 32
-# rows. Off until more rounds and tests/test_step_kernel_rows.py's bit test (not finished yet) say.
-RING_PAIR = False
+# registers against 68 at one row tile). Measured, `python -m bench.step_ab --base-tree . --base-set
+# server.gluon_matmul.RING_PAIR=False --head-set server.gluon_matmul.RING_PAIR=True --rounds 1 --reps
+# 100 --rows 8 32`, three runs on an H100 (bench/results/step_ab-ring-pair-h100.md): the int4 matmuls'
+# GPU time in a one-token step 1.727-1.731 -> 1.695-1.697 ms and in a 16-token verify 2.109-2.127 ->
+# 2.032-2.047, chained plain decode 321.4-322.5 -> 324.9-326.1 tokens/s, a verify 3.61-3.62 -> 3.54-3.60
+# ms, a 32-token step 4.56-4.57 -> 4.43-4.48, a one-token step 3.13 -> 3.09-3.15; one run on an H200
+# (step_ab-ring-pair-h200.md): the matmuls 1.717 -> 1.675 ms, chained decode 333.1 -> 337.0. The same
+# logits' bits at 8 and 32 rows in all four, and drafted equals plain.
+RING_PAIR = True
 BLOCK_N = 64        # output columns a program, as `_small_m_kernel`'s int4 configuration
 NUM_WARPS = 4
 # (columns a program, warps) the kernel is written for. The accumulator's layout gives each warp 8

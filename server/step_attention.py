@@ -45,8 +45,11 @@ BLOCK_R = 16   # query rows (token x head of one KV head) per program
 # Keys a chunk holds (BLOCK_S): for heads of at most 256 dimensions (E4B's sliding layers), and wider
 # (its full layers). Part of the bits (a row's partials are per chunk), the same for every step, and
 # read when a StepAttention is built (and by server/fast_memory.py's plan: a full layer's scratch
-# grows as its chunks shrink). A/B runs: `python -m bench.step_ab --base-tree . --head-set
-# "server.step_attention.CHUNK_KEYS=(64, 64)"`.
+# grows as its chunks shrink). Sliding layers' chunks of 64 keys instead of 128, twice the programs
+# for half the keys each (one run of `python -m bench.step_ab --base-tree . --head-set
+# "server.step_attention.CHUNK_KEYS=(64, 64)" --rounds 1 --reps 100` on an H100, with the merge's
+# reads ahead: bench/results/step_ab-chunk-keys-h100.md): a one-token step's partials 0.326 -> 0.362
+# ms and merges 0.100 -> 0.130, the step 3.12 -> 3.24 ms, a verify 3.56 -> 3.66. Not taken.
 CHUNK_KEYS: tuple[int, int] = (128, 64)
 
 

@@ -36,8 +36,11 @@ import torch
 
 # Warps of a residual norm's program (None: a warp per 256 of the row's padded width, 4 to 16: 16 for
 # E4B's 2560). The row's sums of squares are tree sums across the program's warps, so a count is part
-# of the kernel's bits (the same for every row count, so steps stay batch-invariant). A/B runs:
-# `python -m bench.step_ab --base-tree . --head-set server.step_norms.RESIDUAL_NORM_WARPS=4`.
+# of the kernel's bits (the same for every row count, so steps stay batch-invariant). 4 against 16
+# (one run of `python -m bench.step_ab --base-tree . --head-set server.step_norms.RESIDUAL_NORM_WARPS=4
+# --rounds 1 --reps 100` on an H100, bench/results/step_ab-norm-warps-h100.md): the 126 norms of a
+# one-token step 0.373 -> 0.375 ms, a step 3.13 -> 3.16: no gain. A launch's few microseconds are its
+# wait and its round trips to memory, not its warps' work.
 RESIDUAL_NORM_WARPS: int | None = None
 
 

@@ -135,7 +135,7 @@ def test_gelu_pairs_split_off_in_registers(split):
     assert stored(plain) > 0 and 2 * stored(pairs) == stored(plain)
 
 
-# server/gluon_matmul.py RING_PAIR (off by default until a GPU run times it): the ring's two slots as
+# server/gluon_matmul.py RING_PAIR (on by default since stop 70): the ring's two slots as
 # allocations of their own, the loop taking two groups a pass.
 
 @pytest.mark.parametrize("tiles,split", [(1, 1), (2, 4), (4, 1)])
