@@ -51,6 +51,13 @@ BLOCK_R = 16   # query rows (token x head of one KV head) per program
 # reads ahead: bench/results/step_ab-chunk-keys-h100.md): a one-token step's partials 0.326 -> 0.362
 # ms and merges 0.100 -> 0.130, the step 3.12 -> 3.24 ms, a verify 3.56 -> 3.66. Not taken.
 CHUNK_KEYS: tuple[int, int] = (128, 64)
+# Warps of a partials program, for heads of at most 256 dimensions and wider (as CHUNK_KEYS; the
+# merge's are its own). A program's softmax sums run across its warps, so a count is part of the
+# bits, the same for every step. In the sm_90a code of a sliding layer's launch (D 256, 128 keys,
+# writing its rows; ptxas on the CPU) 4 warps take 255 registers a thread and spill 104 bytes, 8 take
+# 220 and spill none (D 512 on 8: 155, no spill). Not yet timed: `python -m bench.step_ab --base-tree
+# . --head-set "server.step_attention.ATTENTION_WARPS=(8, 8)"`.
+ATTENTION_WARPS: tuple[int, int] = (4, 8)
 
 
 def _block_s(head_dim: int) -> int:
@@ -173,4 +180,4 @@ def _new_rows(new_kv: tuple | None, like: torch.Tensor, rows: int, kv_heads: int
 
 
 def _warps(head_dim: int) -> int:
-    return 8 if head_dim > 256 else 4
+    return ATTENTION_WARPS[1] if head_dim > 256 else ATTENTION_WARPS[0]
