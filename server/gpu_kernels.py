@@ -528,7 +528,9 @@ def _store_merged_row(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, kvh, t, g, last
     same order as a chunk at a time, so the same bits (E4B shape on an H100: the 8- and 32-token
     steps' logits hash alike before and after, in `python -m bench.step_ab --rows 8 32`). The 42
     merges of a one-token step took 0.110 ms before and 0.100-0.101 after, a 16-token verify's 0.123
-    and 0.108-0.111 (that bench's kernel timelines, eight processes after against one before)."""
+    and 0.108-0.111 (that bench's kernel timelines with RING_PAIR off, one process before against six
+    after: bench/results/step_ab-merge-base-h100.md and the runs it names; with RING_PAIR on, three
+    processes, 0.101-0.102 and 0.116)."""
     base = (kvh * n_rows + t * G + g) * n_chunks
     if _MERGE_TO_ARGUMENT:
         end = n_used

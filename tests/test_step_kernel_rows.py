@@ -138,9 +138,10 @@ def test_gluon_paired_ring_gives_the_same_bits(n, k, monkeypatch):
     one allocation (the ring, which STAGES other than 2 still run), on the shipped tilings (the own
     and the wide), every row count, plain, gelu pairs, gelu times and split-K slices: the same copies
     and products in the same order, so the same bits. K groups a slice: 5 (6144 x 2560: odd, more than
-    one pass), 20 (gate|up, one slice) and 1 (2560 x 256). Every launch compiles a kernel of its own
-    (up to 80 a shape here), so the shapes and tilings are the ones that tell the two loops apart: the
-    other tilings, shapes and rings against the shipped kernel are the tests above."""
+    one pass), 20 (gate|up, one slice) and 1 (2560 x 256). Each new launch configuration (row tiles,
+    kind, the setting, tiling, the rows' specializations) compiles a kernel of its own, so the shapes
+    and tilings are the ones that tell the two loops apart, half as many of each as before: the other
+    tilings, shapes and rings against the shipped kernel are the tests above."""
     from server import gluon_matmul, small_m_matmul
 
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
