@@ -102,7 +102,7 @@ def test_a_stop_sequence_does_not_cut_an_enforced_call(servers):
     client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=300)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
-    # one call (the base model, let make more, writes calls until max_tokens)
+    # one call (left free to write more, the base model writes calls until max_tokens)
     for choice in ({"type": "tool", "name": "read_file"}, {"type": "any", "disable_parallel_tool_use": True}):
         m = client.messages.create(model="m", max_tokens=64, messages=ask, tools=tools, tool_choice=choice,
                                    stop_sequences=[":", "}"])
