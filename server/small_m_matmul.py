@@ -241,6 +241,7 @@ class SmallMLinear:
         self.gluon = (GLUON and self.magic and (block_n, num_warps) in gluon_matmul.TILINGS
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
+        self._tma = None    # server/gluon_ws_matmul.py's descriptors of weight, scale and offset (its first launch)
         self.epilogue = PLAIN
         self.cap = 0.0      # SOFTCAP's
         # False: a call's split-K slices store their partials and end, the output unwritten (what
@@ -341,9 +342,12 @@ class SmallMLinear:
             self.partial = torch.empty((max(1, self.partial_numel()),), dtype=torch.float32, device=self.weight.device)
         tiles = max(1, -(-m // TILE_M))
         if self.gluon:
-            from server import gluon_matmul
+            from server import gluon_matmul, gluon_ws_matmul
             from server.gluon_matmul import int4_step_matmul, x_rows
             block_n, warps = self._gluon_tiling(m)
+            if gluon_ws_matmul.ON and (block_n, warps) == gluon_ws_matmul.TILING and gluon_ws_matmul.runs_on(x.device):
+                self._launch_ws(x2, out, m, tiles, epilogue, times, reduce)
+                return out.reshape(*lead, self.out_features)
             int4_step_matmul[(self.n // block_n, self.split)](
                 x2, self.weight, self.scale, self.offset, self.partial, self.count, out, m, self.n, self.k,
                 x2.stride(0), self.k // self.split, times, times.stride(0), SPLIT=self.split, TILES=tiles,
@@ -361,6 +365,22 @@ class SmallMLinear:
             ROWS=tiles * TILE_M, BLOCK_M=TILE_M, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, EPILOGUE=epilogue,
             REDUCE=reduce, CAP=self.cap, num_warps=self.num_warps, num_stages=self.num_stages, **self._launch)
         return out.reshape(*lead, self.out_features)
+
+    def _launch_ws(self, x2: torch.Tensor, out: torch.Tensor, m: int, tiles: int, epilogue: int,
+                   times: torch.Tensor, reduce: bool) -> None:
+        """This int4 linear's launch on server/gluon_ws_matmul.py's kernel (its tiling, the same bits):
+        the weights, scales and offsets through TMA descriptors, made at the first launch."""
+        from server import gluon_matmul, gluon_ws_matmul
+        if self._tma is None:
+            self._tma = gluon_ws_matmul.descriptors(self.weight, self.scale, self.offset)
+        block_n, warps = gluon_ws_matmul.TILING
+        maxnreg, producer_regs = gluon_ws_matmul.registers(tiles)
+        gluon_ws_matmul.int4_step_matmul_ws[(self.n // block_n, self.split)](
+            x2, *self._tma, self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
+            times, times.stride(0), SPLIT=self.split, TILES=tiles, ROWS=tiles * TILE_M,
+            XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=block_n, STAGES=gluon_ws_matmul.STAGES,
+            PRODUCER_REGS=producer_regs, EPILOGUE=epilogue, REDUCE=reduce,
+            X_L1=m <= gluon_matmul.X_VIA_L1_ROWS, num_warps=warps, maxnreg=maxnreg, **self._launch)
 
     def _gluon_tiling(self, rows: int) -> tuple[int, int]:
         """(columns a program, warps) of a Gluon launch of `rows` rows: WIDE_TILING from

@@ -42,9 +42,9 @@ def _sm90_compiler_missing() -> str | None:
     return None
 
 
-def sm90_ptx(fn, sig: dict, constexprs: dict) -> str:
-    """fn's PTX for sm_90 (a Triton or a Gluon kernel); pointers and strides specialized as Triton does for
-    16-divisible arguments. Skips only where no kernel compiles for sm_90 here: an error in fn's own
+def sm90_ptx(fn, sig: dict, constexprs: dict, **options) -> str:
+    """fn's PTX for sm_90 (a Triton or a Gluon kernel), compiled with `options` (num_warps, maxnreg, ...);
+    pointers and strides specialized as Triton does for 16-divisible arguments. Skips only where no kernel compiles for sm_90 here: an error in fn's own
     compilation fails the test."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -63,7 +63,8 @@ def sm90_ptx(fn, sig: dict, constexprs: dict) -> str:
     names = list(sig)
     aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in INTS)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options or None)
     return compiled.asm["ptx"]
 
 

@@ -165,6 +165,34 @@ def test_gluon_paired_ring_gives_the_same_bits(n, k, monkeypatch):
                 assert torch.equal(run(x[:m]), want), f"N={n} K={k} n{block_n} w{warps} {kind}: {m} rows"
 
 
+@pytest.mark.parametrize("n,k", [(6144, 2560), (20480, 2560), (2560, 256), (2560, 10240)])
+def test_warp_specialized_kernel_gives_the_same_bits(n, k, monkeypatch):
+    """server/gluon_ws_matmul.py (a producer warp's TMA and cp.async copies feeding the consumers'
+    products) against server/gluon_matmul.py's kernel, on its tiling (64 columns, 4 warps), every row
+    count, plain, gelu pairs, gelu times and split-K slices: the same products in the same order, so
+    the same bits. K groups a slice: 5 (6144 x 2560: more than one pass of the ring of 4), 20
+    (gate|up), 1 (2560 x 256) and 2560 x 10240's split; the split-K counters are reset (a second call
+    after the first agrees too)."""
+    from server import gluon_matmul, gluon_ws_matmul, small_m_matmul
+
+    monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
+    lin = int4_linear(n, k, seed=n + k)
+    if not lin.gluon or not gluon_ws_matmul.runs_on(lin.weight.device):
+        pytest.skip("the warp-specialized kernel does not run here (Hopper's TMA)")
+    assert (lin.block_n, lin.num_warps) == gluon_ws_matmul.TILING
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
+    kinds = [("plain", lin), ("pairs", lin.gelu_pairs()), ("slices", lin.slices),
+             ("times", lambda rows: lin(rows, gelu_times=u[:rows.shape[0]]))]
+    for m in ROW_COUNTS:
+        for kind, run in kinds:
+            monkeypatch.setattr(gluon_ws_matmul, "ON", False)
+            want = run(x[:m]).clone()
+            monkeypatch.setattr(gluon_ws_matmul, "ON", True)
+            assert torch.equal(run(x[:m]), want), f"N={n} K={k} {kind}: {m} rows"
+            assert torch.equal(run(x[:m]), want), f"N={n} K={k} {kind}: {m} rows, a second call"
+
+
 @pytest.mark.parametrize("tiling", [(64, 2), (128, 4)])
 @pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 10240)])
 def test_wide_tiling_from_some_rows_gives_the_same_bits(n, k, tiling, monkeypatch):
