@@ -402,6 +402,10 @@ if HAS_GLUON:
             if TILES > 3:
                 _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
             if REDUCE:
+                # Every warp's partials stored before one thread's release: the acq_rel atomic orders only
+                # what its own thread wrote or saw, so the warps meet first (the Triton kernel's PTX has this
+                # barrier; this kernel's had none until a review of the sm_90 PTX, stop 71).
+                gl.thread_barrier()
                 # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
                 arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
                 if arrived == SPLIT - 1:

@@ -16,7 +16,7 @@ waits) and meet at a barrier every group. Stop 64's profile of a one-row gate|up
 cycles an issued instruction, 0.9 of them waiting on the copies and 0.7 at barriers, with 2.4
 programs an SM; deeper cp.async rings and more warps did not pay (docs/bars.md), since each added
 copy instructions, addresses or barriers to the same warps. Here one producer warp issues a group's
-weight words, scales and offsets as six TMA bulk copies (one thread, no per-thread addresses) and
+weight words, scales and offsets as four TMA bulk copies (one thread, no per-thread addresses) and
 x's rows as cp.async that arrive on the same mbarrier (`cp.async.mbarrier.arrive.noinc`), STAGES
 groups ahead; the consumer warps wait on a slot's "full" barrier, decode and multiply, and release
 it on its "empty" barrier (Gluon syncs the four consumer warps before that arrive: one barrier a
@@ -76,14 +76,18 @@ def runs_on(device: torch.device) -> bool:
     return HAS_TMA and gluon_matmul.runs_on(device) and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def descriptors(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple:
+def descriptors(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, pairs: bool) -> tuple:
     """TMA descriptors of an int4 linear's weight words ([K/8, N] int32: boxes of 16 words x HALF
-    columns, a group's half tile) and scales and offsets ([K/128, N] bf16, read flat: boxes of
-    HALF). Built once a linear: the tensors never move."""
+    columns, half a group's tile) and its scales and offsets ([K/128, N] bf16: boxes of 2 x HALF, a
+    group's 64 in one 128-byte box, since a TMA box's shared-memory destination must be 128-byte
+    aligned). The scales are read as rows of HALF (the tile's two halves are consecutive rows) or,
+    for GELU_PAIRS (`pairs`), as rows of N / 2 (a group's gate half, then its up half: rows 2 g and
+    2 g + 1, at the tile's column). Built once a linear and epilogue: the tensors never move."""
     words = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=1)
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     w = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, HALF], words)
-    s, o = (TensorDescriptor(t.reshape(-1), [t.numel()], [1], [HALF], flat) for t in (scale, offset))
+    row = scale.shape[1] // 2 if pairs else HALF
+    s, o = (TensorDescriptor.from_tensor(t.view(-1, row), [2, HALF], flat) for t in (scale, offset))
     return w, s, o
 
 
@@ -110,29 +114,27 @@ if HAS_TMA:
     @gluon.jit
     def _copy_weights_tma(w_desc, scale_desc, offset_desc, w_s, scale_s, offset_s, bar, slot, k0, live, N, pid_n,
                           EPILOGUE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The group at feature k0: its weight words, scales and offsets into ring slot `slot`, six TMA
-        boxes (the tile's two halves of HALF columns each, at `_columns`' column starts), counted on
-        `bar` by their bytes. Nothing when `live` is false."""
+        """The group at feature k0: its weight words (the tile's two halves of HALF columns, at
+        `_columns`' column starts), scales and offsets (one box each: `descriptors`) into ring slot
+        `slot`, four TMA boxes counted on `bar` by their bytes. Nothing when `live` is false."""
         H: gl.constexpr = BLOCK_N // 2
-        if EPILOGUE == 1:   # GELU_PAIRS: gate columns, then their up columns N / 2 on
+        g = k0 // 128
+        if EPILOGUE == 1:   # GELU_PAIRS: gate columns, then their up columns N / 2 on; scales in rows of N / 2
             c0 = pid_n * H
             c1 = N // 2 + pid_n * H
-        else:
+            at = [2 * g, c0]
+        else:               # scales in rows of H: the tile's two halves are rows 2 pid_n, 2 pid_n + 1 of the group's
             c0 = pid_n * BLOCK_N
             c1 = c0 + H
-        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 4 * scale_desc.block_type.nbytes
+            at = [g * (N // H) + 2 * pid_n, 0]
+        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + 2 * scale_desc.block_type.nbytes
         mbarrier.expect(bar, nbytes, pred=live)
         w = w_s.index(slot)
         row = k0 // 8
         tma.async_copy_global_to_shared(w_desc, [row, c0], bar, w.slice(0, H, dim=1), pred=live)
         tma.async_copy_global_to_shared(w_desc, [row, c1], bar, w.slice(H, H, dim=1), pred=live)
-        at = (k0 // 128) * N
-        s = scale_s.index(slot)
-        o = offset_s.index(slot)
-        tma.async_copy_global_to_shared(scale_desc, [at + c0], bar, s.slice(0, H), pred=live)
-        tma.async_copy_global_to_shared(scale_desc, [at + c1], bar, s.slice(H, H), pred=live)
-        tma.async_copy_global_to_shared(offset_desc, [at + c0], bar, o.slice(0, H), pred=live)
-        tma.async_copy_global_to_shared(offset_desc, [at + c1], bar, o.slice(H, H), pred=live)
+        tma.async_copy_global_to_shared(scale_desc, at, bar, scale_s.index(slot), pred=live)
+        tma.async_copy_global_to_shared(offset_desc, at, bar, offset_s.index(slot), pred=live)
 
     @gluon.jit
     def _producer(w_desc, scale_desc, offset_desc, x_ptr, w_s, x_s, scale_s, offset_s, full, empty, M, N,
@@ -140,7 +142,7 @@ if HAS_TMA:
                   STAGES: gl.constexpr, EPILOGUE: gl.constexpr, PDL: gl.constexpr, X_L1: gl.constexpr):
         """One warp: every group's operands into the ring, STAGES groups ahead of the consumers. Slot
         s's j-th fill waits for the consumers' (j-1)-th release of it (phase (j - 1) & 1 of its empty
-        barrier); its full barrier completes when the six boxes' bytes and the 32 threads' x copies
+        barrier); its full barrier completes when the four boxes' bytes and the 32 threads' x copies
         (each thread's cp.async arrive) are in."""
         if X_L1:  # 8-byte pieces through L1, as gluon_matmul's X_L1 (one warp: 16 copies a thread)
             XL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
@@ -180,8 +182,8 @@ if HAS_TMA:
             slot = i % STAGES
             mbarrier.wait(full.index(slot), (i // STAGES) & 1)
             packed = w_s.index(slot).load(B)
-            scale = gl.expand_dims(scale_s.index(slot).load(gl.SliceLayout(0, B)), 0)
-            offset = gl.expand_dims(offset_s.index(slot).load(gl.SliceLayout(0, B)), 0)
+            scale = gl.expand_dims(scale_s.index(slot).reshape([BLOCK_N]).load(gl.SliceLayout(0, B)), 0)
+            offset = gl.expand_dims(offset_s.index(slot).reshape([BLOCK_N]).load(gl.SliceLayout(0, B)), 0)
             acc0, acc1, acc2, acc3 = _group_products(x_s.index(slot), packed, scale, offset, acc0, acc1, acc2, acc3,
                                                      TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
             mbarrier.arrive(empty.index(slot))
@@ -225,8 +227,8 @@ if HAS_TMA:
         X_SHARED: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0])
         w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], w_desc.layout)
         x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 8 * XROWS, 16], X_SHARED)
-        scale_s = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, BLOCK_N], scale_desc.layout)
-        offset_s = gl.allocate_shared_memory(offset_desc.dtype, [STAGES, BLOCK_N], offset_desc.layout)
+        scale_s = gl.allocate_shared_memory(scale_desc.dtype, [STAGES, 2, BLOCK_N // 2], scale_desc.layout)
+        offset_s = gl.allocate_shared_memory(offset_desc.dtype, [STAGES, 2, BLOCK_N // 2], offset_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):

@@ -241,7 +241,7 @@ class SmallMLinear:
         self.gluon = (GLUON and self.magic and (block_n, num_warps) in gluon_matmul.TILINGS
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
-        self._tma = None    # server/gluon_ws_matmul.py's descriptors of weight, scale and offset (its first launch)
+        self._tma = None    # (GELU_PAIRS?, server/gluon_ws_matmul.py's descriptors of weight, scale and offset)
         self.epilogue = PLAIN
         self.cap = 0.0      # SOFTCAP's
         # False: a call's split-K slices store their partials and end, the output unwritten (what
@@ -371,12 +371,13 @@ class SmallMLinear:
         """This int4 linear's launch on server/gluon_ws_matmul.py's kernel (its tiling, the same bits):
         the weights, scales and offsets through TMA descriptors, made at the first launch."""
         from server import gluon_matmul, gluon_ws_matmul
-        if self._tma is None:
-            self._tma = gluon_ws_matmul.descriptors(self.weight, self.scale, self.offset)
+        pairs = epilogue == GELU_PAIRS
+        if self._tma is None or self._tma[0] != pairs:
+            self._tma = pairs, gluon_ws_matmul.descriptors(self.weight, self.scale, self.offset, pairs)
         block_n, warps = gluon_ws_matmul.TILING
         maxnreg, producer_regs = gluon_ws_matmul.registers(tiles)
         gluon_ws_matmul.int4_step_matmul_ws[(self.n // block_n, self.split)](
-            x2, *self._tma, self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
+            x2, *self._tma[1], self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
             times, times.stride(0), SPLIT=self.split, TILES=tiles, ROWS=tiles * TILE_M,
             XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=block_n, STAGES=gluon_ws_matmul.STAGES,
             PRODUCER_REGS=producer_regs, EPILOGUE=epilogue, REDUCE=reduce,

@@ -164,3 +164,20 @@ def test_paired_ring_copies_only_weights_before_the_wait():
     early = lambda ptx: Counter(re.findall(r"\b(?:ld|st|atom|red)\.global[.\w]*|cp\.async\.c[ag][.\w]*",
                                            _before(ptx, "griddepcontrol.wait")))
     assert early(paired) == early(ring) and sum(early(ring).values()) > 0
+
+
+def _barrier_before_counter(ptx: str) -> bool:
+    """Whether the warps meet (bar.sync) between the last partial store and the split-K counter's atomic."""
+    body = ptx[ptx.index(".entry"):]
+    before = body[:body.index("atom.")]
+    return "bar.sync" in before[before.rfind("st.global"):]
+
+
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_split_k_counter_moves_after_every_warps_partials(tiles):
+    """The acq_rel atomic on a column tile's counter is one thread's: it publishes what that thread
+    wrote or saw, so every warp's partial stores come before a barrier before it (as in the Triton
+    kernel's PTX); otherwise the last slice could sum a partial another warp had not yet made visible."""
+    ours, theirs = _ptx(tiles, split=4, paired=True, prefetch=True, pdl=True)
+    assert _barrier_before_counter(theirs)
+    assert _barrier_before_counter(ours)

@@ -32,7 +32,7 @@ def _ws_ptx(tiles: int, split: int, epilogue: int = 0, pdl: bool = True) -> str:
     n, k = 2048, 2560
     weight = torch.zeros(k // 8, n, dtype=torch.int32)
     scale = torch.zeros(k // 128, n, dtype=torch.bfloat16)
-    descs = gluon_ws_matmul.descriptors(weight, scale, scale.clone())
+    descs = gluon_ws_matmul.descriptors(weight, scale, scale.clone(), pairs=epilogue == 1)
     sig = {name: t for name, t in MATMUL_SIG.items() if name not in ("w_ptr", "scale_ptr", "offset_ptr")}
     sig = dict(x_ptr=sig.pop("x_ptr"), **{name: mangle_type(d) for name, d in
                                            zip(("w_desc", "scale_desc", "offset_desc"), descs)}, **sig)
@@ -65,19 +65,38 @@ def test_products_and_decoding_are_the_gluon_kernels(tiles, epilogue):
     assert pairs > 0 and _decodings(ours) == pairs
 
 
-def test_weights_by_tma_x_by_cp_async_on_the_full_barrier():
-    """A group's weight words, scales and offsets are six TMA boxes; x's rows are the only cp.async
-    copies, and their completion arrives on the slot's mbarrier (noinc: the barrier counts the
-    producer warp's 32 threads)."""
-    ptx = _ws_ptx(1, split=1)
+@pytest.mark.parametrize("epilogue", [0, 1])
+def test_weights_by_tma_x_by_cp_async_on_the_full_barrier(epilogue):
+    """A group's weight words are two TMA boxes, its scales and its offsets one each; x's rows are the
+    only cp.async copies, and their completion arrives on the slot's mbarrier (noinc: the barrier
+    counts the producer warp's 32 threads)."""
+    from server import gluon_ws_matmul
+
+    ptx = _ws_ptx(1, split=1, epilogue=epilogue)
     boxes = re.findall(r"cp\.async\.bulk\.tensor\.(\dd)\.shared::cluster\.global", ptx)
     # STAGES groups' boxes before the loop (the prefetch) and one group's in it
-    from server import gluon_ws_matmul
-    assert len(boxes) == 6 * (gluon_ws_matmul.STAGES + 1)
-    assert Counter(boxes) == Counter({"2d": 2 * (gluon_ws_matmul.STAGES + 1), "1d": 4 * (gluon_ws_matmul.STAGES + 1)})
+    assert Counter(boxes) == Counter({"2d": 4 * (gluon_ws_matmul.STAGES + 1)})
     assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx)
     assert re.search(r"mbarrier\.init\.shared::cta\.b64 \[[^]]+\], 33;", ptx)
     assert not re.search(r"\bld\.global", ptx)   # no split-K: every operand comes through the ring
+
+
+@pytest.mark.parametrize("tiles,epilogue", [(1, 0), (1, 1), (4, 2)])
+def test_tma_destinations_are_aligned(tiles, epilogue):
+    """Every TMA box lands 128-byte aligned in shared memory (a misaligned box faults: the scales' and
+    offsets' halves, once boxes of their own, sat 64 bytes in): the offsets the PTX adds to the
+    shared memory's base, known for every box but those at the base itself."""
+    ptx = _ws_ptx(tiles, split=1, epilogue=epilogue)
+    offsets = {}
+    for line in ptx.splitlines():
+        m = re.match(r"\s*add\.s32\s+(%r\d+), %r\d+, (\d+);", line)
+        if m:
+            offsets[m.group(1)] = int(m.group(2))
+    dests = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
+                       r"\[(%r\d+)\]", ptx)
+    known = [offsets[reg] for reg in dests if reg in offsets]
+    assert dests and len(known) >= len(dests) - 2
+    assert all(at % 128 == 0 for at in known), f"boxes at shared offsets {known}"
 
 
 def test_only_weights_are_copied_before_the_wait():
@@ -118,3 +137,12 @@ def test_fits_its_registers_without_spills(tiles):
     assert out.returncode == 0, info
     assert int(re.search(r"Used (\d+) registers", info).group(1)) <= gluon_ws_matmul.registers(tiles)[0]
     assert re.search(r"\b0 bytes spill stores", info), info
+
+
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_split_k_counter_moves_after_every_warps_partials(tiles):
+    """As server/gluon_matmul.py's kernel: the consumer warps' partial stores, then a barrier, then
+    the counter's acq_rel atomic (tests/test_gluon_matmul_ptx.py says why)."""
+    from tests.test_gluon_matmul_ptx import _barrier_before_counter
+
+    assert _barrier_before_counter(_ws_ptx(tiles, split=4))
