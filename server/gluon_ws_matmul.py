@@ -4,7 +4,7 @@ and mbarriers).
 
 Contract: `int4_step_matmul_ws[grid](...)` takes `int4_step_matmul`'s arguments for the tiling of
 64 columns on 4 warps (TILINGS[0]), with the weight words, scales and offsets as TMA descriptors
-(`descriptors(weight, scale, offset)`) in place of their pointers, and writes the same outputs:
+(`descriptors(weight, scale, offset, pairs)`) in place of their pointers, and writes the same outputs:
 each column's group sums are the same eight m16n8k16 products of the same decoded weights, added
 in the same order (the 4 consumer warps hold the columns `int4_step_matmul`'s 4 warps hold, in the
 same accumulator layout), so every output bit, partial and counter is that kernel's. `runs_on(device)`
@@ -19,15 +19,17 @@ copy instructions, addresses or barriers to the same warps. Here one producer wa
 weight words, scales and offsets as four TMA bulk copies (one thread, no per-thread addresses) and
 x's rows as cp.async that arrive on the same mbarrier (`cp.async.mbarrier.arrive.noinc`), STAGES
 groups ahead; the consumer warps wait on a slot's "full" barrier, decode and multiply, and release
-it on its "empty" barrier (Gluon syncs the four consumer warps before that arrive: one barrier a
-group among them, none with the producer). The weights' shared tile is TMA's 128-byte swizzle (two
+it on its "empty" barrier. Gluon syncs the four consumer warps before each mbarrier wait and each
+arrive (two barriers a group among them, none with the producer; separate allocations a slot did
+not remove them). The weights' shared tile is TMA's 128-byte swizzle (two
 boxes of 32 columns a group: plain, the tile's two halves; with GELU_PAIRS, the gate half and the
-up half, as `_columns` maps them).
+up half, as `_columns` maps them); a group's scales and its offsets are one 128-byte box each (a
+box's shared destination must be 128-byte aligned).
 
 Registers: a warp-specialized CTA is 8 warps (the producer's warp group is padded to 4, the idle
 three give their registers back by setmaxnreg), so `MAXNREG` caps the kernel's registers a thread
-at launch: 80 x 256 threads (one or two row tiles) leaves three CTAs an SM, which a one-row gate|up's 320 programs need
-(2.4 an SM) to be resident at once.
+at launch: 80 x 256 threads (one or two row tiles) leaves three CTAs an SM, which a one-row
+gate|up's 320 programs need (2.4 an SM) to be resident at once.
 
 Launch: with programmatic dependent launch, the producer copies the first STAGES groups' weights
 (read-only) before waiting for the kernel before this one, x only after; the consumers wait for it
