@@ -301,6 +301,43 @@ if HAS_GLUON:
         _store_tile(out_ptr, total, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
 
     @gluon.jit
+    def _epilogue(acc0, acc1, acc2, acc3, partial_ptr, count_ptr, out_ptr, M, N, pid_n, pid_k, u_ptr, stride_u, ready,
+                  SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  EPILOGUE: gl.constexpr, REDUCE: gl.constexpr, ACC: gl.constexpr):
+        """A program's row tiles' sums out: stored (one K slice), or stored as its slice's partials and,
+        with REDUCE, summed in slice order by the column tile's last slice to arrive (its counter)."""
+        cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
+        rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
+        if SPLIT == 1:
+            _store_tile(out_ptr, acc0, 0, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
+            if TILES > 1:
+                _store_tile(out_ptr, acc1, 1, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
+            if TILES > 2:
+                _store_tile(out_ptr, acc2, 2, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
+            if TILES > 3:
+                _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
+        else:
+            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
+            if TILES > 1:
+                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
+            if TILES > 2:
+                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
+            if TILES > 3:
+                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
+            if REDUCE:
+                # Every warp's partials stored before one thread's release: the acq_rel atomic orders only
+                # what its own thread wrote or saw, so the warps meet first (the Triton kernel's PTX has this
+                # barrier; this kernel's had none until a review of the sm_90 PTX, stop 71).
+                gl.thread_barrier()
+                # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
+                arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
+                if arrived == SPLIT - 1:
+                    for tile in gl.static_range(TILES):
+                        _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
+                                           ready, EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
+                    gl.atomic_xchg(count_ptr + pid_n, 0)
+
+    @gluon.jit
     def int4_step_matmul(x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, count_ptr, out_ptr,
                          M, N, K, stride_xm, k_per_split, u_ptr, stride_u,
                          SPLIT: gl.constexpr, TILES: gl.constexpr, ROWS: gl.constexpr, XROWS: gl.constexpr,
@@ -383,33 +420,5 @@ if HAS_GLUON:
                     acc2, acc3, w_ptr, scale_ptr, offset_ptr, x_ptr, k_begin, ready, M, N, pid_n, stride_xm,
                     STAGES - 1, TILES, XROWS, BLOCK_N, EPILOGUE, ACC, A, B, WL, XL, SL)
         cp.wait_group(0)
-        cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
-        rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
-        if SPLIT == 1:
-            _store_tile(out_ptr, acc0, 0, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-            if TILES > 1:
-                _store_tile(out_ptr, acc1, 1, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-            if TILES > 2:
-                _store_tile(out_ptr, acc2, 2, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-            if TILES > 3:
-                _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-        else:
-            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if TILES > 1:
-                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if TILES > 2:
-                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if TILES > 3:
-                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if REDUCE:
-                # Every warp's partials stored before one thread's release: the acq_rel atomic orders only
-                # what its own thread wrote or saw, so the warps meet first (the Triton kernel's PTX has this
-                # barrier; this kernel's had none until a review of the sm_90 PTX, stop 71).
-                gl.thread_barrier()
-                # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
-                arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
-                if arrived == SPLIT - 1:
-                    for tile in gl.static_range(TILES):
-                        _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
-                                           ready, EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
-                    gl.atomic_xchg(count_ptr + pid_n, 0)
+        _epilogue(acc0, acc1, acc2, acc3, partial_ptr, count_ptr, out_ptr, M, N, pid_n, pid_k, u_ptr, stride_u, ready,
+                  SPLIT, TILES, ROWS, BLOCK_N, EPILOGUE, REDUCE, ACC)

@@ -96,22 +96,7 @@ def descriptors(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
 if HAS_TMA:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental import gluon
-    from triton.language.extra.cuda import gdc_launch_dependents
-
-    from server.gluon_matmul import (_columns, _copy_x, _group_products, _store_partial_tile, _store_tile,
-                                     _sum_partial_tiles)
-
-    @gluon.jit
-    def _wait_prior(PDL: gl.constexpr):
-        """gluon_matmul's `_wait_prior`: 1 once the kernel before this one has ended (PDL), for the
-        reads and writes that must follow it to depend on."""
-        if PDL:
-            ready = gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 1;", "=r", [], dtype=gl.int32,
-                                              is_pure=False, pack=1)
-            gdc_launch_dependents()
-        else:
-            ready = gl.to_tensor(1)
-        return ready
+    from server.gluon_matmul import _copy_x, _epilogue, _group_products, _wait_prior
 
     @gluon.jit
     def _copy_weights_tma(w_desc, scale_desc, offset_desc, w_s, scale_s, offset_s, bar, slot, k0, live, N, pid_n,
@@ -189,32 +174,8 @@ if HAS_TMA:
             acc0, acc1, acc2, acc3 = _group_products(x_s.index(slot), packed, scale, offset, acc0, acc1, acc2, acc3,
                                                      TILES, XROWS, BLOCK_N, ACC, A, x_ptr.dtype.element_ty)
             mbarrier.arrive(empty.index(slot))
-        cols = _columns(pid_n, N, EPILOGUE, BLOCK_N, gl.SliceLayout(0, ACC))
-        rows16 = gl.arange(0, 16, layout=gl.SliceLayout(1, ACC))
-        if SPLIT == 1:
-            _store_tile(out_ptr, acc0, 0, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-            if TILES > 1:
-                _store_tile(out_ptr, acc1, 1, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-            if TILES > 2:
-                _store_tile(out_ptr, acc2, 2, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-            if TILES > 3:
-                _store_tile(out_ptr, acc3, 3, M, N, pid_n, cols, rows16, u_ptr, stride_u, ready, EPILOGUE, BLOCK_N, ACC)
-        else:
-            _store_partial_tile(partial_ptr, acc0, 0, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if TILES > 1:
-                _store_partial_tile(partial_ptr, acc1, 1, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if TILES > 2:
-                _store_partial_tile(partial_ptr, acc2, 2, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if TILES > 3:
-                _store_partial_tile(partial_ptr, acc3, 3, pid_k, M, N, cols, rows16, ready, ROWS, REDUCE)
-            if REDUCE:
-                # acq_rel: this slice's partials are visible to whoever sees the counter move past it.
-                arrived = gl.atomic_add(count_ptr + pid_n, ready, sem="acq_rel")   # ready: 1
-                if arrived == SPLIT - 1:
-                    for tile in gl.static_range(TILES):
-                        _sum_partial_tiles(partial_ptr, out_ptr, tile, M, N, pid_n, cols, rows16, u_ptr, stride_u,
-                                           ready, EPILOGUE, SPLIT, ROWS, BLOCK_N, ACC)
-                    gl.atomic_xchg(count_ptr + pid_n, 0)
+        _epilogue(acc0, acc1, acc2, acc3, partial_ptr, count_ptr, out_ptr, M, N, pid_n, pid_k, u_ptr, stride_u, ready,
+                  SPLIT, TILES, ROWS, BLOCK_N, EPILOGUE, REDUCE, ACC)
 
     @gluon.jit
     def int4_step_matmul_ws(x_ptr, w_desc, scale_desc, offset_desc, partial_ptr, count_ptr, out_ptr,

@@ -148,21 +148,31 @@ def test_gluon_paired_ring_gives_the_same_bits(n, k, monkeypatch):
     lin = int4_linear(n, k, seed=n + k)
     if not lin.gluon:
         pytest.skip("Gluon does not run here")
-    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
-    u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
     for block_n, warps in {gluon_matmul.TILINGS[0], small_m_matmul.WIDE_TILING}:
         if n % block_n:
             continue
         other = SmallMLinear(lin.weight, lin.scale, lin.offset, n, k, block_n=block_n, num_warps=warps,
                              split=lin.split)
-        kinds = [("plain", other), ("pairs", other.gelu_pairs()), ("slices", other.slices),
-                 ("times", lambda rows, lin=other: lin(rows, gelu_times=u[:rows.shape[0]]))]
-        for m in ROW_COUNTS:
-            for kind, run in kinds:
-                monkeypatch.setattr(gluon_matmul, "RING_PAIR", False)
-                want = run(x[:m]).clone()
-                monkeypatch.setattr(gluon_matmul, "RING_PAIR", True)
-                assert torch.equal(run(x[:m]), want), f"N={n} K={k} n{block_n} w{warps} {kind}: {m} rows"
+        _assert_setting_keeps_bits(other, gluon_matmul, "RING_PAIR", monkeypatch, f"n{block_n} w{warps}")
+
+
+def _assert_setting_keeps_bits(lin: SmallMLinear, module, setting: str, monkeypatch, label: str = "",
+                               twice: bool = False) -> None:
+    """`module.setting` True gives the bits False gives, for `lin` at every row count: plain, gelu
+    pairs, split-K slices and gelu times; with `twice`, a second call on True too (the split-K
+    counters were reset)."""
+    n, k = lin.n, lin.k
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
+    kinds = [("plain", lin), ("pairs", lin.gelu_pairs()), ("slices", lin.slices),
+             ("times", lambda rows: lin(rows, gelu_times=u[:rows.shape[0]]))]
+    for m in ROW_COUNTS:
+        for kind, run in kinds:
+            monkeypatch.setattr(module, setting, False)
+            want = run(x[:m]).clone()
+            monkeypatch.setattr(module, setting, True)
+            for call in range(1 + twice):
+                assert torch.equal(run(x[:m]), want), f"N={n} K={k} {label} {kind}: {m} rows, call {call + 1}"
 
 
 @pytest.mark.parametrize("n,k", [(6144, 2560), (20480, 2560), (2560, 256), (2560, 10240)])
@@ -173,24 +183,14 @@ def test_warp_specialized_kernel_gives_the_same_bits(n, k, monkeypatch):
     the same bits. K groups a slice: 5 (6144 x 2560: more than one pass of the ring of 4), 20
     (gate|up), 1 (2560 x 256) and 2560 x 10240's split; the split-K counters are reset (a second call
     after the first agrees too)."""
-    from server import gluon_matmul, gluon_ws_matmul, small_m_matmul
+    from server import gluon_ws_matmul, small_m_matmul
 
     monkeypatch.setattr(small_m_matmul, "WIDE_FROM_ROWS", None)
     lin = int4_linear(n, k, seed=n + k)
     if not lin.gluon or not gluon_ws_matmul.runs_on(lin.weight.device):
         pytest.skip("the warp-specialized kernel does not run here (Hopper's TMA)")
     assert (lin.block_n, lin.num_warps) == gluon_ws_matmul.TILING
-    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
-    u = torch.randn(MAX_ROWS, n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
-    kinds = [("plain", lin), ("pairs", lin.gelu_pairs()), ("slices", lin.slices),
-             ("times", lambda rows: lin(rows, gelu_times=u[:rows.shape[0]]))]
-    for m in ROW_COUNTS:
-        for kind, run in kinds:
-            monkeypatch.setattr(gluon_ws_matmul, "ON", False)
-            want = run(x[:m]).clone()
-            monkeypatch.setattr(gluon_ws_matmul, "ON", True)
-            assert torch.equal(run(x[:m]), want), f"N={n} K={k} {kind}: {m} rows"
-            assert torch.equal(run(x[:m]), want), f"N={n} K={k} {kind}: {m} rows, a second call"
+    _assert_setting_keeps_bits(lin, gluon_ws_matmul, "ON", monkeypatch, twice=True)
 
 
 @pytest.mark.parametrize("tiling", [(64, 2), (128, 4)])
