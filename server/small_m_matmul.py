@@ -237,11 +237,14 @@ class SmallMLinear:
         self.count = torch.zeros(-(-n // block_n), dtype=torch.int32, device=weight.device)
         self._launch = pdl_launch(weight.device)
         # int4 weights run on server/gluon_matmul.py's kernel where it runs (same bits, faster)
-        from server import gluon_matmul
+        from server import gluon_matmul, gluon_ws_matmul
         self.gluon = (GLUON and self.magic and (block_n, num_warps) in gluon_matmul.TILINGS
                       and gluon_matmul.runs_on(weight.device))
         self.gluon_stages = gluon_stages or gluon_matmul.STAGES
-        self._tma = None    # (GELU_PAIRS?, server/gluon_ws_matmul.py's descriptors of weight, scale and offset)
+        # server/gluon_ws_matmul.py's kernel runs here (its tiling's launches take it while its ON is set),
+        # and its TMA descriptors of weight, scale and offset, made at its first launch
+        self.ws = self.gluon and gluon_ws_matmul.runs_on(weight.device)
+        self._tma = None
         self.epilogue = PLAIN
         self.cap = 0.0      # SOFTCAP's
         # False: a call's split-K slices store their partials and end, the output unwritten (what
@@ -345,7 +348,7 @@ class SmallMLinear:
             from server import gluon_matmul, gluon_ws_matmul
             from server.gluon_matmul import int4_step_matmul, x_rows
             block_n, warps = self._gluon_tiling(m)
-            if gluon_ws_matmul.ON and (block_n, warps) == gluon_ws_matmul.TILING and gluon_ws_matmul.runs_on(x.device):
+            if gluon_ws_matmul.ON and self.ws and (block_n, warps) == gluon_ws_matmul.TILING:
                 self._launch_ws(x2, out, m, tiles, epilogue, times, reduce)
                 return out.reshape(*lead, self.out_features)
             int4_step_matmul[(self.n // block_n, self.split)](
@@ -371,13 +374,13 @@ class SmallMLinear:
         """This int4 linear's launch on server/gluon_ws_matmul.py's kernel (its tiling, the same bits):
         the weights, scales and offsets through TMA descriptors, made at the first launch."""
         from server import gluon_matmul, gluon_ws_matmul
-        pairs = epilogue == GELU_PAIRS
-        if self._tma is None or self._tma[0] != pairs:
-            self._tma = pairs, gluon_ws_matmul.descriptors(self.weight, self.scale, self.offset, pairs)
+        if self._tma is None:  # a linear's epilogue is fixed (a twin per epilogue; GELU_TIMES reads plain tiles)
+            pairs = self.epilogue == GELU_PAIRS
+            self._tma = gluon_ws_matmul.descriptors(self.weight, self.scale, self.offset, pairs)
         block_n, warps = gluon_ws_matmul.TILING
         maxnreg, producer_regs = gluon_ws_matmul.registers(tiles)
         gluon_ws_matmul.int4_step_matmul_ws[(self.n // block_n, self.split)](
-            x2, *self._tma[1], self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
+            x2, *self._tma, self.partial, self.count, out, m, self.n, self.k, x2.stride(0), self.k // self.split,
             times, times.stride(0), SPLIT=self.split, TILES=tiles, ROWS=tiles * TILE_M,
             XROWS=gluon_matmul.x_rows(tiles), BLOCK_N=block_n, STAGES=gluon_ws_matmul.STAGES,
             PRODUCER_REGS=producer_regs, EPILOGUE=epilogue, REDUCE=reduce,

@@ -57,10 +57,8 @@ def test_products_and_decoding_are_the_gluon_kernels(tiles, epilogue):
     body each), and each pair of weights decoded by one byte permute and one LOP3."""
     ours, theirs = _ws_ptx(tiles, split=1, epilogue=epilogue), _gluon_ptx(tiles, split=1, epilogue=epilogue)
     # the paired ring's loop body holds two groups, this kernel's one
-    per_group = lambda ptx: Counter({op: n for op, n in _arithmetic(ptx).items()})
-    theirs_loop = Counter({op: n // 2 for op, n in per_group(theirs).items() if op.startswith("mma")})
-    ours_loop = Counter({op: n for op, n in per_group(ours).items() if op.startswith("mma")})
-    assert ours_loop == theirs_loop and ours_loop
+    assert Counter({op: 2 * n for op, n in _arithmetic(ours).items()}) == _arithmetic(theirs)
+    assert _arithmetic(ours)["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0
     pairs = len(re.findall(r"fma\.rn\.bf16x2", ours))
     assert pairs > 0 and _decodings(ours) == pairs
 

@@ -44,8 +44,8 @@ def _sm90_compiler_missing() -> str | None:
 
 def sm90_ptx(fn, sig: dict, constexprs: dict, **options) -> str:
     """fn's PTX for sm_90 (a Triton or a Gluon kernel), compiled with `options` (num_warps, maxnreg, ...);
-    pointers and strides specialized as Triton does for 16-divisible arguments. Skips only where no kernel compiles for sm_90 here: an error in fn's own
-    compilation fails the test."""
+    pointers and strides specialized as Triton does for 16-divisible arguments. Skips only where no
+    kernel compiles for sm_90 here: an error in fn's own compilation fails the test."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
